@@ -1,0 +1,108 @@
+"""The `attncc` command: show, compile, check and bench a variant spec.
+
+Exit codes: 0 success, 1 a check out of tolerance, 2 a bad spec or bad usage (a located
+message on stderr, never a traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import AttnccError, SpecError
+
+
+def _lengths(text: str) -> list:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"lengths must be positive, got {text!r}")
+    return values
+
+
+def _heads(text: str):
+    try:
+        hq, _, hkv = text.partition("/")
+        return int(hq), int(hkv or hq)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HQ or HQ/HKV, got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="attncc", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    show = sub.add_parser("show", help="print the variant's IR in the language")
+    show.add_argument("spec")
+    show.add_argument("--plot", metavar="PNG", help="draw the mask and its tile classes")
+    show.add_argument("--len", type=int, default=512, help="sequence length for --plot")
+    show.add_argument("--len-k", type=int, default=None, help="key length for --plot (default --len)")
+    show.add_argument("--tile", type=int, default=64, help="tile size for --plot")
+
+    comp = sub.add_parser("compile", help="write the generated Triton module")
+    comp.add_argument("spec")
+    comp.add_argument("-o", "--out", default=".", help="directory to write into")
+    comp.add_argument("--len", type=int, default=None, help="report the fraction of tiles visited at this length")
+
+    check = sub.add_parser("check", help="compare the kernels with the reference on random inputs")
+    check.add_argument("spec")
+    check.add_argument("--len", type=_lengths, default=None, help="sequence lengths (default: small awkward ones)")
+    check.add_argument("--dim", type=int, default=None)
+    check.add_argument("--heads", type=_heads, default=None)
+    check.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"])
+    check.add_argument("--seed", type=int, default=0)
+
+    bench = sub.add_parser("bench", help="time forward and backward against SDPA and FlexAttention (GPU)")
+    bench.add_argument("spec")
+    bench.add_argument("--len", type=_lengths, default=[4096, 16384])
+    bench.add_argument("--dim", type=int, default=128)
+    bench.add_argument("--heads", type=_heads, default=None)
+    bench.add_argument("--json", metavar="FILE")
+    bench.add_argument("--plot", metavar="PNG")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except SpecError as err:
+        print(str(err), file=sys.stderr)
+        return 2
+    except AttnccError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def cmd_show(args) -> int:
+    from . import load
+    variant = load(args.spec)
+    print(variant, end="")
+    if args.plot:
+        from .plot import plot_variant
+        summary = plot_variant(variant, args.plot, len_q=args.len, len_k=args.len_k or args.len,
+                               tile=args.tile)
+        print(f"wrote {args.plot}: {summary}")
+    return 0
+
+
+def cmd_compile(args) -> int:
+    from .commands import compile_command
+    return compile_command(args)
+
+
+def cmd_check(args) -> int:
+    from .commands import check_command
+    return check_command(args)
+
+
+def cmd_bench(args) -> int:
+    from .commands import bench_command
+    return bench_command(args)
+
+
+COMMANDS = {"show": cmd_show, "compile": cmd_compile, "check": cmd_check, "bench": cmd_bench}
+
+if __name__ == "__main__":
+    sys.exit(main())

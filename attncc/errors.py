@@ -1,0 +1,58 @@
+"""Errors a user can cause, each in the language's own words and, for specs, located."""
+from __future__ import annotations
+
+import difflib
+
+
+class AttnccError(Exception):
+    """Base class of every error attncc raises on purpose."""
+
+
+class SpecError(AttnccError):
+    """A malformed or meaningless variant: a sentence, and where it is when we know.
+
+    Printed as `file:line:col: error: sentence`, then the source line and a caret under
+    the offending text — the form compilers use, so editors can jump to it.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, line: int | None = None,
+                 column: int | None = None, source_line: str | None = None, width: int = 1):
+        super().__init__(message)
+        self.message = message
+        self.path = path
+        self.line = line
+        self.column = column
+        self.source_line = source_line
+        self.width = max(1, width)
+
+    def located(self, *, path, line, column, source_line, width=1) -> "SpecError":
+        """This error with a position attached (the first position given wins)."""
+        if self.line is None:
+            self.path, self.line, self.column = path, line, column
+            self.source_line, self.width = source_line, max(1, width)
+        return self
+
+    def __str__(self) -> str:
+        if self.line is None:
+            where = f"{self.path}: " if self.path else ""
+            return f"{where}error: {self.message}"
+        head = f"{self.path or '<spec>'}:{self.line}:{self.column}: error: {self.message}"
+        if self.source_line is None:
+            return head
+        text = self.source_line.rstrip("\n").expandtabs(1)
+        width = min(self.width, max(1, len(text) - self.column + 1))
+        return f"{head}\n    {text}\n    {' ' * (self.column - 1)}{'^' * width}"
+
+
+class CallError(AttnccError, ValueError):
+    """A kernel called with arguments it cannot take: names the argument, the given and the expected."""
+
+
+class NoGPUError(AttnccError):
+    """Something that needs a CUDA GPU was asked for on a machine without one."""
+
+
+def did_you_mean(name: str, candidates) -> str:
+    """A '; did you mean 'x'?' suffix when a close candidate exists, else ''."""
+    close = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""

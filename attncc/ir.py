@@ -1,0 +1,244 @@
+"""The intermediate representation: frozen, hashable dataclasses for one attention variant.
+
+Both front ends (the .attn language and the Python decorator) build these nodes, the
+passes read them, and `Variant.key()` names every generated module and cache entry.
+Nodes carry no source positions, so the same variant written either way is equal.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Union
+
+# ----------------------------------------------------------------------------- types
+INT, FLOAT, BOOL = "int", "float", "bool"
+
+# Element types an `input` tensor can have, and the expression type a load of it gives.
+DTYPES = {
+    "bool": BOOL,
+    "i8": INT, "i16": INT, "i32": INT, "i64": INT,
+    "f16": FLOAT, "bf16": FLOAT, "f32": FLOAT, "f64": FLOAT,
+}
+
+# Index names and what they stand for. All are integers except `s`, the scaled score.
+INDEX_VARS = {
+    "b": "batch index",
+    "h": "query head index",
+    "q": "query position",
+    "k": "key position",
+    "s": "scaled score (q . k times scale)",
+    "qb": "query tile index (in `layout`)",
+    "kb": "key tile index (in `layout`)",
+    "dim": "head dimension",
+    "len_q": "number of queries",
+    "len_k": "number of keys",
+}
+TILE_VARS = ("qb", "kb")
+
+# Axis extents an `input` may declare by name, and what they mean.
+AXIS_EXTENTS = {
+    "b": "the batch size",
+    "h": "the number of query heads",
+    "q": "len_q",
+    "k": "len_k",
+    "qb": "the number of query tiles (ceil(len_q / block))",
+    "kb": "the number of key tiles (ceil(len_k / block))",
+}
+
+FUNCTIONS = {  # name -> (number of arguments, description)
+    "abs": (1, "absolute value"),
+    "min": (2, "smaller of two"),
+    "max": (2, "larger of two"),
+    "exp": (1, "e to the power"),
+    "log": (1, "natural logarithm"),
+    "tanh": (1, "hyperbolic tangent"),
+    "sqrt": (1, "square root"),
+    "where": (3, "where(cond, a, b): a if cond else b"),
+}
+FLOAT_FUNCTIONS = ("exp", "log", "tanh", "sqrt")
+
+ARITH_OPS = ("+", "-", "*", "/", "//", "%")
+CMP_OPS = ("<", "<=", ">", ">=", "==", "!=")
+
+
+# ----------------------------------------------------------------------- expressions
+@dataclass(frozen=True)
+class Var:
+    """An index name: b, h, q, k, s, qb, kb, dim, len_q, len_k."""
+    name: str
+
+
+@dataclass(frozen=True)
+class Const:
+    """A literal. `type` keeps 2 and 2.0 apart, since they print and divide differently."""
+    value: Union[int, float, bool]
+    type: str
+
+
+@dataclass(frozen=True)
+class Param:
+    """A compile-time constant declared with `param`."""
+    name: str
+
+
+@dataclass(frozen=True)
+class Load:
+    """An element of a runtime `input` tensor."""
+    tensor: str
+    indices: tuple
+
+
+@dataclass(frozen=True)
+class BinOp:
+    op: str  # one of ARITH_OPS
+    lhs: "Expr"
+    rhs: "Expr"
+
+
+@dataclass(frozen=True)
+class Neg:
+    operand: "Expr"
+
+
+@dataclass(frozen=True)
+class Cmp:
+    op: str  # one of CMP_OPS
+    lhs: "Expr"
+    rhs: "Expr"
+
+
+@dataclass(frozen=True)
+class And:
+    lhs: "Expr"
+    rhs: "Expr"
+
+
+@dataclass(frozen=True)
+class Or:
+    lhs: "Expr"
+    rhs: "Expr"
+
+
+@dataclass(frozen=True)
+class Not:
+    operand: "Expr"
+
+
+@dataclass(frozen=True)
+class Call:
+    fn: str  # one of FUNCTIONS except `where`
+    args: tuple
+
+
+@dataclass(frozen=True)
+class Where:
+    cond: "Expr"
+    then: "Expr"
+    other: "Expr"
+
+
+Expr = Union[Var, Const, Param, Load, BinOp, Neg, Cmp, And, Or, Not, Call, Where]
+
+
+def children(e: Expr) -> tuple:
+    """The direct sub-expressions of `e`, in source order."""
+    if isinstance(e, (Var, Const, Param)):
+        return ()
+    if isinstance(e, Load):
+        return e.indices
+    if isinstance(e, (BinOp, Cmp, And, Or)):
+        return (e.lhs, e.rhs)
+    if isinstance(e, (Neg, Not)):
+        return (e.operand,)
+    if isinstance(e, Call):
+        return e.args
+    if isinstance(e, Where):
+        return (e.cond, e.then, e.other)
+    raise TypeError(f"not an attncc expression: {e!r}")
+
+
+def walk(e: Expr):
+    """Every node of `e`, parents before children."""
+    yield e
+    for c in children(e):
+        yield from walk(c)
+
+
+def free_vars(e: Expr) -> set:
+    return {n.name for n in walk(e) if isinstance(n, Var)}
+
+
+def loaded_tensors(e: Expr) -> set:
+    return {n.tensor for n in walk(e) if isinstance(n, Load)}
+
+
+# ---------------------------------------------------------------------- declarations
+@dataclass(frozen=True)
+class Heads:
+    """`heads Hq / Hkv`: Hq query heads share Hkv key/value heads (GQA; MQA when Hkv = 1)."""
+    q: int
+    kv: int
+
+    @property
+    def group(self) -> int:
+        return self.q // self.kv
+
+
+@dataclass(frozen=True)
+class ParamDecl:
+    name: str
+    type: str  # INT, FLOAT or BOOL
+    value: Union[int, float, bool]
+
+
+@dataclass(frozen=True)
+class InputDecl:
+    """`[learnable] input name: dtype[axes]`; each axis is an extent name or a size."""
+    name: str
+    dtype: str  # a key of DTYPES
+    axes: tuple  # of str (a key of AXIS_EXTENTS) or int
+    learnable: bool = False
+
+    @property
+    def type(self) -> str:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One attention variant: everything a kernel needs to know at compile time.
+
+    Semantics (the reference implements exactly this): for each (b, h, q, k),
+    s = scale * (Q[b,h,q] . K[b,h//group,k]); s' = score(s); the pair attends when
+    `mask` holds and `layout` holds for tile (q // block, k // block). Attention is the
+    softmax of s' over attending keys (a row with none gives 0 and LSE -inf), with
+    dropout p applied to the probabilities, times V.
+    """
+    name: str
+    heads: Heads | None = None
+    scale: Expr | None = None
+    params: tuple = ()  # of ParamDecl
+    inputs: tuple = ()  # of InputDecl
+    mask: Expr | None = None
+    layout: Expr | None = None
+    block: int | None = None
+    score: Expr | None = None
+    dropout: float | None = None
+
+    def param(self, name: str) -> ParamDecl:
+        return {p.name: p for p in self.params}[name]
+
+    def input(self, name: str) -> InputDecl:
+        return {i.name: i for i in self.inputs}[name]
+
+    @property
+    def learnable_inputs(self) -> tuple:
+        return tuple(i for i in self.inputs if i.learnable)
+
+    def key(self) -> str:
+        """A short stable hash of everything in the variant, for module names and caches."""
+        return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
+
+    def __str__(self) -> str:
+        from .printer import print_variant
+        return print_variant(self)

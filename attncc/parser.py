@@ -1,0 +1,397 @@
+"""The .attn front end: text -> checked Variant, or a located SpecError.
+
+The grammar lives in grammar/attn.lark; lark builds the parse tree and this module
+turns it into IR one named node at a time, checking names and types as it goes so
+that every error points at the text that caused it.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+
+import lark
+from lark import Token, Tree
+
+from . import checker, ir
+from .errors import SpecError, did_you_mean
+from .resources import grammar_path
+
+MAX_SOURCE_BYTES = 1 << 20  # a variant is a few lines; a megabyte is a mistake
+
+# How lark's terminal names read in the language's own words.
+TOKEN_WORDS = {
+    "NAME": "a name", "INT": "an integer", "FLOAT": "a number", "COMP_OP": "a comparison",
+    "ADD_OP": "'+' or '-'", "MUL_OP": "'*', '/', '//' or '%'", "LEARNABLE": "'learnable'",
+    "LBRACE": "'{'", "RBRACE": "'}'", "LPAR": "'('", "RPAR": "')'", "LSQB": "'['",
+    "RSQB": "']'", "COMMA": "','", "COLON": "':'", "EQUAL": "'='", "SLASH": "'/'",
+    "MINUS": "'-'", "$END": "the end of the file",
+}
+KEYWORDS = checker.KEYWORDS
+
+
+@functools.lru_cache(maxsize=1)
+def _lark() -> lark.Lark:
+    # Built once per process: LALR tables take a moment to compute.
+    return lark.Lark(grammar_path().read_text(), parser="lalr", propagate_positions=True,
+                     maybe_placeholders=False)
+
+
+def parse_file(path) -> ir.Variant:
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise SpecError(f"no such file: {path}") from None
+    except IsADirectoryError:
+        raise SpecError(f"{path} is a directory, not a .attn file") from None
+    return parse_bytes(data, str(path))
+
+
+def parse_bytes(data: bytes, path: str = "<spec>") -> ir.Variant:
+    if len(data) > MAX_SOURCE_BYTES:
+        raise SpecError(f"the file is {len(data)} bytes; a variant spec is limited to "
+                        f"{MAX_SOURCE_BYTES} bytes", path=path)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise SpecError(f"the file is not UTF-8 text (byte {e.start} cannot be decoded); "
+                        "save it as UTF-8", path=path, line=line, column=1) from None
+    return parse(text, path)
+
+
+def parse(text: str, path: str = "<spec>") -> ir.Variant:
+    """Parse and check one variant written in the language."""
+    if len(text) > MAX_SOURCE_BYTES:
+        raise SpecError(f"the spec is {len(text)} characters; the limit is {MAX_SOURCE_BYTES}",
+                        path=path)
+    if not text.strip() or all(l.strip().startswith("#") or not l.strip() for l in text.splitlines()):
+        raise SpecError("the spec is empty: write `attention NAME { ... }`", path=path)
+    lines = text.splitlines()
+    try:
+        tree = _lark().parse(text)
+    except lark.exceptions.UnexpectedInput as e:
+        raise _syntax_error(e, text, lines, path) from None
+    except RecursionError:
+        raise SpecError("the expression is nested too deeply to parse", path=path) from None
+    try:
+        return _Builder(lines, path).variant(tree)
+    except RecursionError:
+        raise SpecError("the expression is nested too deeply to compile", path=path) from None
+
+
+# ------------------------------------------------------------------------ syntax errors
+def _syntax_error(e, text, lines, path) -> SpecError:
+    line, col = getattr(e, "line", -1), getattr(e, "column", -1)
+    if line is None or line < 1:  # end of input
+        line = max(1, len(lines))
+        col = len(lines[-1]) + 1 if lines else 1
+    src = lines[line - 1] if 0 < line <= len(lines) else ""
+    if isinstance(e, lark.exceptions.UnexpectedCharacters):
+        ch = text[e.pos_in_stream] if e.pos_in_stream < len(text) else ""
+        msg = f"unexpected character {ch!r}"
+        if ch in "&|!" and ch:
+            msg += {"&": "; write `and`", "|": "; write `or`", "!": "; write `not` (or `!=`)"}[ch]
+        return SpecError(msg, path=path, line=line, column=col, source_line=src)
+    token = getattr(e, "token", None)
+    expected = sorted(getattr(e, "expected", None) or getattr(e, "accepts", None) or ())
+    if token is None or token.type == "$END":
+        what = "the file ended"
+        width = 1
+    else:
+        what = f"unexpected {_describe_token(token)}"
+        width = len(str(token))
+    msg = what + _expectation(expected, token)
+    return SpecError(msg, path=path, line=line, column=col, source_line=src, width=width)
+
+
+def _describe_token(tok: Token) -> str:
+    value = str(tok)
+    if tok.type == "NAME":
+        return f"name '{value}'"
+    if value in KEYWORDS or tok.type.isupper() and value.isalpha():
+        return f"keyword '{value}'"
+    if tok.type in ("INT", "FLOAT"):
+        return f"number {value}"
+    return f"'{value}'"
+
+
+def _expectation(expected, token) -> str:
+    words = set()
+    for name in expected:
+        if name in TOKEN_WORDS:
+            words.add(TOKEN_WORDS[name])
+        elif name.isupper() and name.lower() in KEYWORDS:
+            words.add(f"'{name.lower()}'")
+        else:
+            words.add(f"'{name.lower()}'")
+    decls = {f"'{d}'" for d in checker.DECL_NAMES} | {"'learnable'"}
+    if decls & words and "'}'" in words:
+        hint = "; expected a declaration (" + ", ".join(checker.DECL_NAMES) + ") or '}'"
+        if token is not None and token.type == "NAME":
+            hint += " (is the previous declaration complete?)"
+        return hint
+    if not words:
+        return ""
+    if "a name" in words and "an integer" in words and len(words) > 4:
+        return "; expected an expression"
+    if token is not None and str(token) in KEYWORDS and "a name" in words:
+        return f"; '{token}' is a keyword and cannot be used as a name"
+    ordered = sorted(words)
+    if len(ordered) == 1:
+        return f"; expected {ordered[0]}"
+    return "; expected " + ", ".join(ordered[:-1]) + " or " + ordered[-1]
+
+
+# ------------------------------------------------------------------------ tree -> IR
+class _Builder:
+    """Builds the Variant from the parse tree; each method handles one named node."""
+
+    def __init__(self, lines, path):
+        self.lines = lines
+        self.path = path
+        self.params: dict = {}
+        self.inputs: dict = {}
+        self.scope: checker.Scope | None = None
+        self.types: dict = {}  # id(IR node) -> its type, filled bottom-up
+
+    def _locate(self, err: SpecError, where) -> SpecError:
+        if isinstance(where, Token):
+            line, col, width = where.line, where.column, len(str(where))
+        else:
+            meta = where.meta
+            line, col = getattr(meta, "line", 1), getattr(meta, "column", 1)
+            end = getattr(meta, "end_column", col + 1) if getattr(meta, "end_line", line) == line else None
+            width = (end - col) if end else len(self.lines[line - 1]) - col + 1
+        src = self.lines[line - 1] if 0 < line <= len(self.lines) else ""
+        return err.located(path=self.path, line=line, column=col, source_line=src, width=width)
+
+    def fail(self, message: str, where) -> SpecError:
+        return self._locate(SpecError(message), where)
+
+    # ---- the variant and its declarations
+    def variant(self, tree: Tree) -> ir.Variant:
+        name_tok, *decls = tree.children
+        fields: dict = {}
+        seen: dict = {}
+        for d in decls:
+            kind = d.data.removesuffix("_decl")
+            if kind not in ("param", "input"):
+                if kind in seen:
+                    first = seen[kind].meta.line
+                    raise self.fail(f"`{kind}` is declared twice (first on line {first})", d)
+                seen[kind] = d
+            getattr(self, f"decl_{kind}")(d, fields)
+        v = ir.Variant(name=str(name_tok), params=tuple(self.params.values()),
+                       inputs=tuple(self.inputs.values()), **fields)
+        try:
+            checker.check_structure(v)
+        except SpecError as err:
+            culprit = seen.get("block") or seen.get("layout") or seen.get("dropout") or tree
+            if "input" in err.message:
+                culprit = next((d for d in decls if d.data == "input_decl"), tree)
+            raise self._locate(err, culprit)
+        return v
+
+    def decl_heads(self, d, fields):
+        hq, hkv = (int(t) for t in d.children)
+        try:
+            checker.check_heads(hq, hkv)
+        except SpecError as err:
+            raise self._locate(err, d)
+        fields["heads"] = ir.Heads(hq, hkv)
+
+    def decl_block(self, d, fields):
+        (tok,) = d.children
+        try:
+            checker.check_block(int(tok))
+        except SpecError as err:
+            raise self._locate(err, tok)
+        fields["block"] = int(tok)
+
+    def decl_dropout(self, d, fields):
+        (lit,) = d.children
+        p = float(lit.children[0])
+        try:
+            checker.check_dropout(p)
+        except SpecError as err:
+            raise self._locate(err, lit)
+        fields["dropout"] = p
+
+    def decl_param(self, d, fields):
+        name_tok, type_tok, *value = d.children
+        name, type_name = str(name_tok), str(type_tok)
+        self._check_new_name(name, name_tok)
+        if type_name not in (ir.INT, ir.FLOAT, ir.BOOL):
+            raise self.fail(f"unknown param type '{type_name}'; use int, float or bool", type_tok)
+        if not value:
+            raise self.fail(f"param '{name}' needs a value, as in `param {name}: {type_name} = "
+                            f"{ {'int': '4', 'float': '1.0', 'bool': 'true'}[type_name] }`", d)
+        self.scope = checker.Scope("param", self.params, self.inputs)
+        expr = self.expr(value[0])
+        if not isinstance(expr, ir.Const):
+            raise self.fail(f"the value of param '{name}' must be a literal number or true/false",
+                            value[0])
+        if type_name == ir.FLOAT and expr.type == ir.INT:
+            expr = ir.Const(float(expr.value), ir.FLOAT)
+        if expr.type != type_name:
+            raise self.fail(f"param '{name}' is declared {type_name} but its value is "
+                            f"{checker.TYPE_WORDS[expr.type]}", value[0])
+        self.params[name] = ir.ParamDecl(name, type_name, expr.value)
+
+    def decl_input(self, d, fields):
+        kids = list(d.children)
+        learnable = isinstance(kids[0], Token) and kids[0].type == "LEARNABLE"
+        if learnable:
+            kids.pop(0)
+        name_tok, dtype_tok, axes_tree = kids
+        name = str(name_tok)
+        self._check_new_name(name, name_tok)
+        axes = tuple(int(a.children[0]) if a.data == "axis_size" else str(a.children[0])
+                     for a in axes_tree.children)
+        inp = ir.InputDecl(name, str(dtype_tok), axes, learnable)
+        try:
+            checker.check_input(inp)
+        except SpecError as err:
+            bad = dtype_tok if str(dtype_tok) not in ir.DTYPES else (
+                name_tok if "learnable" in err.message else axes_tree)
+            raise self._locate(err, bad)
+        self.inputs[name] = inp
+
+    def _check_new_name(self, name, tok):
+        try:
+            checker.check_name_free(name, set(self.params) | set(self.inputs))
+        except SpecError as err:
+            raise self._locate(err, tok)
+
+    def _expr_decl(self, kind, d, fields):
+        (body,) = d.children
+        self.scope = checker.Scope(kind, self.params, self.inputs)
+        e = self.expr(body)
+        try:
+            checker.check_declared_type(kind, self.types[id(e)])
+        except SpecError as err:
+            raise self._locate(err, body)
+        fields[kind] = e
+
+    def decl_mask(self, d, fields):
+        self._expr_decl("mask", d, fields)
+
+    def decl_layout(self, d, fields):
+        self._expr_decl("layout", d, fields)
+
+    def decl_score(self, d, fields):
+        self._expr_decl("score", d, fields)
+
+    def decl_scale(self, d, fields):
+        self._expr_decl("scale", d, fields)
+
+    # ---- expressions: build a node, type it with the shared rules, locate any error
+    def expr(self, t):
+        node = getattr(self, f"x_{t.data}", None) if isinstance(t, Tree) else None
+        if node is None:
+            raise self.fail(f"internal: no rule for {getattr(t, 'data', t)!r}", t)
+        e, kids = node(t)
+        try:
+            if isinstance(e, ir.Var):
+                self.scope.resolve(e.name)
+            self.types[id(e)] = checker.type_of(e, [self.types[id(k)] for k in kids], self.scope)
+        except SpecError as err:
+            raise self._locate(err, t)
+        return e
+
+    def x_int_lit(self, t):
+        return ir.Const(int(t.children[0]), ir.INT), ()
+
+    def x_float_lit(self, t):
+        value = float(t.children[0])
+        if not math.isfinite(value):
+            raise self.fail(f"the number {t.children[0]} is too large", t)
+        return ir.Const(value, ir.FLOAT), ()
+
+    def x_true_lit(self, t):
+        return ir.Const(True, ir.BOOL), ()
+
+    def x_false_lit(self, t):
+        return ir.Const(False, ir.BOOL), ()
+
+    def x_name(self, t):
+        try:
+            node = self.scope.resolve(str(t.children[0]))
+        except SpecError as err:
+            raise self._locate(err, t)
+        return node, ()
+
+    def x_neg(self, t):
+        inner = self.expr(t.children[0])
+        # A minus sign on a literal is part of the literal, as in Python: -1.5 is
+        # Const(-1.5), so both front ends build the same IR.
+        if isinstance(inner, ir.Const) and inner.type != ir.BOOL:
+            return ir.Const(-inner.value, inner.type), ()
+        return ir.Neg(inner), (inner,)
+
+    def x_binop(self, t):
+        lhs, op, rhs = t.children
+        a, b = self.expr(lhs), self.expr(rhs)
+        return ir.BinOp(str(op), a, b), (a, b)
+
+    def x_compare(self, t):
+        operands = [self.expr(c) for c in t.children[0::2]]
+        ops = [str(o) for o in t.children[1::2]]
+        result = None
+        for i, op in enumerate(ops):
+            cmp = ir.Cmp(op, operands[i], operands[i + 1])
+            try:
+                self.types[id(cmp)] = checker.type_of(
+                    cmp, [self.types[id(operands[i])], self.types[id(operands[i + 1])]], self.scope)
+            except SpecError as err:
+                raise self._locate(err, t.children[2 * i + 1])
+            if result is None:
+                result = cmp
+            else:
+                result = ir.And(result, cmp)
+                self.types[id(result)] = ir.BOOL
+        # Each link was typed above (errors point at its operator); expr() types the
+        # outermost node again from its two already-typed children.
+        return result, (result.lhs, result.rhs)
+
+    def x_and_(self, t):
+        a, b = self.expr(t.children[0]), self.expr(t.children[1])
+        return ir.And(a, b), (a, b)
+
+    def x_or_(self, t):
+        a, b = self.expr(t.children[0]), self.expr(t.children[1])
+        return ir.Or(a, b), (a, b)
+
+    def x_not_(self, t):
+        a = self.expr(t.children[0])
+        return ir.Not(a), (a,)
+
+    def x_call(self, t):
+        fn_tok, *arg_trees = t.children
+        fn = str(fn_tok)
+        if fn not in ir.FUNCTIONS:
+            if fn in self.inputs:
+                raise self.fail(f"'{fn}' is a tensor; index it with [ ], not ( )", fn_tok)
+            raise self.fail(f"unknown function '{fn}'{did_you_mean(fn, ir.FUNCTIONS)}; "
+                            f"the functions are {', '.join(ir.FUNCTIONS)}", fn_tok)
+        arity, _ = ir.FUNCTIONS[fn]
+        if len(arg_trees) != arity:
+            raise self.fail(f"{fn}() takes {arity} argument{'s' if arity > 1 else ''}, "
+                            f"not {len(arg_trees)}", t)
+        args = tuple(self.expr(a) for a in arg_trees)
+        if fn == "where":
+            return ir.Where(*args), args
+        return ir.Call(fn, args), args
+
+    def x_load(self, t):
+        name_tok, *index_trees = t.children
+        name = str(name_tok)
+        if name not in self.inputs:
+            if name in self.params or name in ir.INDEX_VARS:
+                raise self.fail(f"'{name}' is not a tensor and cannot be indexed", name_tok)
+            raise self.fail(f"unknown tensor '{name}'{did_you_mean(name, self.inputs)}"
+                            + ("" if self.inputs else "; declare it with `input`"), name_tok)
+        idx = tuple(self.expr(i) for i in index_trees)
+        return ir.Load(name, idx), idx
