@@ -1,0 +1,113 @@
+"""The variants of examples/*.attn written with the Python decorator instead.
+
+Each one builds the same `attncc.Variant` as the .attn file of the same name (the tests
+check that they are equal), so either form compiles to the same kernel:
+
+    import attncc
+    from examples.python_variants import EXAMPLES
+    kernel = attncc.compile(EXAMPLES["sliding_window"])
+
+Tracing rules, in short: `&`, `|`, `~` stand for and, or, not, with parentheses around
+each comparison; attncc.minimum/maximum/tanh/... for the language's functions; a
+function's parameters name the index variables, params and inputs it reads. A plain
+function is the mask; a class groups mask, score, layout and scale.
+"""
+import attncc
+from attncc import maximum, minimum, sqrt, tanh
+
+
+@attncc.variant
+class full:
+    """No mask: every query sees every key."""
+
+
+@attncc.variant
+def causal(q, k):
+    return q >= k
+
+
+@attncc.variant
+def causal_bottom_right(q, k, len_q, len_k):
+    # The last query lines up with the last key.
+    return q + len_k - len_q >= k
+
+
+@attncc.variant(heads=(32, 8))
+def gqa_causal(q, k):
+    return q >= k
+
+
+@attncc.variant(params={"window": 1024})
+def sliding_window(q, k, window):
+    return (q >= k) & (q - k < window)
+
+
+@attncc.variant(params={"prefix": 256})
+def prefix_lm(q, k, prefix):
+    return (q >= k) | (k < prefix)
+
+
+@attncc.variant(inputs={"doc_q": "i32[q]", "doc_k": "i32[k]"})
+def document(q, k, doc_q, doc_k):
+    return (doc_q[q] == doc_k[k]) & (q >= k)
+
+
+@attncc.variant(params={"window": 2048, "dilation": 4})
+def dilated_window(q, k, window, dilation):
+    return (q >= k) & (q - k < window) & ((q - k) % dilation == 0)
+
+
+@attncc.variant(params={"chunk": 8192})
+def chunked_local(q, k, chunk):
+    return (q // chunk == k // chunk) & (q >= k)
+
+
+@attncc.variant(params={"window": 256, "n_global": 16})
+def longformer(q, k, window, n_global):
+    return (abs(q - k) <= window) | (q < n_global) | (k < n_global)
+
+
+@attncc.variant(inputs={"slopes": "f32[h]"})
+class alibi:
+    def mask(q, k):
+        return q >= k
+
+    def score(s, h, q, k, slopes):
+        return s + slopes[h] * (k - q)
+
+
+@attncc.variant(params={"cap": 50.0})
+class softcap:
+    def scale():
+        return 1.0 / sqrt(144.0)
+
+    def mask(q, k):
+        return q >= k
+
+    def score(s, cap):
+        return cap * tanh(s / cap)
+
+
+@attncc.variant(inputs={"bias": "f32[h, 511]"}, learnable=["bias"])
+class relative_bias:
+    def score(s, h, q, k, bias):
+        return s + bias[h, minimum(maximum(q - k, -255), 255) + 255]
+
+
+@attncc.variant(inputs={"random_blocks": "bool[qb, kb]"}, block=128)
+class bigbird:
+    def layout(qb, kb, random_blocks):
+        return (abs(qb - kb) <= 1) | (qb == 0) | (kb == 0) | random_blocks[qb, kb]
+
+
+@attncc.variant(dropout=0.1)
+def dropout(q, k):
+    return q >= k
+
+
+# Keyed by the stem of the .attn file that declares the same variant.
+EXAMPLES = {v.name: v for v in (
+    full, causal, causal_bottom_right, gqa_causal, sliding_window, prefix_lm, document,
+    dilated_window, chunked_local, longformer, alibi, softcap, relative_bias, bigbird,
+    dropout,
+)}
