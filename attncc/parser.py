@@ -175,7 +175,9 @@ class _Builder:
         name_tok, *decls = tree.children
         fields: dict = {}
         seen: dict = {}
-        for d in decls:
+        # Names may be used before the line that declares them: declare them first.
+        ordered = sorted(decls, key=lambda d: d.data not in ("param_decl", "input_decl"))
+        for d in ordered:
             kind = d.data.removesuffix("_decl")
             if kind not in ("param", "input"):
                 if kind in seen:

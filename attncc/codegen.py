@@ -1,0 +1,221 @@
+"""Kernel plan -> Triton module source: fills templates/attention.py.jinja for one variant.
+
+Everything the template needs is computed here from the checked IR: the mask, score
+and derivative code, the loop plans of both directions, the tile-classification code
+(in Triton for the kernels and in PyTorch for the host-side tile tables), and the one
+list of kernel parameters that every call site is generated from. Same variant, same
+bytes: nothing here depends on the machine, the time or dict order.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jinja2
+
+from . import bounds, dropout, ir, intervals
+from .derivative import score_gradients
+from .elementwise import TritonEmitter, input_arg_names
+from .printer import print_variant
+from .resources import templates_dir
+
+BIG = str(1 << 30)  # "unbounded" inside loop-bound code; positions stay far below it
+
+
+@dataclass(frozen=True)
+class Generated:
+    source: str
+    strategy: str
+    module_name: str
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    env.filters["py"] = repr  # Python literals, readable (tojson would escape < and >)
+    return env
+
+
+# --------------------------------------------------------------- PyTorch emission (host)
+class TorchEmitter(TritonEmitter):
+    """The layout and the scale as PyTorch code for the host (tile tables, sm_scale)."""
+
+    def __init__(self, variant, var_code):
+        super().__init__(variant, var_code)
+
+    def Load(self, e):
+        idx = ", ".join(f"_h_clamp({self(i)}, {e.tensor}.shape[{n}])" for n, i in enumerate(e.indices))
+        return f"{e.tensor}[{idx}]"
+
+    def BinOp(self, e):
+        a, b = self(e.lhs), self(e.rhs)
+        if e.op == "//":
+            return f"_h_fdiv({a}, {b})"
+        if e.op == "%":
+            return f"_h_mod({a}, {b})"
+        if e.op == "/":
+            return f"(torch.as_tensor({a}) * 1.0 / ({b}))"
+        return f"({a} {e.op} {b})"
+
+    def Not(self, e):
+        return f"(~torch.as_tensor({self(e.operand)}))"
+
+    def Call(self, e):
+        args = [self(a) for a in e.args]
+        if e.fn in ("min", "max"):
+            return f"_h_{e.fn}({args[0]}, {args[1]})"
+        if e.fn == "abs":
+            return f"torch.abs(torch.as_tensor({args[0]}))"
+        return f"torch.{e.fn}(torch.as_tensor({args[0]}) * 1.0)"
+
+    def Where(self, e):
+        return f"_h_where({self(e.cond)}, {self(e.then)}, {self(e.other)})"
+
+
+# --------------------------------------------------------------- the plan
+def _segment_code(seg: bounds.Segment) -> bounds.Segment:
+    fix = lambda c: None if c is None else c.replace("_BIG", BIG)
+    return bounds.Segment(fix(seg.reach_lo), fix(seg.reach_hi), fix(seg.full_lo),
+                          fix(seg.full_hi), seg.full_known)
+
+
+def _summary_base(read: intervals.SummaryRead) -> str:
+    return f"{read.tensor}__{read.axis}{read.var}"
+
+
+def _triton_summary(read, others, which):
+    base = _summary_base(read)
+    terms = []
+    for i, code in enumerate(others):
+        idx = f"tile_{read.var}" if code is None else code
+        terms.append(f"({idx}) * {base}_st{i}")
+    return f"tl.load({base}_{which} + {' + '.join(terms)})"
+
+
+def _torch_summary(read, others, which):
+    base = _summary_base(read)
+    idx = ", ".join(f"tile_{read.var}" if code is None else code for code in others)
+    return f"{base}_{which}[{idx}]"
+
+
+def _input_grads(variant, emit: TritonEmitter, grads) -> list:
+    out = []
+    for load, d_code in grads.d_inputs:
+        decl = variant.input(load.tensor)
+        offset = " + ".join(f"_clamp({emit(i)}, {decl.name}_size{n}) * {decl.name}_stride{n}"
+                            for n, i in enumerate(load.indices))
+        used = set().union(*(ir.free_vars(i) for i in load.indices)) if load.indices else set()
+        reduce = {(False, False): "all", (True, False): "cols", (False, True): "rows",
+                  (True, True): "none"}[("q" in used, "k" in used)]
+        out.append({"name": decl.name, "d_code": d_code, "offset": offset, "reduce": reduce})
+    return out
+
+
+def common_params(variant: ir.Variant, summary_reads) -> list:
+    """The one ordered list of run-time kernel parameters beyond q, k, v and strides."""
+    names = ["n_heads_q", "group", "len_q", "len_k", "q_offset", "k_offset", "sm_scale",
+             "qk_scale", "seed"]
+    for decl in variant.inputs:
+        names += input_arg_names(decl)
+    names += [f"d_{d.name}_ptr" for d in variant.learnable_inputs]
+    for read in summary_reads:
+        base = _summary_base(read)
+        ndim = len(variant.input(read.tensor).axes)
+        names += [f"{base}_lo", f"{base}_hi"] + [f"{base}_st{i}" for i in range(ndim)]
+    if variant.layout is not None:
+        for side in ("row", "col"):
+            names += [f"{side}_count", f"{side}_count_sb", f"{side}_count_sh", f"{side}_list",
+                      f"{side}_list_sb", f"{side}_list_sh", f"{side}_list_sm"]
+    return names
+
+
+def describe_strategy(variant: ir.Variant, plan: bounds.LoopPlan, summary_reads) -> str:
+    if variant.layout is not None:
+        text = f"tile tables built from the layout (block {variant.block})"
+        if variant.mask is not None:
+            text += ", each tile also bounded by the mask"
+        return text
+    parts = []
+    if not plan.segments:
+        return "the mask is never true: every tile is skipped"
+    bounded = [s for s in plan.segments if s.reach_lo or s.reach_hi]
+    if bounded:
+        parts.append(f"analytic key bounds ({len(plan.segments)} interval"
+                     f"{'s' if len(plan.segments) > 1 else ''} per query tile)")
+    else:
+        parts.append("every key tile visited")
+    if any(s.full_known for s in plan.segments):
+        parts.append("full tiles skip the mask")
+    if plan.needs_classify:
+        if summary_reads:
+            tensors = sorted({r.tensor for r in summary_reads})
+            parts.append("other tiles classified at run time from per-block min/max of "
+                         + ", ".join(tensors))
+        else:
+            parts.append("other tiles classified at run time by interval bounds")
+    return "; ".join(parts)
+
+
+def generate(variant: ir.Variant) -> Generated:
+    """The Triton module source for `variant`."""
+    emit = TritonEmitter(variant)
+    fwd_plan = bounds.plan_loops(variant, "k")
+    bwd_plan = bounds.plan_loops(variant, "q")
+    needs_classify = fwd_plan.needs_classify or bwd_plan.needs_classify
+    triton_cls = intervals.classify_code(variant.mask, variant, _triton_summary, prefix="_c")
+    host_cls = intervals.classify_code(variant.mask, variant, _torch_summary, prefix="_c")
+    summary_reads = triton_cls.summaries
+    grads = score_gradients(variant, emit)
+    params = common_params(variant, summary_reads)
+    spec_text = print_variant(variant)
+    key = variant.key()
+    layout_torch = None
+    if variant.layout is not None:
+        layout_torch = TorchEmitter(variant, {"qb": "qb", "kb": "kb", "b": "off_b", "h": "off_h",
+                                              "dim": "HEAD_DIM"})(variant.layout)
+    if variant.scale is None:
+        scale_code = "1.0 / math.sqrt(dim)"
+    else:
+        scale_code = f"float({TorchEmitter(variant, {'dim': 'dim'})(variant.scale)})"
+    strategy = describe_strategy(variant, fwd_plan, summary_reads)
+    context = dict(
+        version=_package_version(),
+        spec_comment="\n".join(f"#   {line}" for line in spec_text.rstrip().splitlines()),
+        spec_text=spec_text,
+        strategy=strategy,
+        variant_name=variant.name,
+        key=key,
+        input_names=[i.name for i in variant.inputs],
+        learnable_names=[i.name for i in variant.learnable_inputs],
+        dropout=bool(variant.dropout),
+        dropout_p=repr(float(variant.dropout or 0.0)),
+        dropout_threshold=dropout.threshold(variant.dropout or 0.0),
+        classify_partial="True" if needs_classify else "False",
+        classify_lines=triton_cls.lines,
+        classify_may=triton_cls.may,
+        host_classify_lines=host_cls.lines,
+        host_classify_may=host_cls.may,
+        host_classify_must=host_cls.must,
+        mask=emit(variant.mask) if variant.mask is not None else None,
+        score=emit(variant.score) if variant.score is not None else None,
+        d_score=grads.d_ds,
+        input_grads=_input_grads(variant, emit, grads),
+        layout=variant.layout is not None,
+        block=variant.block,
+        layout_torch=layout_torch,
+        k_segments=[_segment_code(s) for s in fwd_plan.segments],
+        q_segments=[_segment_code(s) for s in bwd_plan.segments],
+        common_args=", ".join(params),
+        common_param_list=params,
+        summary_specs=[[r.tensor, r.axis, r.var] for r in summary_reads],
+        summary_bases=[_summary_base(r) for r in summary_reads],
+        scale_code=scale_code,
+    )
+    source = _environment().get_template("attention.py.jinja").render(**context)
+    return Generated(source=source, strategy=strategy, module_name=f"attncc_{variant.name}_{key}")
+
+
+def _package_version() -> str:
+    from . import __version__
+    return __version__
