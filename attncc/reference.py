@@ -71,7 +71,8 @@ def reference(variant: ir.Variant, q, k, v, *, return_lse: bool = False,
     zero gradients. With dropout, `dropout_seed` must be given: the same seed gives
     the same mask as the kernels.
     """
-    p = bind(variant, q, k, v, inputs, q_offset=q_offset, k_offset=k_offset)
+    p = bind(variant, q, k, v, inputs, q_offset=q_offset, k_offset=k_offset,
+             exact_float_inputs=False)
     if variant.dropout and dropout_seed is None:
         raise CallError(f"the variant has dropout {variant.dropout}: pass dropout_seed=int "
                         "so the reference draws the same mask as the kernel")
