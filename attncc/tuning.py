@@ -28,8 +28,8 @@ def keep(config: dict, variant: ir.Variant, head_dim: int, direction: str) -> bo
     pad = max(16, 1 << (head_dim - 1).bit_length())
     if direction == "bwd" and pad >= 256 and config["BLOCK_M"] * config["BLOCK_N"] > 64 * 64:
         return False  # dK, dV, K, V and a Q tile of 256 columns overflow shared memory
-    if direction == "fwd" and pad >= 256 and config["BLOCK_M"] > 64:
-        return False
+    if direction == "fwd" and pad >= 256 and (config["BLOCK_M"] > 64 or config["num_stages"] > 2):
+        return False  # K and V stages of 256 columns: 3 stages of 64 rows need 256 KiB
     return True
 
 

@@ -17,6 +17,6 @@ rows = [r for f in sorted(glob.glob("/tmp/corr/*.json")) for r in json.load(open
 out = os.environ.get("OUT", "out")
 json.dump(rows, open(os.path.join(out, "correctness.json"), "w"), indent=1)
 bad = [r for r in rows if not all(x["ok"] for x in r["rows"])]
-print(f"\ncorrectness: {len(rows) - len(bad)} of {len(rows)} cases within 2x eager error (+1e-3)")
+print(f"\ncorrectness: {len(rows) - len(bad)} of {len(rows)} cases within 2x eager error + 2 eps x scale")
 PY
 grep -l Traceback /tmp/corr/*.log | head -3 | xargs -r tail -20
