@@ -84,15 +84,6 @@ def _summary_base(read: intervals.SummaryRead) -> str:
     return f"{read.tensor}__{read.axis}{read.var}"
 
 
-def _triton_summary(read, others, which):
-    base = _summary_base(read)
-    terms = []
-    for i, code in enumerate(others):
-        idx = f"tile_{read.var}" if code is None else code
-        terms.append(f"({idx}) * {base}_st{i}")
-    return f"tl.load({base}_{which} + {' + '.join(terms)})"
-
-
 def _torch_summary(read, others, which):
     base = _summary_base(read)
     idx = ", ".join(f"tile_{read.var}" if code is None else code for code in others)
@@ -112,48 +103,44 @@ def _input_grads(variant, emit: TritonEmitter, grads) -> list:
     return out
 
 
-def common_params(variant: ir.Variant, summary_reads) -> list:
+def common_params(variant: ir.Variant, uses_tables: bool) -> list:
     """The one ordered list of run-time kernel parameters beyond q, k, v and strides."""
     names = ["n_heads_q", "group", "len_q", "len_k", "q_offset", "k_offset", "sm_scale",
              "qk_scale", "seed"]
     for decl in variant.inputs:
         names += input_arg_names(decl)
     names += [f"d_{d.name}_ptr" for d in variant.learnable_inputs]
-    for read in summary_reads:
-        base = _summary_base(read)
-        ndim = len(variant.input(read.tensor).axes)
-        names += [f"{base}_lo", f"{base}_hi"] + [f"{base}_st{i}" for i in range(ndim)]
-    if variant.layout is not None:
+    if uses_tables:
         for side in ("row", "col"):
-            names += [f"{side}_count", f"{side}_count_sb", f"{side}_count_sh", f"{side}_list",
+            names += [f"{side}_full_count", f"{side}_full_list", f"{side}_part_count",
+                      f"{side}_part_list", f"{side}_count_sb", f"{side}_count_sh",
                       f"{side}_list_sb", f"{side}_list_sh", f"{side}_list_sm"]
     return names
 
 
-def describe_strategy(variant: ir.Variant, plan: bounds.LoopPlan, summary_reads) -> str:
-    if variant.layout is not None:
-        text = f"tile tables built from the layout (block {variant.block})"
-        if variant.mask is not None:
-            text += ", each tile also bounded by the mask"
-        return text
-    parts = []
+def describe_strategy(variant: ir.Variant, plan: bounds.LoopPlan, summary_reads,
+                      uses_tables: bool) -> str:
+    """One line for `attncc compile` and the module header: how tiles get skipped."""
     if not plan.segments:
         return "the mask is never true: every tile is skipped"
-    bounded = [s for s in plan.segments if s.reach_lo or s.reach_hi]
-    if bounded:
-        parts.append(f"analytic key bounds ({len(plan.segments)} interval"
-                     f"{'s' if len(plan.segments) > 1 else ''} per query tile)")
+    if uses_tables:
+        sources = []
+        if variant.layout is not None:
+            sources.append(f"the layout (block {variant.block})")
+        if summary_reads:
+            sources.append("per-block min/max of " + ", ".join(sorted({r.tensor for r in summary_reads})))
+        if variant.mask is not None:
+            sources.append("interval bounds of the mask")
+        return ("tile tables built on the device from " + " and ".join(sources)
+                + "; full and partial tiles looped separately")
+    parts = []
+    if any(s.reach_lo or s.reach_hi for s in plan.segments):
+        n = len(plan.segments)
+        parts.append(f"analytic key bounds ({n} interval{'s' if n > 1 else ''} per query tile)")
     else:
         parts.append("every key tile visited")
     if any(s.full_known for s in plan.segments):
         parts.append("full tiles skip the mask")
-    if plan.needs_classify:
-        if summary_reads:
-            tensors = sorted({r.tensor for r in summary_reads})
-            parts.append("other tiles classified at run time from per-block min/max of "
-                         + ", ".join(tensors))
-        else:
-            parts.append("other tiles classified at run time by interval bounds")
     return "; ".join(parts)
 
 
@@ -162,12 +149,12 @@ def generate(variant: ir.Variant) -> Generated:
     emit = TritonEmitter(variant)
     fwd_plan = bounds.plan_loops(variant, "k")
     bwd_plan = bounds.plan_loops(variant, "q")
-    needs_classify = fwd_plan.needs_classify or bwd_plan.needs_classify
-    triton_cls = intervals.classify_code(variant.mask, variant, _triton_summary, prefix="_c")
+    # Tiles the analytic plan cannot decide are classified on the device into tables.
+    uses_tables = fwd_plan.needs_classify or bwd_plan.needs_classify
     host_cls = intervals.classify_code(variant.mask, variant, _torch_summary, prefix="_c")
-    summary_reads = triton_cls.summaries
+    summary_reads = host_cls.summaries
     grads = score_gradients(variant, emit)
-    params = common_params(variant, summary_reads)
+    params = common_params(variant, uses_tables)
     spec_text = print_variant(variant)
     key = variant.key()
     layout_torch = None
@@ -178,7 +165,7 @@ def generate(variant: ir.Variant) -> Generated:
         scale_code = "1.0 / math.sqrt(dim)"
     else:
         scale_code = f"float({TorchEmitter(variant, {'dim': 'dim'})(variant.scale)})"
-    strategy = describe_strategy(variant, fwd_plan, summary_reads)
+    strategy = describe_strategy(variant, fwd_plan, summary_reads, uses_tables)
     context = dict(
         version=_package_version(),
         spec_comment="\n".join(f"#   {line}" for line in spec_text.rstrip().splitlines()),
@@ -191,9 +178,7 @@ def generate(variant: ir.Variant) -> Generated:
         dropout=bool(variant.dropout),
         dropout_p=repr(float(variant.dropout or 0.0)),
         dropout_threshold=dropout.threshold(variant.dropout or 0.0),
-        classify_partial="True" if needs_classify else "False",
-        classify_lines=triton_cls.lines,
-        classify_may=triton_cls.may,
+        tables=uses_tables,
         host_classify_lines=host_cls.lines,
         host_classify_may=host_cls.may,
         host_classify_must=host_cls.must,
