@@ -71,9 +71,11 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kernel, q, k, v, call, *input_values):
         inputs = dict(zip(call["input_names"], input_values))
-        out, lse = kernel.module.forward(q, k, v, inputs, q_offset=call["q_offset"],
-                                         k_offset=call["k_offset"], seed=call["seed"],
-                                         config=call["fwd_config"])
+        run = lambda config: kernel.module.forward(
+            q, k, v, inputs, q_offset=call["q_offset"], k_offset=call["k_offset"],
+            seed=call["seed"], config=config)
+        config = tuning.config_for(kernel, call["problem"], q.dtype, "fwd", run)
+        out, lse = run(config)
         ctx.save_for_backward(q, k, v, out, lse, *input_values)
         ctx.kernel, ctx.call = kernel, call
         ctx.mark_non_differentiable(lse)
@@ -85,9 +87,10 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse, *input_values = ctx.saved_tensors
         call = ctx.call
         inputs = dict(zip(call["input_names"], input_values))
-        dq, dk, dv, dinputs = ctx.kernel.module.backward(
+        run = lambda config: ctx.kernel.module.backward(
             q, k, v, out, lse, dout, inputs, q_offset=call["q_offset"], k_offset=call["k_offset"],
-            seed=call["seed"], config=call["bwd_config"])
+            seed=call["seed"], config=config)
+        dq, dk, dv, dinputs = run(tuning.config_for(ctx.kernel, call["problem"], q.dtype, "bwd", run))
         grads = [dinputs.get(name) for name in call["input_names"]]
         return (None, dq, dk, dv, None, *grads)
 
@@ -98,7 +101,7 @@ class Kernel:
     def __init__(self, variant: ir.Variant, config: dict | None = None):
         self.variant = variant
         self.generated, self.module = load_generated(variant)
-        self.pinned_config = config
+        self.pinned_config = tuning.check_config(config, "config") if config else None
 
     @property
     def source(self) -> str:
@@ -154,9 +157,7 @@ class Kernel:
             values.append(t.contiguous() if self.variant.input(name).learnable else t)
         call = {
             "input_names": names, "q_offset": q_offset, "k_offset": k_offset,
-            "seed": int(dropout_seed or 0),
-            "fwd_config": tuning.config_for(self, p, q.dtype, "fwd"),
-            "bwd_config": tuning.config_for(self, p, q.dtype, "bwd"),
+            "seed": int(dropout_seed or 0), "problem": p,
         }
         out, lse = _Attention.apply(self, q, k, v, call, *values)
         return (out, lse) if return_lse else out

@@ -1,22 +1,50 @@
-"""Tile configurations: the candidates, the keep() rule, and the choice for a call.
+"""Tile configurations: candidates, the keep() rule, autotuning, and the on-disk cache.
 
 A config is BLOCK_M, BLOCK_N, num_warps, num_stages. `keep(config, variant, ...)`
-filters the candidate list (tiles no larger than a layout's block, shared memory that
-fits); `config_for` picks one per variant, head dim, dtype and direction. Under the
-Triton interpreter small tiles keep the CPU tests fast.
+filters the candidates (tiles no larger than a layout's block, shared memory that
+fits). On a GPU the first call of a variant for a (head dim, dtype, length bucket,
+direction) times every kept candidate on the real inputs, keeps the fastest, and
+writes it to disk keyed by the variant, GPU, Triton and attncc versions, so a second
+process does no tuning. Configs that fail to compile or launch are skipped, never
+silently used. `ATTNCC_CONFIG` (JSON) or `attncc.compile(..., config=...)` pins one;
+`ATTNCC_TUNE=0` takes the first kept candidate without timing.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
+import time
 
 from . import ir
 
+_MEMORY: dict = {}  # tuning key -> config, for this process
+_LOCK = threading.Lock()
+
 
 def _env_config():
-    """ATTNCC_CONFIG='{"BLOCK_M": 64, ...}' pins a config for every kernel (debugging, tuning)."""
+    """ATTNCC_CONFIG='{"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}'."""
     text = os.environ.get("ATTNCC_CONFIG")
-    return json.loads(text) if text else None
+    if not text:
+        return None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"ATTNCC_CONFIG is not JSON ({e}); expected e.g. "
+                         '{"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}') from None
+    return check_config(config, "ATTNCC_CONFIG")
+
+
+def check_config(config: dict, where: str) -> dict:
+    want = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+    if not isinstance(config, dict) or set(config) != want:
+        raise ValueError(f"{where} must be a dict with exactly the keys {sorted(want)}, got {config!r}")
+    for key in ("BLOCK_M", "BLOCK_N"):
+        v = config[key]
+        if not isinstance(v, int) or v < 16 or v & (v - 1):
+            raise ValueError(f"{where}: {key} must be a power of two >= 16, got {v!r}")
+    return dict(config)
 
 
 def keep(config: dict, variant: ir.Variant, head_dim: int, direction: str) -> bool:
@@ -26,31 +54,113 @@ def keep(config: dict, variant: ir.Variant, head_dim: int, direction: str) -> bo
         if config["BLOCK_M"] > variant.block or config["BLOCK_N"] > variant.block:
             return False
     pad = max(16, 1 << (head_dim - 1).bit_length())
-    if direction == "bwd" and pad >= 256 and config["BLOCK_M"] * config["BLOCK_N"] > 64 * 64:
-        return False  # dK, dV, K, V and a Q tile of 256 columns overflow shared memory
-    if direction == "fwd" and pad >= 256 and (config["BLOCK_M"] > 64 or config["num_stages"] > 2):
-        return False  # K and V stages of 256 columns: 3 stages of 64 rows need 256 KiB
+    if pad >= 256:
+        if direction == "bwd" and (config["BLOCK_M"] * config["BLOCK_N"] > 64 * 64
+                                   or config["num_stages"] > 1):
+            return False  # dK, dV accumulators and four 256-column tiles
+        if direction == "fwd" and (config["BLOCK_M"] > 64 or config["num_stages"] > 2):
+            return False  # K and V stages of 256 columns: 3 stages of 64 rows need 256 KiB
+    if pad >= 128 and direction == "bwd" and config["BLOCK_M"] * config["BLOCK_N"] > 64 * 128:
+        return False
     return True
 
 
 def candidates(direction: str) -> list:
+    """Hopper-oriented candidates, most likely winner first (ATTNCC_TUNE=0 takes it)."""
     if direction == "fwd":
-        shapes = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3),
-                  (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)]
+        shapes = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3),
+                  (128, 32, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)]
     else:
-        shapes = [(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (32, 64, 4, 2),
-                  (32, 32, 4, 1), (16, 16, 4, 1)]
+        shapes = [(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 64, 4, 2),
+                  (64, 64, 8, 3), (32, 32, 4, 1), (16, 16, 4, 1)]
     return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
-def config_for(kernel, problem, dtype, direction: str) -> dict:
+def length_bucket(n: int) -> int:
+    """Lengths tune in power-of-two buckets: 1000 and 1024 share a config."""
+    return 1 << max(4, (max(1, n) - 1).bit_length())
+
+
+def _versions() -> str:
+    import torch
+    import triton
+    from . import __version__
+    gpu = torch.cuda.get_device_name().replace(" ", "_") if torch.cuda.is_available() else "cpu"
+    return f"{gpu}-triton{triton.__version__}-torch{torch.__version__.split('+')[0]}-attncc{__version__}"
+
+
+def _cache_file(variant: ir.Variant):
+    from .runtime import cache_dir
+    return cache_dir() / "tuning" / _versions() / f"{variant.name}-{variant.key()}.json"
+
+
+def _load(path) -> dict:
+    """The cached winners, or {} when the file is missing or damaged (then rebuilt)."""
+    try:
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and all(isinstance(v, dict) for v in data.values()):
+            return {k: check_config(v, str(path)) for k, v in data.items()}
+    except (OSError, ValueError):
+        pass
+    return {}
+
+
+def _store(path, key: str, config: dict):
+    from .runtime import _write_if_changed
+    with _LOCK:
+        data = _load(path)
+        data[key] = config
+        _write_if_changed(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def config_for(kernel, problem, dtype, direction: str, run=None) -> dict:
+    """The config for this call; `run(config)` launches the direction once (for tuning)."""
     pinned = kernel.pinned_config or _env_config()
     if pinned:
-        return dict(pinned)
+        return check_config(pinned, "config")
     from .runtime import interpreting
+    kept = [c for c in candidates(direction) if keep(c, kernel.variant, problem.dim, direction)]
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    for config in candidates(direction):
-        if keep(config, kernel.variant, problem.dim, direction):
-            return config
-    raise AssertionError("no tile configuration fits; the smallest should always be kept")
+    if run is None or os.environ.get("ATTNCC_TUNE") == "0":
+        return kept[0]
+    key = (f"{direction}-d{problem.dim}-{str(dtype).replace('torch.', '')}-g{problem.group}"
+           f"-q{length_bucket(problem.len_q)}-k{length_bucket(problem.len_k)}")
+    mem_key = (kernel.variant.key(), key)
+    if mem_key in _MEMORY:
+        return _MEMORY[mem_key]
+    path = _cache_file(kernel.variant)
+    cached = _load(path).get(key)
+    if cached:
+        _MEMORY[mem_key] = cached
+        return cached
+    best = tune(kernel.variant.name, key, kept, run)
+    _MEMORY[mem_key] = best
+    _store(path, key, best)
+    return best
+
+
+def tune(name: str, key: str, configs: list, run) -> dict:
+    """Time each config (median of do_bench), report progress, return the fastest."""
+    import triton
+    start = time.perf_counter()
+    timings = []
+    for i, config in enumerate(configs):
+        label = f"{config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
+        try:
+            ms = triton.testing.do_bench(lambda: run(config), warmup=5, rep=20, return_mode="median")
+        except Exception as e:  # out of resources, compile failure: skip, and say so
+            print(f"attncc: tuning {name} {key}: [{i + 1}/{len(configs)}] {label} failed "
+                  f"({type(e).__name__}: {str(e).splitlines()[0][:100]})", file=sys.stderr)
+            continue
+        timings.append((ms, config))
+        print(f"attncc: tuning {name} {key}: [{i + 1}/{len(configs)}] {label} {ms:.3f} ms",
+              file=sys.stderr)
+    if not timings:
+        raise RuntimeError(f"attncc: no tile config could run {name} ({key}); "
+                           "pin one with ATTNCC_CONFIG to see its error")
+    ms, best = min(timings, key=lambda t: t[0])
+    print(f"attncc: tuned {name} {key} in {time.perf_counter() - start:.1f} s: "
+          f"BLOCK_M={best['BLOCK_M']} BLOCK_N={best['BLOCK_N']} warps={best['num_warps']} "
+          f"stages={best['num_stages']} ({ms:.3f} ms)", file=sys.stderr)
+    return dict(best)
