@@ -222,6 +222,10 @@ def speed(args):
             row = dict(variant=name, L=L, B=B, H=H, Hkv=Hkv, D=D, density=pairs / (B * H * L * L))
             kern = attncc.compile(variant)
             do = torch.randn_like(q)
+            t0 = time.perf_counter()
+            torch.autograd.grad(kern(q, k, v, **inputs), (q, k, v), do)
+            torch.cuda.synchronize()
+            row["first_call_s"] = time.perf_counter() - t0  # compile + tune, fwd and bwd
             configs = [None]
             if args.sweep:
                 from attncc.tuning import candidates, keep
