@@ -87,10 +87,16 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse, *input_values = ctx.saved_tensors
         call = ctx.call
         inputs = dict(zip(call["input_names"], input_values))
-        run = lambda config: ctx.kernel.module.backward(
-            q, k, v, out, lse, dout, inputs, q_offset=call["q_offset"], k_offset=call["k_offset"],
-            seed=call["seed"], config=config)
-        dq, dk, dv, dinputs = run(tuning.config_for(ctx.kernel, call["problem"], q.dtype, "bwd", run))
+        module, problem = ctx.kernel.module, call["problem"]
+        common = dict(q_offset=call["q_offset"], k_offset=call["k_offset"], seed=call["seed"])
+        delta = module.backward_delta(out, dout)
+        # dK/dV and dQ are tuned apart: they want different tile shapes.
+        run_dkdv = lambda config: module.backward_dkdv(q, k, v, lse, delta, dout, inputs,
+                                                       config=config, **common)
+        run_dq = lambda config: module.backward_dq(q, k, v, lse, delta, dout, inputs,
+                                                   config=config, **common)
+        dk, dv = run_dkdv(tuning.config_for(ctx.kernel, problem, q.dtype, "dkdv", run_dkdv))
+        dq, dinputs = run_dq(tuning.config_for(ctx.kernel, problem, q.dtype, "dq", run_dq))
         grads = [dinputs.get(name) for name in call["input_names"]]
         return (None, dq, dk, dv, None, *grads)
 

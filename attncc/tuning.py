@@ -55,13 +55,14 @@ def keep(config: dict, variant: ir.Variant, head_dim: int, direction: str) -> bo
         if config["BLOCK_M"] > variant.block or config["BLOCK_N"] > variant.block:
             return False
     pad = max(16, 1 << (head_dim - 1).bit_length())
+    backward = direction in ("dkdv", "dq")
     if pad >= 256:
-        if direction == "bwd" and (config["BLOCK_M"] * config["BLOCK_N"] > 64 * 64
-                                   or config["num_stages"] > 1):
-            return False  # dK, dV accumulators and four 256-column tiles
+        if backward and (config["BLOCK_M"] * config["BLOCK_N"] > 64 * 64
+                         or config["num_stages"] > 1):
+            return False  # two accumulators and four tiles of 256 columns
         if direction == "fwd" and (config["BLOCK_M"] > 64 or config["num_stages"] > 2):
             return False  # K and V stages of 256 columns: 3 stages of 64 rows need 256 KiB
-    if pad >= 128 and direction == "bwd" and config["BLOCK_M"] * config["BLOCK_N"] > 64 * 128:
+    if pad >= 128 and backward and config["BLOCK_M"] * config["BLOCK_N"] > 64 * 128:
         return False
     return True
 
@@ -69,11 +70,16 @@ def keep(config: dict, variant: ir.Variant, head_dim: int, direction: str) -> bo
 def candidates(direction: str) -> list:
     """Hopper-oriented candidates, most likely winner first (ATTNCC_TUNE=0 takes it)."""
     if direction == "fwd":
-        shapes = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3),
-                  (128, 32, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)]
+        shapes = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3),
+                  (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)]
+    elif direction == "dkdv":  # a tall key tile stays on chip; query tiles stream past it
+        shapes = [(32, 128, 4, 2), (64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3),
+                  (32, 32, 4, 1), (16, 16, 4, 1)]
+    elif direction == "dq":  # a tall query tile stays on chip; key tiles stream past it
+        shapes = [(128, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3),
+                  (32, 32, 4, 1), (16, 16, 4, 1)]
     else:
-        shapes = [(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 64, 4, 2),
-                  (64, 64, 8, 3), (32, 32, 4, 1), (16, 16, 4, 1)]
+        raise ValueError(f"unknown direction {direction!r}")
     return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
