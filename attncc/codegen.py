@@ -179,6 +179,8 @@ def generate(variant: ir.Variant) -> Generated:
         dropout_p=repr(float(variant.dropout or 0.0)),
         dropout_threshold=dropout.threshold(variant.dropout or 0.0),
         tables=uses_tables,
+        table_inputs=sorted({r.tensor for r in summary_reads}
+                            | (ir.loaded_tensors(variant.layout) if variant.layout is not None else set())),
         host_classify_lines=host_cls.lines,
         host_classify_may=host_cls.may,
         host_classify_must=host_cls.must,
