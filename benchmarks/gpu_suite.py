@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import attncc  # noqa: E402
 from attncc.reference import allowed_pairs  # noqa: E402
 from attncc.arguments import Problem  # noqa: E402
+from attncc.tolerance import within_tolerance  # noqa: E402
 
 OUT = os.environ.get("OUT", "out")
 
@@ -60,12 +61,6 @@ def sample_inputs(name, variant, B, H, L, device, gen):
     return {}
 
 
-def tolerance(eager_err, ref, dtype):
-    """Twice the same-dtype eager error, floored at the dtype's resolution of the result."""
-    scale = max(1.0, ref[torch.isfinite(ref)].abs().max().item()) if torch.isfinite(ref).any() else 1.0
-    return 2 * eager_err + 2 * torch.finfo(dtype).eps * scale
-
-
 def error_vs_reference(variant, q, k, v, inputs, dtype, seed):
     """(kernel err, eager err) per output, both against the float64 reference."""
     kern = attncc.compile(variant)
@@ -88,7 +83,7 @@ def error_vs_reference(variant, q, k, v, inputs, dtype, seed):
         ea = (e.double() - r)[finite].abs().max().item() if finite.any() else 0.0
         nan = bool(torch.isnan(a).any())
         rows.append(dict(tensor=label, kernel_err=ka, eager_err=ea, inf_rows_match=inf_ok, nan=nan,
-                         ok=(not nan) and inf_ok and ka <= tolerance(ea, r, dtype)))
+                         ok=(not nan) and inf_ok and within_tolerance(ka, ea, dtype, r)))
     return rows
 
 

@@ -1,0 +1,52 @@
+"""When a kernel result counts as correct: the rule every test, `attncc check` and the
+GPU suite apply.
+
+FlexAttention's rule: the kernel's max abs error against the float64 reference is at
+most twice the error of the same computation done eagerly in the kernel's dtype
+(attncc.reference on the same inputs), plus a small absolute slack for results the
+eager computation happens to get exactly right (a gradient that is exactly zero, say,
+where the kernel's bf16-rounded O leaves rounding noise). The slack is one unit of the
+dtype's resolution at unit scale, times the result's scale when that is larger.
+NaN never passes.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+ABS_SLACK = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def max_abs_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max |x - ref| in float64 over finite reference entries. NaN in x gives nan; an
+    entry where the reference is infinite (LSE of an empty row) must match exactly,
+    else the error is inf."""
+    x = x.detach().double()
+    ref = ref.detach().double().to(x.device)
+    if torch.isnan(x).any():
+        return math.nan
+    inf = torch.isinf(ref)
+    if inf.any():
+        if not torch.equal(x[inf], ref[inf]) or torch.isinf(x[~inf]).any():
+            return math.inf
+        x, ref = x[~inf], ref[~inf]
+    if x.numel() == 0:
+        return 0.0
+    return (x - ref).abs().max().item()
+
+
+def slack(dtype: torch.dtype, ref: torch.Tensor | None = None) -> float:
+    scale = 1.0
+    if ref is not None:
+        finite = ref[torch.isfinite(ref)]
+        if finite.numel():
+            scale = max(1.0, finite.abs().max().item())
+    return ABS_SLACK[dtype] * scale
+
+
+def within_tolerance(err_kernel: float, err_eager: float, dtype: torch.dtype,
+                     ref: torch.Tensor | None = None) -> bool:
+    if not (math.isfinite(err_kernel) and math.isfinite(err_eager)):
+        return False
+    return err_kernel <= 2.0 * err_eager + slack(dtype, ref)

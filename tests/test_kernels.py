@@ -1,0 +1,301 @@
+"""Generated kernels against the float64 reference: every example, awkward shapes, dtypes.
+
+On the CPU the kernels run under the Triton interpreter (tests/conftest.py) in float32
+and float16 (the interpreter mis-multiplies bfloat16, DESIGN.md §7); on a GPU the same
+tests run natively. A result passes when its error against float64 is within twice
+the error of the same computation done eagerly in the same dtype, plus twice the
+dtype's resolution at the result's scale (`within_tolerance`).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import attncc
+from attncc import ir
+from attncc.errors import CallError
+from attncc.tolerance import max_abs_error, within_tolerance
+
+EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.attn"))
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ------------------------------------------------------------------------- helpers
+def max_err(x, ref) -> float:
+    err = max_abs_error(x, ref)
+    assert not math.isnan(err), "kernel produced NaN"
+    assert not math.isinf(err), "infinities differ from the reference"
+    return err
+
+
+def make_inputs(variant: ir.Variant, B, H, Lq, Lk, gen, device=DEVICE) -> dict:
+    """Fresh random stand-ins for a variant's runtime inputs (documents as sorted ids)."""
+    from attncc.arguments import Problem, TORCH_DTYPES, axis_extent
+    p = Problem(B, H, H, Lq, Lk, 16, 16)
+    out = {}
+    for decl in variant.inputs:
+        shape = tuple(axis_extent(a, variant, p) for a in decl.axes)
+        dtype = TORCH_DTYPES[decl.dtype]
+        if decl.type == ir.BOOL:
+            t = torch.rand(shape, generator=gen) < 0.4
+        elif decl.type == ir.INT:
+            if len(shape) == 1 and decl.axes[0] in ("q", "k"):
+                t = torch.sort(torch.randint(0, 3, shape, generator=gen)).values
+            else:
+                t = torch.randint(0, 4, shape, generator=gen)
+        else:
+            t = torch.randn(shape, generator=gen) * 0.5
+        out[decl.name] = t.to(dtype).to(device)
+    return out
+
+
+def compare(variant, *, B=2, H=None, Hkv=None, Lq=37, Lk=45, D=32, dtype=torch.float32,
+            seed=0, q_offset=0, k_offset=0, inputs=None):
+    """Run kernel, eager-in-dtype and float64 reference; assert every result is close."""
+    gen = torch.Generator().manual_seed(seed)
+    if variant.heads:
+        H, Hkv = variant.heads.q, variant.heads.kv
+    H = H or 3
+    Hkv = Hkv or H
+    q = torch.randn(B, H, Lq, D, generator=gen)
+    k = torch.randn(B, Hkv, Lk, D, generator=gen)
+    v = torch.randn(B, Hkv, Lk, D, generator=gen)
+    do = torch.randn(B, H, Lq, D, generator=gen)
+    if inputs is None:
+        from attncc.arguments import Problem, axis_extent
+        inputs = make_inputs(variant, B, H, Lq + q_offset, Lk + k_offset, gen)
+    learnable = [d.name for d in variant.learnable_inputs]
+    extra = dict(dropout_seed=seed + 11, q_offset=q_offset, k_offset=k_offset)
+
+    def run(fn, cast):
+        qkv = [t.to(DEVICE, cast).requires_grad_() for t in (q, k, v)]
+        ins = {n: (t.to(cast if cast == torch.float64 else t.dtype).requires_grad_()
+                   if n in learnable else t) for n, t in inputs.items()}
+        out, lse = fn(*qkv, return_lse=True, **ins, **extra)
+        grads = torch.autograd.grad(out, qkv + [ins[n] for n in learnable], do.to(DEVICE, cast))
+        return [out, lse, *grads]
+
+    kernel = attncc.compile(variant)
+    got = run(kernel, dtype)
+    ref = run(lambda *a, **kw: attncc.reference(variant, *a, **kw), torch.float64)
+    eager = run(lambda *a, **kw: attncc.reference(variant, *a, **kw), dtype)
+    names = ["out", "lse", "dq", "dk", "dv"] + [f"d{n}" for n in learnable]
+    for name, g, r, e in zip(names, got, ref, eager):
+        err, eager_err = max_err(g, r), max_err(e, r)
+        assert within_tolerance(err, eager_err, dtype, r), (
+            f"{variant.name} {name}: kernel error {err:.3g} vs eager {eager_err:.3g} "
+            f"(B={B} H={H}/{Hkv} Lq={Lq} Lk={Lk} D={D} {dtype})")
+    return got, ref
+
+
+# ------------------------------------------------------------------- every example
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_example_matches_reference_fp32(path):
+    variant = attncc.parse_file(path)
+    equal = any(isinstance(a, str) and a in ("q", "k") for i in variant.inputs for a in i.axes) \
+        and any("doc" in i.name for i in variant.inputs)
+    compare(variant, Lq=37, Lk=37 if equal else 45, D=32)
+
+
+@pytest.mark.parametrize("name", ["causal", "softcap", "document", "alibi"])
+def test_examples_in_float16(name):
+    compare(attncc.parse_file(EXAMPLES[0].parent / f"{name}.attn"), Lq=40, Lk=40, D=16,
+            dtype=torch.float16)
+
+
+# ------------------------------------------------------------------- shape sweep
+CAUSAL = "attention causal { mask q >= k }"
+WINDOW_SINKS = "attention ws { mask q >= k and (q - k < 9 or k < 3) }"
+
+
+@pytest.mark.parametrize("Lq,Lk,D,H,Hkv", [
+    (1, 1, 16, 3, 3),     # one token
+    (1, 20, 32, 4, 2),    # one query, GQA
+    (20, 1, 16, 2, 2),    # one key
+    (33, 33, 80, 3, 1),   # MQA, head dim 80 (padded to 128)
+    (17, 40, 96, 2, 2),   # len_q < len_k, head dim 96
+    (40, 17, 16, 8, 2),   # len_q > len_k, GQA 4
+    (16, 16, 192, 1, 1),  # head dim 192
+    (19, 19, 256, 1, 1),  # head dim 256
+], ids=lambda x: str(x))
+@pytest.mark.parametrize("spec", [CAUSAL, WINDOW_SINKS], ids=["causal", "window_sinks"])
+def test_shape_sweep(spec, Lq, Lk, D, H, Hkv):
+    compare(attncc.parse(spec), B=1, H=H, Hkv=Hkv, Lq=Lq, Lk=Lk, D=D)
+
+
+def test_bottom_right_causal_with_more_keys_than_queries():
+    compare(attncc.parse("attention br { mask q + len_k - len_q >= k }"), Lq=20, Lk=50)
+
+
+def test_offsets_place_a_chunk_in_a_longer_sequence():
+    # A sequence split across devices: this chunk's queries sit at 40.., keys at 16..
+    compare(attncc.parse("attention w { mask q >= k and q - k < 30 }"), Lq=24, Lk=40,
+            q_offset=40, k_offset=16)
+
+
+def test_layout_with_offsets_and_mask():
+    v = attncc.parse("attention l { input blocks: bool[h, qb, kb] "
+                     "layout blocks[h, qb, kb] or qb == kb block 16 mask q >= k }")
+    compare(v, Lq=40, Lk=50, q_offset=16, k_offset=0)
+
+
+# ------------------------------------------------------------------- semantics
+def test_rows_with_no_allowed_key_give_zero_output_lse_minus_inf_and_zero_grads():
+    v = attncc.parse("attention e { mask k > q + 10 }")  # the last rows see no key
+    got, ref = compare(v, Lq=30, Lk=30)
+    out, lse, dq = got[0], got[1], got[2]
+    empty = torch.arange(30) >= 19
+    assert torch.all(lse[:, :, empty] == -math.inf)
+    assert torch.all(out[:, :, empty] == 0) and torch.all(dq[:, :, empty] == 0)
+    assert torch.isfinite(lse[:, :, ~empty]).all()
+
+
+def test_mask_that_is_never_true():
+    v = attncc.parse("attention none { mask q < 0 }")
+    got, _ = compare(v, Lq=10, Lk=12)
+    assert torch.all(got[0] == 0) and torch.all(got[1] == -math.inf)
+
+
+def test_backward_is_deterministic():
+    v = attncc.parse(WINDOW_SINKS)
+    kernel = attncc.compile(v)
+    gen = torch.Generator().manual_seed(3)
+    q, k, w = (torch.randn(2, 3, 41, 32, generator=gen).requires_grad_() for _ in range(3))
+    do = torch.randn(2, 3, 41, 32, generator=gen)
+    first = torch.autograd.grad(kernel(q, k, w), (q, k, w), do)
+    second = torch.autograd.grad(kernel(q, k, w), (q, k, w), do)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_dropout_is_reproducible_from_its_seed():
+    v = attncc.parse("attention d { mask q >= k dropout 0.3 }")
+    kernel = attncc.compile(v)
+    q, k, w = (torch.randn(1, 2, 33, 16) for _ in range(3))
+    a = kernel(q, k, w, dropout_seed=5)
+    assert torch.equal(a, kernel(q, k, w, dropout_seed=5))
+    assert not torch.equal(a, kernel(q, k, w, dropout_seed=6))
+    ref = attncc.reference(v, q.double(), k.double(), w.double(), dropout_seed=5)
+    assert (a.double() - ref).abs().max() < 1e-5
+
+
+def test_learnable_bias_gets_gradients():
+    path = EXAMPLES[0].parent / "relative_bias.attn"
+    v = attncc.parse_file(path)
+    assert v.learnable_inputs, "the example should declare a learnable bias"
+    got, _ = compare(v, Lq=30, Lk=30, H=2)
+    assert got[-1].abs().sum() > 0
+
+
+def test_generated_source_is_deterministic_and_standalone():
+    from attncc.codegen import generate
+    for path in EXAMPLES:
+        v = attncc.parse_file(path)
+        a, b = generate(v).source, generate(attncc.parse_file(path)).source
+        assert a == b
+        assert "import attncc" not in a and "from attncc" not in a
+        compile(a, str(path), "exec")
+
+
+def test_tile_tables_are_rebuilt_after_an_in_place_change():
+    v = attncc.parse("attention d { input doc: i32[q] input dk: i32[k] "
+                     "mask doc[q] == dk[k] and q >= k }")
+    kernel = attncc.compile(v)
+    q, k, w = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    doc = torch.zeros(40, dtype=torch.int32)
+    kernel(q, k, w, doc=doc, dk=doc)
+    doc[20:] = 1  # in place: two documents now
+    out = kernel(q, k, w, doc=doc, dk=doc)
+    ref = attncc.reference(v, q.double(), k.double(), w.double(), doc=doc, dk=doc)
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+def test_outputs_are_fully_written(monkeypatch):
+    # Poison every allocation: an element the kernel forgets to write stays NaN.
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    monkeypatch.setattr(torch, "empty_like",
+                        lambda *a, **kw: real_empty_like(*a, **kw).fill_(float("nan")))
+    v = attncc.parse(WINDOW_SINKS)
+    q, k, w = (torch.randn(1, 2, 37, 16).requires_grad_() for _ in range(3))
+    out, lse = attncc.compile(v)(q, k, w, return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, w), torch.randn_like(out))
+    for t in (out, lse, *grads):
+        assert not torch.isnan(t).any()
+
+
+# ------------------------------------------------------------------- autograd rules
+def test_backward_twice_fails_like_autograd():
+    kernel = attncc.compile(CAUSAL)
+    q, k, w = (torch.randn(1, 1, 8, 16).requires_grad_() for _ in range(3))
+    out = kernel(q, k, w)
+    out.sum().backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        out.sum().backward()
+
+
+def test_backward_after_in_place_change_fails_like_autograd():
+    kernel = attncc.compile(CAUSAL)
+    q, k, w = (torch.randn(1, 1, 8, 16).requires_grad_() for _ in range(3))
+    x = q * 1.0
+    out = kernel(x, k, w)
+    with torch.no_grad():
+        x.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+# ------------------------------------------------------------------- call errors
+def qkv(B=1, H=2, Lq=8, Lk=8, D=16, dtype=torch.float32):
+    return (torch.randn(B, H, Lq, D, dtype=dtype), torch.randn(B, H, Lk, D, dtype=dtype),
+            torch.randn(B, H, Lk, D, dtype=dtype))
+
+
+@pytest.mark.parametrize("case,make,match", [
+    ("rank", lambda: (torch.randn(2, 8, 16),) + qkv()[1:], "q must have 4 dimensions"),
+    ("dtype differs", lambda: (qkv()[0].half(),) + qkv()[1:], "same dtype"),
+    ("float64", lambda: qkv(dtype=torch.float64), "float16, bfloat16 or float32"),
+    ("head dim 8", lambda: qkv(D=8), "head dim 8 is not supported"),
+    ("head dim 512", lambda: qkv(D=512), "head dim 512 is not supported"),
+    ("heads not a multiple", lambda: (torch.randn(1, 3, 8, 16),) + qkv()[1:], "not a multiple"),
+    ("v head dim", lambda: qkv()[:2] + (torch.randn(1, 2, 8, 32),), "v has head dim 32"),
+    ("k, v lengths", lambda: qkv()[:2] + (torch.randn(1, 2, 9, 16),), "same sequence length"),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_bad_tensors_raise_value_errors_naming_them(case, make, match):
+    with pytest.raises(ValueError, match=match):
+        attncc.compile(CAUSAL)(*make())
+
+
+def test_cpu_tensors_without_interpreter_say_how_to_fix(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(CallError, match="TRITON_INTERPRET=1"):
+        attncc.compile(CAUSAL)(*qkv())
+
+
+DOC = "attention d { input doc: i32[q] mask doc[q] == doc[k] }"
+
+
+@pytest.mark.parametrize("inputs,match", [
+    ({}, "missing input 'doc'"),
+    ({"doc": torch.zeros(8, dtype=torch.int32), "extra": torch.zeros(1)}, "unexpected input 'extra'"),
+    ({"doc": torch.zeros(9, dtype=torch.int32)}, "input 'doc' has shape"),
+    ({"doc": torch.zeros(8, dtype=torch.int64)}, "input 'doc' has dtype torch.int64"),
+    ({"doc": [0] * 8}, "must be a torch.Tensor"),
+], ids=["missing", "extra", "shape", "dtype", "not a tensor"])
+def test_bad_inputs_raise_value_errors_naming_them(inputs, match):
+    with pytest.raises(ValueError, match=match):
+        attncc.compile(DOC)(*qkv(), **inputs)
+
+
+def test_layout_offsets_must_align_with_blocks():
+    kernel = attncc.compile("attention l { layout qb >= kb block 16 }")
+    with pytest.raises(ValueError, match="multiples of the layout's block 16"):
+        kernel(*qkv(), q_offset=8)
+
+
+def test_pinned_config_is_checked():
+    with pytest.raises(ValueError, match="BLOCK_M must be a power of two"):
+        attncc.compile(CAUSAL, config=dict(BLOCK_M=48, BLOCK_N=16, num_warps=4, num_stages=1))
