@@ -6,8 +6,14 @@ knows where each node came from), the decorator reports the Python function inst
 """
 from __future__ import annotations
 
+import re
+
 from . import ir
 from .errors import SpecError, did_you_mean
+
+# A name as the grammar's NAME token spells it; the decorator's names must match it too,
+# since names end up in generated code and module names.
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z_0-9]*\Z")
 
 # Which index names each declaration may use, and why the others are out.
 ALLOWED_VARS = {
@@ -30,6 +36,10 @@ WHY_NOT = {
                      "element conditions in `mask`",
     ("layout", "s"): "a layout decides whole tiles before any score exists",
 }
+
+# Deeper expressions are refused: every pass walks the IR recursively, and no real
+# variant is more than a few operators deep.
+MAX_DEPTH = 128
 
 TYPE_WORDS = {ir.INT: "an integer", ir.FLOAT: "a number", ir.BOOL: "a condition (true/false)"}
 
@@ -66,7 +76,13 @@ class Scope:
                             f"as in {name}[{', '.join(_axis_hint(a) for a in inp.axes)}]")
         if name in ir.FUNCTIONS:
             raise SpecError(f"'{name}' is a function; call it, as in {name}(...)")
-        raise SpecError(f"unknown name '{name}'{did_you_mean(name, self.all_names())}")
+        hint = did_you_mean(name, self.all_names())
+        if not hint:
+            known = [v for v in ir.INDEX_VARS if v in ALLOWED_VARS[self.decl]]
+            known += list(self.params) + list(self.inputs)
+            shown = ", ".join(known[:12]) + (", ..." if len(known) > 12 else "")
+            hint = f"; `{self.decl}` can use {shown}" if known else ""
+        raise SpecError(f"unknown name '{name}'{hint}")
 
 
 def _axis_hint(axis) -> str:
@@ -158,11 +174,23 @@ def check_expr(e, scope: Scope, on_error=None) -> str:
         raise
 
 
+def check_depth(e):
+    """Refuse an expression nested deeper than MAX_DEPTH, without recursing to find out."""
+    stack = [(e, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise SpecError(f"this expression is nested more than {MAX_DEPTH} levels deep; "
+                            "a variant's expressions are a few operators long")
+        stack.extend((c, depth + 1) for c in ir.children(node))
+
+
 def check_declared_type(decl: str, t: str):
     """The type each expression declaration must have."""
     if decl in ("mask", "layout") and t != ir.BOOL:
+        example = "qb >= kb" if decl == "layout" else "q >= k"
         raise SpecError(f"`{decl}` must be a condition (true/false), but this is "
-                        f"{TYPE_WORDS[t]}; compare it, as in `q >= k`")
+                        f"{TYPE_WORDS[t]}; compare it, as in `{example}`")
     if decl in ("score", "scale") and t == ir.BOOL:
         raise SpecError(f"`{decl}` must be a number, but this is a condition; "
                         "use where(cond, a, b) to choose between numbers")
@@ -188,15 +216,15 @@ def check_dropout(p):
 
 def check_input(inp: ir.InputDecl):
     if inp.dtype not in ir.DTYPES:
-        raise SpecError(f"unknown element type '{inp.dtype}'{did_you_mean(inp.dtype, ir.DTYPES)}; "
-                        f"use one of {', '.join(ir.DTYPES)}")
+        raise SpecError(f"unknown element type '{inp.dtype}': use one of {', '.join(ir.DTYPES)}"
+                        f"{did_you_mean(inp.dtype, ir.DTYPES)}")
     for a in inp.axes:
         if isinstance(a, int):
             if a < 1:
                 raise SpecError(f"axis size {a} of '{inp.name}' must be at least 1")
         elif a not in ir.AXIS_EXTENTS:
-            raise SpecError(f"unknown axis '{a}' of '{inp.name}'{did_you_mean(a, ir.AXIS_EXTENTS)}; "
-                            f"an axis is a size or one of {', '.join(ir.AXIS_EXTENTS)}")
+            raise SpecError(f"unknown axis '{a}' of '{inp.name}': an axis is a size or one of "
+                            f"{', '.join(ir.AXIS_EXTENTS)}{did_you_mean(a, ir.AXIS_EXTENTS)}")
     if inp.learnable and inp.type != ir.FLOAT:
         raise SpecError(f"learnable input '{inp.name}' must have a floating-point type "
                         "(f16, bf16, f32, f64) to receive gradients")
@@ -206,7 +234,14 @@ KEYWORDS = ("attention", "heads", "scale", "param", "input", "learnable", "mask"
             "block", "score", "dropout", "and", "or", "not", "true", "false")
 
 
+def check_identifier(name, what: str):
+    if not isinstance(name, str) or not IDENTIFIER.match(name):
+        raise SpecError(f"{what} {name!r} is not a name: use ASCII letters, digits and '_', "
+                        "not starting with a digit")
+
+
 def check_name_free(name: str, taken: set):
+    check_identifier(name, "the name")
     if name in KEYWORDS:
         raise SpecError(f"'{name}' is a keyword of the language; choose another name")
     if name in ir.INDEX_VARS:
@@ -219,6 +254,7 @@ def check_name_free(name: str, taken: set):
 
 def check_variant(v: ir.Variant) -> ir.Variant:
     """Check a whole variant (the decorator's path: the parser checks as it goes)."""
+    check_identifier(v.name, "the variant name")
     taken = set()
     for p in v.params:
         check_name_free(p.name, taken)
@@ -234,6 +270,7 @@ def check_variant(v: ir.Variant) -> ir.Variant:
     for decl in ("scale", "mask", "layout", "score"):
         e = getattr(v, decl)
         if e is not None:
+            check_depth(e)
             check_declared_type(decl, check_expr(e, Scope(decl, params, inputs)))
     check_structure(v)
     return v

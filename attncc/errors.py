@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import difflib
 
+# Hostile input can make a message or a source line megabytes long; show a window of it.
+MAX_MESSAGE = 400
+MAX_SHOWN_LINE = 100
+
 
 class AttnccError(Exception):
     """Base class of every error attncc raises on purpose."""
@@ -33,15 +37,29 @@ class SpecError(AttnccError):
         return self
 
     def __str__(self) -> str:
+        message = self.message
+        if len(message) > MAX_MESSAGE:
+            message = f"{message[:MAX_MESSAGE - 100]} ... {message[-80:]}"
         if self.line is None:
             where = f"{self.path}: " if self.path else ""
-            return f"{where}error: {self.message}"
-        head = f"{self.path or '<spec>'}:{self.line}:{self.column}: error: {self.message}"
+            return f"{where}error: {message}"
+        head = f"{self.path or '<spec>'}:{self.line}:{self.column}: error: {message}"
         if self.source_line is None:
             return head
-        text = self.source_line.rstrip("\n").expandtabs(1)
+        # Control characters (a NUL, a terminal escape) print as U+FFFD, one column each.
+        text = "".join(c if c.isprintable() else "\ufffd"
+                       for c in self.source_line.rstrip("\n").expandtabs(1))
         width = min(self.width, max(1, len(text) - self.column + 1))
-        return f"{head}\n    {text}\n    {' ' * (self.column - 1)}{'^' * width}"
+        column = self.column
+        if len(text) > MAX_SHOWN_LINE:
+            # Show the part of the line around the caret, marked as cut with '...'.
+            start = max(0, column - 1 - MAX_SHOWN_LINE // 2)
+            end = start + MAX_SHOWN_LINE
+            shown = ("..." if start else "") + text[start:end] + ("..." if end < len(text) else "")
+            column = column - start + (3 if start else 0)
+            width = min(width, len(shown) - column + 1)
+            text = shown
+        return f"{head}\n    {text}\n    {' ' * (column - 1)}{'^' * width}"
 
 
 class CallError(AttnccError, ValueError):

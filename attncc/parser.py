@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import unicodedata
 from pathlib import Path
 
 import lark
@@ -17,7 +18,11 @@ from . import checker, ir
 from .errors import SpecError, did_you_mean
 from .resources import grammar_path
 
-MAX_SOURCE_BYTES = 1 << 20  # a variant is a few lines; a megabyte is a mistake
+# A variant is a few lines. The limits keep hostile input from taking long to parse
+# (lark takes ~30 us a token) or recursing past Python's stack in the passes.
+MAX_SOURCE_BYTES = 1 << 16
+MAX_DEPTH = checker.MAX_DEPTH
+MAX_INT = 2 ** 63 - 1  # integer literals must fit in 64 bits
 
 # How lark's terminal names read in the language's own words.
 TOKEN_WORDS = {
@@ -25,7 +30,7 @@ TOKEN_WORDS = {
     "ADD_OP": "'+' or '-'", "MUL_OP": "'*', '/', '//' or '%'", "LEARNABLE": "'learnable'",
     "LBRACE": "'{'", "RBRACE": "'}'", "LPAR": "'('", "RPAR": "')'", "LSQB": "'['",
     "RSQB": "']'", "COMMA": "','", "COLON": "':'", "EQUAL": "'='", "SLASH": "'/'",
-    "MINUS": "'-'", "$END": "the end of the file",
+    "MINUS": "'-'", "$END": "the end of the file", "<END-OF-FILE>": "the end of the file",
 }
 KEYWORDS = checker.KEYWORDS
 
@@ -40,45 +45,87 @@ def _lark() -> lark.Lark:
 def parse_file(path) -> ir.Variant:
     path = Path(path)
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            # One byte past the limit is enough to refuse it (and /dev/zero never ends).
+            data = f.read(MAX_SOURCE_BYTES + 1)
     except FileNotFoundError:
         raise SpecError(f"no such file: {path}") from None
     except IsADirectoryError:
         raise SpecError(f"{path} is a directory, not a .attn file") from None
+    except OSError as e:
+        raise SpecError(f"cannot read {path}: {e.strerror or e}") from None
     return parse_bytes(data, str(path))
 
 
 def parse_bytes(data: bytes, path: str = "<spec>") -> ir.Variant:
     if len(data) > MAX_SOURCE_BYTES:
-        raise SpecError(f"the file is {len(data)} bytes; a variant spec is limited to "
-                        f"{MAX_SOURCE_BYTES} bytes", path=path)
+        raise SpecError(f"the file is larger than {MAX_SOURCE_BYTES} bytes, the limit for a "
+                        "variant spec", path=path)
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # editors on Windows may write a byte-order mark
     except UnicodeDecodeError as e:
         line = data[:e.start].count(b"\n") + 1
+        line_start = data.rfind(b"\n", 0, e.start) + 1
+        line_end = data.find(b"\n", e.start)
+        shown = data[line_start:None if line_end < 0 else line_end]
+        column = len(data[line_start:e.start].decode("utf-8", "replace")) + 1
         raise SpecError(f"the file is not UTF-8 text (byte {e.start} cannot be decoded); "
-                        "save it as UTF-8", path=path, line=line, column=1) from None
+                        "save it as UTF-8", path=path, line=line, column=column,
+                        source_line=shown.decode("utf-8", "replace")) from None
     return parse(text, path)
 
 
 def parse(text: str, path: str = "<spec>") -> ir.Variant:
     """Parse and check one variant written in the language."""
     if len(text) > MAX_SOURCE_BYTES:
-        raise SpecError(f"the spec is {len(text)} characters; the limit is {MAX_SOURCE_BYTES}",
-                        path=path)
-    if not text.strip() or all(l.strip().startswith("#") or not l.strip() for l in text.splitlines()):
+        raise SpecError(f"the spec is {len(text)} characters long, more than the limit of "
+                        f"{MAX_SOURCE_BYTES}", path=path)
+    # Lines as lark counts them (only \n ends one), so positions and source lines agree.
+    lines = [l.removesuffix("\r") for l in text.split("\n")]
+    if all(l.strip().startswith("#") or not l.strip() for l in lines):
         raise SpecError("the spec is empty: write `attention NAME { ... }`", path=path)
-    lines = text.splitlines()
+    _check_brackets(text, lines, path)
     try:
         tree = _lark().parse(text)
     except lark.exceptions.UnexpectedInput as e:
         raise _syntax_error(e, text, lines, path) from None
-    except RecursionError:
-        raise SpecError("the expression is nested too deeply to parse", path=path) from None
-    try:
-        return _Builder(lines, path).variant(tree)
-    except RecursionError:
-        raise SpecError("the expression is nested too deeply to compile", path=path) from None
+    builder = _Builder(lines, path)
+    deepest = _too_deep(tree)
+    if deepest is not None:
+        raise builder.fail(f"this expression is nested more than {MAX_DEPTH} levels deep; "
+                           "a variant's expressions are a few operators long", deepest)
+    return builder.variant(tree)
+
+
+def _check_brackets(text, lines, path):
+    """Refuse brackets nested past MAX_DEPTH before lark builds a tree that deep."""
+    depth, line, line_start, in_comment = 0, 1, 0, False
+    for i, ch in enumerate(text):
+        if ch == "\n":
+            line, line_start, in_comment = line + 1, i + 1, False
+        elif in_comment:
+            continue
+        elif ch == "#":
+            in_comment = True
+        elif ch in "([":
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise SpecError(f"brackets are nested more than {MAX_DEPTH} levels deep",
+                                path=path, line=line, column=i - line_start + 1,
+                                source_line=lines[line - 1])
+        elif ch in ")]":
+            depth = max(0, depth - 1)
+
+
+def _too_deep(tree):
+    """The first expression node deeper than MAX_DEPTH, found without recursing."""
+    stack = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return node
+        stack.extend((c, depth + 1) for c in node.children if isinstance(c, Tree))
+    return None
 
 
 # ------------------------------------------------------------------------ syntax errors
@@ -90,11 +137,16 @@ def _syntax_error(e, text, lines, path) -> SpecError:
     src = lines[line - 1] if 0 < line <= len(lines) else ""
     if isinstance(e, lark.exceptions.UnexpectedCharacters):
         ch = text[e.pos_in_stream] if e.pos_in_stream < len(text) else ""
-        msg = f"unexpected character {ch!r}"
-        if ch in "&|!" and ch:
-            msg += {"&": "; write `and`", "|": "; write `or`", "!": "; write `not` (or `!=`)"}[ch]
-        return SpecError(msg, path=path, line=line, column=col, source_line=src)
+        return SpecError(_unexpected_character(ch), path=path, line=line, column=col,
+                         source_line=src)
     token = getattr(e, "token", None)
+    glued = _glued_word(text, token)
+    if glued:
+        # `1.2.3` or `12ab` lex as two tokens; name the whole word instead of its tail.
+        word, start = glued
+        col = start - (text.rfind("\n", 0, start) + 1) + 1
+        return SpecError(f"malformed number '{word}'", path=path, line=line, column=col,
+                         source_line=src, width=len(word))
     expected = sorted(getattr(e, "expected", None) or getattr(e, "accepts", None) or ())
     if token is None or token.type == "$END":
         what = "the file ended"
@@ -104,6 +156,34 @@ def _syntax_error(e, text, lines, path) -> SpecError:
         width = len(str(token))
     msg = what + _expectation(expected, token)
     return SpecError(msg, path=path, line=line, column=col, source_line=src, width=width)
+
+
+def _unexpected_character(ch: str) -> str:
+    hints = {"&": "write `and`", "|": "write `or`", "!": "write `not` (or `!=`)",
+             ";": "declarations need no separator: start the next one on a new line",
+             '"': "the language has no strings", "'": "the language has no strings"}
+    if ch in hints:
+        return f"unexpected character {ch!r}; {hints[ch]}"
+    if not ch.isascii() and ch.isalnum():
+        return f"unexpected character {ch!r}; names are ASCII letters, digits and '_'"
+    if not ch.isprintable() or unicodedata.category(ch) == "Cf":
+        # Invisible characters would print as nothing: name them.
+        label = unicodedata.name(ch, "a control character")
+        return f"unexpected invisible character U+{ord(ch):04X} ({label})"
+    return f"unexpected character {ch!r}"
+
+
+def _glued_word(text: str, token):
+    """(word, start) of `1.2.3` or `12ab` when `token` is the tail of a malformed number."""
+    if token is None or token.type not in ("INT", "FLOAT", "NAME"):
+        return None
+    begin = token.start_pos
+    while begin > 0 and (text[begin - 1].isalnum() or text[begin - 1] in "._"):
+        begin -= 1
+    word = text[begin:token.end_pos]
+    if begin == token.start_pos or not (word[0].isdigit() or word[0] == "."):
+        return None
+    return word, begin
 
 
 def _describe_token(tok: Token) -> str:
@@ -134,7 +214,9 @@ def _expectation(expected, token) -> str:
         return hint
     if not words:
         return ""
-    if "a name" in words and "an integer" in words and len(words) > 4:
+    if "a number" in words:
+        words.discard("an integer")  # an integer is a number
+    if "a name" in words and "a number" in words and len(words) >= 4:
         return "; expected an expression"
     if token is not None and str(token) in KEYWORDS and "a name" in words:
         return f"; '{token}' is a keyword and cannot be used as a name"
@@ -170,6 +252,14 @@ class _Builder:
     def fail(self, message: str, where) -> SpecError:
         return self._locate(SpecError(message), where)
 
+    def integer(self, tok) -> int:
+        """An INT token's value; huge literals are refused before int() sees them."""
+        text = str(tok).lstrip("0") or "0"
+        if len(text) > len(str(MAX_INT)) or int(text) > MAX_INT:
+            shown = text if len(text) <= 30 else f"{text[:12]}...{text[-6:]} ({len(text)} digits)"
+            raise self.fail(f"the integer {shown} is too large; integers must fit in 64 bits", tok)
+        return int(text)
+
     # ---- the variant and its declarations
     def variant(self, tree: Tree) -> ir.Variant:
         name_tok, *decls = tree.children
@@ -197,7 +287,7 @@ class _Builder:
         return v
 
     def decl_heads(self, d, fields):
-        hq, hkv = (int(t) for t in d.children)
+        hq, hkv = (self.integer(t) for t in d.children)
         try:
             checker.check_heads(hq, hkv)
         except SpecError as err:
@@ -207,14 +297,16 @@ class _Builder:
     def decl_block(self, d, fields):
         (tok,) = d.children
         try:
-            checker.check_block(int(tok))
+            checker.check_block(self.integer(tok))
         except SpecError as err:
             raise self._locate(err, tok)
-        fields["block"] = int(tok)
+        fields["block"] = self.integer(tok)
 
     def decl_dropout(self, d, fields):
         (lit,) = d.children
         p = float(lit.children[0])
+        if not math.isfinite(p):
+            raise self.fail("dropout is out of range: the probability must be in [0, 1)", lit)
         try:
             checker.check_dropout(p)
         except SpecError as err:
@@ -250,7 +342,7 @@ class _Builder:
         name_tok, dtype_tok, axes_tree = kids
         name = str(name_tok)
         self._check_new_name(name, name_tok)
-        axes = tuple(int(a.children[0]) if a.data == "axis_size" else str(a.children[0])
+        axes = tuple(self.integer(a.children[0]) if a.data == "axis_size" else str(a.children[0])
                      for a in axes_tree.children)
         inp = ir.InputDecl(name, str(dtype_tok), axes, learnable)
         try:
@@ -272,6 +364,7 @@ class _Builder:
         self.scope = checker.Scope(kind, self.params, self.inputs)
         e = self.expr(body)
         try:
+            checker.check_depth(e)
             checker.check_declared_type(kind, self.types[id(e)])
         except SpecError as err:
             raise self._locate(err, body)
@@ -304,12 +397,14 @@ class _Builder:
         return e
 
     def x_int_lit(self, t):
-        return ir.Const(int(t.children[0]), ir.INT), ()
+        return ir.Const(self.integer(t.children[0]), ir.INT), ()
 
     def x_float_lit(self, t):
         value = float(t.children[0])
         if not math.isfinite(value):
-            raise self.fail(f"the number {t.children[0]} is too large", t)
+            text = str(t.children[0])
+            shown = text if len(text) <= 30 else f"{text[:12]}...{text[-6:]}"
+            raise self.fail(f"the number {shown} is too large", t)
         return ir.Const(value, ir.FLOAT), ()
 
     def x_true_lit(self, t):
@@ -376,8 +471,8 @@ class _Builder:
         if fn not in ir.FUNCTIONS:
             if fn in self.inputs:
                 raise self.fail(f"'{fn}' is a tensor; index it with [ ], not ( )", fn_tok)
-            raise self.fail(f"unknown function '{fn}'{did_you_mean(fn, ir.FUNCTIONS)}; "
-                            f"the functions are {', '.join(ir.FUNCTIONS)}", fn_tok)
+            raise self.fail(f"unknown function '{fn}': the functions are {', '.join(ir.FUNCTIONS)}"
+                            f"{did_you_mean(fn, ir.FUNCTIONS)}", fn_tok)
         arity, _ = ir.FUNCTIONS[fn]
         if len(arg_trees) != arity:
             raise self.fail(f"{fn}() takes {arity} argument{'s' if arity > 1 else ''}, "
