@@ -106,6 +106,7 @@ class Kernel:
 
     def __init__(self, variant: ir.Variant, config: dict | None = None):
         self.variant = variant
+        self.key = variant.key()  # hashed once: the tuner looks configs up on every call
         self.generated, self.module = load_generated(variant)
         self.pinned_config = tuning.check_config(config, "config") if config else None
 

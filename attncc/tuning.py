@@ -133,7 +133,7 @@ def config_for(kernel, problem, dtype, direction: str, run=None) -> dict:
         return kept[0]
     key = (f"{direction}-d{problem.dim}-{str(dtype).replace('torch.', '')}-g{problem.group}"
            f"-q{length_bucket(problem.len_q)}-k{length_bucket(problem.len_k)}")
-    mem_key = (kernel.variant.key(), key)
+    mem_key = (kernel.key, key)
     if mem_key in _MEMORY:
         return _MEMORY[mem_key]
     path = _cache_file(kernel.variant)

@@ -4,6 +4,8 @@
 set -u
 groups=("full,causal" "causal_gqa,sliding_window" "document,bigbird" "alibi,softcap"
         "bottom_right,prefix_lm" "sinks_window,chunked" "dropout,rel_bias" "empty_rows")
+# Correctness, not speed: the first candidate config, no tuning (tuning compiles many).
+export ATTNCC_TUNE=0
 mkdir -p /tmp/corr
 for i in "${!groups[@]}"; do
   python3 benchmarks/gpu_suite.py --part correctness --variants "${groups[$i]}" \
