@@ -1,0 +1,87 @@
+"""A real install: `pip install .` into a fresh virtualenv, then attncc used from elsewhere.
+
+Editable installs read grammar/ and templates/ from the checkout, so they cannot show
+that a wheel carries them. This test builds and installs a wheel (no editable mode),
+then runs from a directory outside the repository, where the checkout is not on the path.
+torch and the other dependencies come from the system site-packages, so nothing is
+downloaded.
+"""
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+JUNK = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__",
+                              ".pytest_cache", "*.pyc", ".venv*", "venv")
+
+
+def run(cmd, **kw):
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, **kw)
+    assert r.returncode == 0, f"{cmd} exited {r.returncode}\n{r.stdout}\n{r.stderr}"
+    return r
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory):
+    base = tmp_path_factory.mktemp("packaging")
+    # Build from a copy: an in-tree build would write build/ and *.egg-info into the
+    # checkout that other work is using.
+    source = base / "src"
+    shutil.copytree(ROOT, source, ignore=JUNK)
+    env_dir = base / "venv"
+    # --without-pip: the venv then uses the system's pip and setuptools rather than the
+    # older setuptools that ensurepip bundles (which lacks bdist_wheel).
+    run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(env_dir)])
+    python = env_dir / ("Scripts" if os.name == "nt" else "bin") / "python"
+    run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--no-index", str(source)], cwd=base)
+    shutil.rmtree(source)  # the installed package must not need its source tree
+    return env_dir, python, base
+
+
+def test_installed_package_carries_its_grammar_and_templates(venv):
+    env_dir, python, base = venv
+    outside = base / "elsewhere"
+    outside.mkdir()
+    example = ROOT / "examples" / "sliding_window.attn"
+    snippet = textwrap.dedent(f"""
+        import sys, sysconfig
+        from pathlib import Path
+        import attncc
+        from attncc import resources
+        site = Path(sysconfig.get_paths()["purelib"]).resolve()
+        checkout = Path({str(ROOT)!r}).resolve()
+        for found in (Path(attncc.__file__), resources.grammar_path(), resources.templates_dir()):
+            found = found.resolve()
+            assert found.is_relative_to(site), (found, site)
+            assert not found.is_relative_to(checkout), found
+        assert resources.grammar_path().is_file()
+        assert any(resources.templates_dir().glob("*.jinja"))
+        v = attncc.parse_file({str(example)!r})
+        assert v.name == "sliding_window" and v.param("window").value == 1024
+        print("ok", resources.grammar_path())
+    """)
+    # -I: isolated mode, so neither the working directory nor PYTHONPATH can put the
+    # checkout on the path.
+    r = run([str(python), "-I", "-c", snippet], cwd=outside)
+    assert r.stdout.startswith("ok ") and str(env_dir.resolve()) in r.stdout
+
+
+def test_installed_console_script_shows_an_example(venv):
+    env_dir, python, base = venv
+    script = env_dir / ("Scripts" if os.name == "nt" else "bin") / "attncc"
+    assert script.exists()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = run([str(script), "show", str(ROOT / "examples" / "causal.attn")], cwd=base, env=env)
+    assert r.stdout == "attention causal {\n    mask    q >= k\n}\n"
+    bad = base / "bad.attn"
+    bad.write_text("attention a {\n    mask q >= kk\n}\n")
+    r = subprocess.run([str(script), "show", "bad.attn"], capture_output=True, text=True,
+                       cwd=base, env=env, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("bad.attn:2:15: error: unknown name 'kk'")
