@@ -1,0 +1,325 @@
+"""attncc compile / check / bench: the commands, their exit codes, and their helpers.
+
+compile is checked against tile counts derived by hand; check runs once end to end under
+the Triton interpreter and its pass/fail rule is a truth table; bench only has its no-GPU
+path and its helpers (FlexAttention translation, SDPA eligibility, pair counts) here.
+"""
+import ast
+import math
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import attncc
+from attncc import commands
+from attncc.arguments import Problem
+from attncc.cli import main
+from attncc.codegen import generate
+from attncc.reference import allowed_pairs, reference, scale_value
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+ALL_EXAMPLES = sorted(EXAMPLES.glob("*.attn"))
+
+
+def run_cli(*argv, env_extra=None, drop=(), timeout=120):
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "attncc.cli", *argv], capture_output=True,
+                          text=True, env=env, timeout=timeout, cwd=ROOT)
+
+
+# ------------------------------------------------------------------ compile
+def _imports(tree) -> set:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names.add((node.module or "").split(".")[0] if node.level == 0 else ".")
+    return names
+
+
+@pytest.mark.parametrize("name", ["causal", "document", "bigbird", "relative_bias"])
+def test_compile_writes_a_standalone_module(name, tmp_path, capsys):
+    spec = EXAMPLES / f"{name}.attn"
+    assert main(["compile", str(spec), "-o", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    path = tmp_path / f"{name}.py"
+    assert path.exists()
+    text = path.read_text()
+    assert _imports(ast.parse(text)) <= {"math", "torch", "triton", "__future__"}
+    assert "import attncc" not in text and "from attncc" not in text
+    variant = attncc.load(spec)
+    assert text == generate(variant).source
+    assert f"strategy  {generate(variant).strategy}" in out
+    assert "interpreter: fwd 16x16" in out
+    assert "written" in out
+
+
+def test_compile_writes_only_when_changed(tmp_path, capsys):
+    spec = str(EXAMPLES / "causal.attn")
+    assert main(["compile", spec, "-o", str(tmp_path)]) == 0
+    path = tmp_path / "causal.py"
+    os.utime(path, (1, 1))
+    assert main(["compile", spec, "-o", str(tmp_path)]) == 0
+    assert "unchanged" in capsys.readouterr().out
+    assert path.stat().st_mtime == 1
+
+
+VISITED = re.compile(r"at len (\d+): ([0-9.]+) of the (\d+)x(\d+) forward tiles \((\d+) of (\d+)\)")
+
+
+def _causal_tiles(n, bm, bn):
+    """Tiles (i, j) holding some q >= k: the largest q of row tile i reaches key tile j."""
+    qt, kt = -(-n // bm), -(-n // bn)
+    visited = sum(1 for i in range(qt) for j in range(kt) if min(n, (i + 1) * bm) - 1 >= j * bn)
+    return visited, qt * kt
+
+
+def _window_tiles(n, bm, bn, window):
+    qt, kt = -(-n // bm), -(-n // bn)
+    visited = 0
+    for i in range(qt):
+        q_lo, q_hi = i * bm, min(n, (i + 1) * bm) - 1
+        for j in range(kt):
+            k_lo, k_hi = j * bn, min(n, (j + 1) * bn) - 1
+            # some k in [q - window + 1, q] for some q in the tile
+            visited += k_lo <= q_hi and k_hi >= q_lo - window + 1
+    return visited, qt * kt
+
+
+@pytest.mark.parametrize("name,n,expect", [
+    ("causal", 256, _causal_tiles),
+    ("causal", 1000, _causal_tiles),
+    ("sliding_window", 4000, lambda n, bm, bn: _window_tiles(n, bm, bn, 1024)),
+    ("full", 300, lambda n, bm, bn: (-(-n // bm) * -(-n // bn),) * 2),
+])
+def test_compile_reports_the_fraction_of_tiles_visited(name, n, expect, tmp_path, capsys):
+    assert main(["compile", str(EXAMPLES / f"{name}.attn"), "-o", str(tmp_path), "--len", str(n)]) == 0
+    m = VISITED.search(capsys.readouterr().out)
+    assert m, "no 'visited' line"
+    length, frac, bm, bn, visited, total = m.groups()
+    assert int(length) == n
+    want_visited, want_total = expect(n, int(bm), int(bn))
+    assert (int(visited), int(total)) == (want_visited, want_total)
+    assert float(frac) == pytest.approx(want_visited / want_total, abs=5e-4)
+
+
+def test_compile_len_beyond_the_dense_limit_says_so(tmp_path, capsys):
+    assert main(["compile", str(EXAMPLES / "causal.attn"), "-o", str(tmp_path), "--len", "9000"]) == 0
+    assert "needs --len <= 8192" in capsys.readouterr().out
+
+
+def test_compile_missing_spec_exits_2_without_traceback(tmp_path):
+    r = run_cli("compile", str(tmp_path / "missing.attn"), "-o", str(tmp_path))
+    assert r.returncode == 2
+    assert "no such file" in r.stderr and "missing.attn" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_compile_bad_spec_exits_2_with_a_located_message(tmp_path, capsys):
+    spec = tmp_path / "bad.attn"
+    spec.write_text("attention bad {\n    mask q >= kk\n}\n")
+    assert main(["compile", str(spec), "-o", str(tmp_path)]) == 2
+    assert "bad.attn:2:" in capsys.readouterr().err
+    assert not (tmp_path / "bad.py").exists()
+
+
+# ------------------------------------------------------------------ check
+TABLE_ROW = re.compile(r"^\s+(out|lse|dq|dk|dv)\s+\S+\s+\S+\s+\S+\s+OK$", re.M)
+
+
+def test_check_runs_under_the_interpreter():
+    r = run_cli("check", str(EXAMPLES / "causal.attn"), "--len", "20,33",
+                env_extra={"TRITON_INTERPRET": "1"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("len_q 20, len_k 20") == 1 and r.stdout.count("len_q 33, len_k 33") == 1
+    assert len(TABLE_ROW.findall(r.stdout)) == 10
+    assert "OK: every tensor within tolerance" in r.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
+def test_check_sets_the_interpreter_itself_without_a_gpu():
+    # A learnable input, GQA heads and empty rows (the first 3 queries see no key).
+    spec = "attention shifted { learnable input bias: f32[h] mask q >= k + 3 score s + bias[h] }"
+    r = run_cli("check", spec, "--len", "19", "--heads", "4/2", "--dim", "16", "--dtype", "float16",
+                drop=("TRITON_INTERPRET",))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "CPU, Triton interpreter" in r.stdout
+    assert re.search(r"^\s+dbias\s.*OK$", r.stdout, re.M)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="bfloat16 is allowed on a GPU")
+def test_check_refuses_bfloat16_under_the_interpreter(monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert main(["check", str(EXAMPLES / "causal.attn"), "--dtype", "bfloat16"]) == 2
+    assert "bfloat16" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("err_kernel,err_eager,dtype,ok", [
+    (0.0, 0.0, torch.float32, True),
+    (1e-5, 0.0, torch.float32, True),            # atol covers an exact eager result
+    (1.1e-5, 0.0, torch.float32, False),
+    (2e-3 + 1e-5, 1e-3, torch.float32, True),    # exactly 2x + atol
+    (2e-3 + 2e-5, 1e-3, torch.float32, False),
+    (3e-3, 1e-3, torch.float16, True),           # half types: atol 1e-3
+    (3.1e-3, 1e-3, torch.bfloat16, False),
+    (math.nan, 1e-3, torch.float16, False),      # NaN never passes
+    (math.inf, 1e-3, torch.float16, False),      # -inf rows that do not match
+    (1e-4, math.nan, torch.float32, False),
+])
+def test_within_tolerance_truth_table(err_kernel, err_eager, dtype, ok):
+    assert commands.within_tolerance(err_kernel, err_eager, dtype) is ok
+
+
+def test_max_abs_error_nan_and_infinite_rows():
+    ref = torch.tensor([1.0, -math.inf, 2.0])
+    assert commands.max_abs_error(torch.tensor([1.5, -math.inf, 2.0]), ref) == 0.5
+    assert math.isinf(commands.max_abs_error(torch.tensor([1.0, 0.0, 2.0]), ref))       # lost -inf
+    assert math.isinf(commands.max_abs_error(torch.tensor([-math.inf, -math.inf, 2.0]), ref))  # extra
+    assert math.isnan(commands.max_abs_error(torch.tensor([1.0, -math.inf, math.nan]), ref))
+
+
+class _FakeKernel:
+    """The reference in the kernel's dtype, optionally broken after the fact."""
+
+    def __init__(self, variant, damage=None):
+        self.variant, self.damage = variant, damage
+
+    def __call__(self, q, k, v, **kw):
+        out, lse = reference(self.variant, q, k, v, **kw)
+        if self.damage:
+            out = self.damage(out)
+        return out, lse
+
+
+@pytest.mark.parametrize("damage,ok", [
+    (None, True),
+    (lambda o: o + 1e-2, False),
+    (lambda o: torch.where(torch.arange(o.shape[2]).view(1, 1, -1, 1) == 5, torch.nan, o), False),
+])
+def test_check_shape_flags_a_wrong_output(damage, ok):
+    variant = attncc.load(EXAMPLES / "relative_bias.attn")
+    rows = commands.check_shape(variant, _FakeKernel(variant, damage), batch=2, heads=(2, 2),
+                                len_q=13, len_k=17, dim=16, dtype=torch.float32, device="cpu", seed=0)
+    assert [r[0] for r in rows] == ["out", "lse", "dq", "dk", "dv", "dbias"]
+    assert dict((r[0], r[3]) for r in rows)["out"] is ok
+    assert dict((r[0], r[3]) for r in rows)["lse"] is True
+
+
+def test_poisoned_allocations_fill_empty_tensors_with_nan():
+    with commands.poisoned_allocations():
+        assert torch.isnan(torch.empty(4)).all()
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+# ------------------------------------------------------------------ sample inputs, tiles
+def test_sample_inputs_are_deterministic_documents_and_sparse_layouts():
+    variant = attncc.load(EXAMPLES / "document.attn")
+    p = Problem(1, 1, 1, 700, 900, 16, 16)
+    a, b = commands.sample_inputs(variant, p, seed=3), commands.sample_inputs(variant, p, seed=3)
+    assert torch.equal(a["doc_q"], b["doc_q"]) and a["doc_q"].dtype == torch.int32
+    assert torch.equal(a["doc_k"][:700], a["doc_q"])  # one numbering of positions
+    assert (a["doc_k"].diff() >= 0).all() and a["doc_k"].unique().numel() >= 2
+    lay = commands.sample_inputs(attncc.load(EXAMPLES / "bigbird.attn"),
+                                 Problem(1, 1, 1, 128 * 64, 128 * 64, 16, 16))["random_blocks"]
+    assert lay.dtype == torch.bool and abs(lay.float().mean().item() - 0.25) < 0.03
+
+
+def test_tile_visit_fraction_matches_a_naive_loop():
+    g = torch.Generator().manual_seed(0)
+    allowed = torch.rand(2, 3, 45, 70, generator=g) < 0.02
+    visited, total = commands.tile_visit_fraction(allowed, 16, 32)
+    naive = sum(bool(allowed[b, h, i:i + 16, j:j + 32].any())
+                for b in range(2) for h in range(3) for i in range(0, 45, 16) for j in range(0, 70, 32))
+    assert total == 3 * 3 and visited == pytest.approx(naive / 6)
+
+
+# ------------------------------------------------------------------ bench
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_bench_without_a_gpu_exits_2(capsys):
+    assert main(["bench", str(EXAMPLES / "causal.attn")]) == 2
+    assert capsys.readouterr().err.strip() == "attncc bench needs a CUDA GPU; none was found"
+
+
+@pytest.mark.parametrize("spec", ALL_EXAMPLES, ids=lambda p: p.stem)
+def test_flex_mask_mod_is_allowed_pairs(spec):
+    variant = attncc.load(spec)
+    hq, hkv = commands.default_heads(variant, 2)
+    B, L = 2, 300
+    p = Problem(B, hq, hkv, L, L - 37, 16, 16)
+    inputs = commands.sample_inputs(variant, p, seed=1)
+    mask_mod, _ = commands.flex_mods(variant, len_q=L, len_k=L - 37, dim=16, inputs=inputs)
+    want = allowed_pairs(variant, p, inputs, "cpu").expand(B, hq, L, L - 37)
+    if mask_mod is None:
+        assert want.all()
+        return
+    got = mask_mod(torch.arange(B).view(-1, 1, 1, 1), torch.arange(hq).view(1, -1, 1, 1),
+                   torch.arange(L).view(1, 1, -1, 1), torch.arange(L - 37).view(1, 1, 1, -1))
+    assert torch.equal(got.expand_as(want), want)
+
+
+@pytest.mark.parametrize("name", ["alibi", "softcap", "relative_bias", "document"])
+def test_flex_mods_reproduce_the_reference_in_eager_flex_attention(name):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    variant = attncc.load(EXAMPLES / f"{name}.attn")
+    B, H, L, D = 1, 2, 96, 16
+    p = Problem(B, H, H, L, L, D, D)
+    inputs = commands.sample_inputs(variant, p, seed=2)
+    mask_mod, score_mod = commands.flex_mods(variant, len_q=L, len_k=L, dim=D, inputs=inputs)
+    block_mask = None
+    if mask_mod is not None:  # under vmap, as FlexAttention evaluates it
+        block_mask = create_block_mask(mask_mod, B, H, L, L, device="cpu", BLOCK_SIZE=32)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, D, generator=g, dtype=torch.float64) for _ in range(3))
+    with warnings.catch_warnings():  # eager flex_attention warns that it is slow
+        warnings.simplefilter("ignore")
+        got = flex_attention(q.float(), k.float(), v.float(), score_mod=score_mod,
+                             block_mask=block_mask, scale=scale_value(variant, D))
+    ref = reference(variant, q, k, v, **{n: t.double() if t.is_floating_point() else t
+                                         for n, t in inputs.items()})
+    assert (got.double() - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("name,len_q,len_k,want", [
+    ("full", 128, 200, {"is_causal": False}),
+    ("causal", 128, 128, {"is_causal": True}),
+    ("causal", 128, 200, None),            # torch's is_causal is top-left: only equal lengths
+    ("gqa_causal", 64, 64, {"is_causal": True}),
+    ("dropout", 64, 64, {"is_causal": True, "dropout_p": 0.1}),
+    ("sliding_window", 64, 64, None),
+    ("alibi", 64, 64, None),
+    ("bigbird", 256, 256, None),
+])
+def test_sdpa_expressible(name, len_q, len_k, want):
+    assert commands.sdpa_expressible(attncc.load(EXAMPLES / f"{name}.attn"), len_q, len_k) == want
+
+
+def test_pairs_per_head_exact_and_sampled(monkeypatch):
+    variant = attncc.load(EXAMPLES / "causal.attn")
+    p = Problem(4, 2, 2, 1000, 1000, 16, 16)
+    pairs, exact = commands.pairs_per_head(variant, p, {}, "cpu")
+    assert exact and pairs == 1000 * 1001 / 2
+    monkeypatch.setattr(commands, "MAX_BENCH_EXACT_LEN", 100)
+    monkeypatch.setattr(commands, "BENCH_SAMPLE_SIDE", 128)
+    est, exact = commands.pairs_per_head(variant, p, {}, "cpu")
+    assert not exact and est == pytest.approx(pairs, rel=0.02)
+    flops = commands.attention_flops(pairs, batch=4, heads=2, dim=16)
+    assert flops["fwd"] == 4 * 4 * 2 * 16 * pairs and flops["bwd"] == 2.5 * flops["fwd"]
+
+
+def test_bench_table_formats_skips_and_ratios():
+    meta = {"len": 4096, "batch": 4, "heads_q": 16, "heads_kv": 16, "dim": 128,
+            "pairs_per_head": 8.4e6, "pairs_exact": True}
+    res = {"attncc": {"fwd_ms": 1.0, "bwd_ms": 2.0, "fwd_tflops": 100.0, "bwd_tflops": 120.0},
+           "flex": {"fwd_ms": 1.5, "bwd_ms": 3.0, "fwd_tflops": 66.7, "bwd_tflops": 80.0},
+           "sdpa-flash": {"skipped": "not expressible"}}
+    text = commands.format_bench(meta, res)
+    assert "1.50x" in text and "sdpa-flash  skipped: not expressible" in text
