@@ -170,7 +170,8 @@ def test_check_refuses_bfloat16_under_the_interpreter(monkeypatch, capsys):
     (2e-3 + 1e-5, 1e-3, torch.float32, True),    # exactly 2x + atol
     (2e-3 + 2e-5, 1e-3, torch.float32, False),
     (3e-3, 1e-3, torch.float16, True),           # half types: atol 1e-3
-    (3.1e-3, 1e-3, torch.bfloat16, False),
+    (2e-3 + 8e-3, 1e-3, torch.bfloat16, True),  # bf16: atol 8e-3 (one bf16 ulp at 1)
+    (1.1e-2, 1e-3, torch.bfloat16, False),
     (math.nan, 1e-3, torch.float16, False),      # NaN never passes
     (math.inf, 1e-3, torch.float16, False),      # -inf rows that do not match
     (1e-4, math.nan, torch.float32, False),
