@@ -19,7 +19,9 @@ import time
 
 from . import ir
 
-TUNE_AT_MOST = 4  # candidates timed per key: compiles dominate cold-start time
+# Candidates timed per key: compiles dominate cold-start time. ATTNCC_TUNE_CANDIDATES
+# raises it (to search more widely once; the winner is cached either way).
+TUNE_AT_MOST = int(os.environ.get("ATTNCC_TUNE_CANDIDATES", "4"))
 _MEMORY: dict = {}  # tuning key -> config, for this process
 _LOCK = threading.Lock()
 
@@ -69,15 +71,17 @@ def keep(config: dict, variant: ir.Variant, head_dim: int, direction: str) -> bo
 
 def candidates(direction: str) -> list:
     """Hopper-oriented candidates, most likely winner first (ATTNCC_TUNE=0 takes it)."""
+    # Measured on an H100 (benchmarks/RESULTS.md): 64x64 tiles with 4 warps won every
+    # key so far; 32x128 dK/dV tiles spill their two accumulators and ran 3.6x slower.
     if direction == "fwd":
-        shapes = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3),
-                  (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)]
-    elif direction == "dkdv":  # a tall key tile stays on chip; query tiles stream past it
-        shapes = [(32, 128, 4, 2), (64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3),
-                  (32, 32, 4, 1), (16, 16, 4, 1)]
-    elif direction == "dq":  # a tall query tile stays on chip; key tiles stream past it
-        shapes = [(128, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3),
-                  (32, 32, 4, 1), (16, 16, 4, 1)]
+        shapes = [(64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3), (64, 64, 4, 4),
+                  (128, 64, 8, 3), (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)]
+    elif direction == "dkdv":  # the key tile stays on chip; query tiles stream past it
+        shapes = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 64, 8, 2),
+                  (64, 128, 8, 2), (128, 64, 8, 2), (32, 32, 4, 1), (16, 16, 4, 1)]
+    elif direction == "dq":  # the query tile stays on chip; key tiles stream past it
+        shapes = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (64, 64, 8, 2),
+                  (128, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)]
     else:
         raise ValueError(f"unknown direction {direction!r}")
     return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
