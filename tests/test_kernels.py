@@ -118,6 +118,7 @@ WINDOW_SINKS = "attention ws { mask q >= k and (q - k < 9 or k < 3) }"
     (33, 33, 80, 3, 1),   # MQA, head dim 80 (padded to 128)
     (17, 40, 96, 2, 2),   # len_q < len_k, head dim 96
     (40, 17, 16, 8, 2),   # len_q > len_k, GQA 4
+    (12, 30, 16, 8, 1),   # GQA 8 (MQA)
     (16, 16, 192, 1, 1),  # head dim 192
     (19, 19, 256, 1, 1),  # head dim 256
 ], ids=lambda x: str(x))
@@ -140,6 +141,22 @@ def test_layout_with_offsets_and_mask():
     v = attncc.parse("attention l { input blocks: bool[h, qb, kb] "
                      "layout blocks[h, qb, kb] or qb == kb block 16 mask q >= k }")
     compare(v, Lq=40, Lk=50, q_offset=16, k_offset=0)
+
+
+def test_strided_tensors_in_sequence_major_layout():
+    # (batch, seq, heads, dim) storage seen as (batch, heads, seq, dim): a common layout.
+    v = attncc.parse(WINDOW_SINKS)
+    gen = torch.Generator().manual_seed(5)
+    q, k, w = (torch.randn(2, 29, 3, 32, generator=gen).transpose(1, 2).requires_grad_()
+               for _ in range(3))
+    do = torch.randn(2, 29, 3, 32, generator=gen).transpose(1, 2)
+    out = attncc.compile(v)(q, k, w)
+    grads = torch.autograd.grad(out, (q, k, w), do)
+    ref = attncc.reference(v, q.double(), k.double(), w.double())
+    rgrads = torch.autograd.grad(ref, (q, k, w), do.double())
+    assert (out.double() - ref).abs().max() < 1e-5
+    for g, r in zip(grads, rgrads):
+        assert (g.double() - r).abs().max() < 1e-5
 
 
 # ------------------------------------------------------------------- semantics
