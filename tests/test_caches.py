@@ -1,0 +1,237 @@
+"""Caches that cannot corrupt: the generated-module cache and the tuning cache.
+
+Real processes race on one cache directory; damaged files must be detected and
+rewritten, never imported or trusted as they are; and every cache key changes with
+whatever changes the code or the machine.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import attncc
+from attncc import runtime, tuning
+from attncc.codegen import generate
+
+SPEC = "attention cached { mask q >= k and q - k < 21 }"
+CALL_AND_CHECK = """
+import attncc, torch
+kernel = attncc.compile({spec!r})
+q, k, v = (torch.randn(1, 2, 37, 16) for _ in range(3))
+out = kernel(q, k, v)
+ref = attncc.reference(kernel.variant, q.double(), k.double(), v.double())
+assert (out.double() - ref).abs().max() < 1e-4, "wrong result"
+print(kernel.module.__file__)
+"""
+
+
+def env_for(cache: Path) -> dict:
+    env = dict(os.environ, ATTNCC_CACHE_DIR=str(cache), TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(attncc.__file__).parent.parent),
+                                         env.get("PYTHONPATH", "")])
+    return env
+
+
+def python(code: str, cache: Path, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env=env_for(cache), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def module_files(cache: Path, variant) -> list:
+    return sorted((cache / "modules").glob(f"{generate(variant).module_name}_*.py"))
+
+
+# ------------------------------------------------------------------ (a) racing processes
+def test_processes_compiling_the_same_variant_at_once_share_one_module(tmp_path):
+    """Processes start together (each signals it has imported everything, then waits
+    for one start signal), compile and run the same variant into one empty cache."""
+    cache, n = tmp_path / "cache", 4
+    script = textwrap.dedent("""
+        import os, sys, time
+        import attncc, torch
+        ready, start = sys.argv[1], sys.argv[2]
+        open(ready, "w").close()
+        while not os.path.exists(start):
+            time.sleep(0.0005)
+    """) + CALL_AND_CHECK.format(spec=SPEC)
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / f"ready{i}"),
+                               str(tmp_path / "start")], env=env_for(cache),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(n)]
+    try:
+        deadline = time.time() + 120
+        while not all((tmp_path / f"ready{i}").exists() for i in range(n)):
+            assert time.time() < deadline, "the processes never got ready"
+            assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+            time.sleep(0.01)
+        (tmp_path / "start").touch()
+        results = [p.communicate(timeout=120) + (p.returncode,) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for out, err, rc in results:
+        assert rc == 0, err
+    variant = attncc.parse(SPEC)
+    files = module_files(cache, variant)
+    assert len(files) == 1, files
+    assert {out.strip() for out, _, _ in results} == {str(files[0])}
+    assert files[0].read_text() == generate(variant).source
+    leftovers = [p.name for p in (cache / "modules").iterdir() if p != files[0]
+                 and p.name != "__pycache__"]
+    assert not leftovers, f"temporary files left behind: {leftovers}"
+
+
+# ------------------------------------------------------------------ (b) damaged modules
+def _cached_module(cache: Path) -> Path:
+    result = python(CALL_AND_CHECK.format(spec=SPEC), cache)
+    assert result.returncode == 0, result.stderr
+    path = Path(result.stdout.strip())
+    assert path.parent == cache / "modules" and path.read_text() == generate(attncc.parse(SPEC)).source
+    return path
+
+
+def test_a_damaged_module_file_is_rewritten_not_imported(tmp_path):
+    """Each damage in turn, each followed by a fresh process compiling the variant.
+    (Bytes that are not UTF-8: see test_regressions.py.)"""
+    cache = tmp_path / "cache"
+    path = _cached_module(cache)
+    whole = path.read_text()
+    damages = {
+        "truncated": whole[: len(whole) // 2],  # cut mid-definition: a SyntaxError if imported
+        "empty": "",
+        # Valid Python that would import cleanly and then do the wrong thing.
+        "garbage_python": "def forward(*a, **k):\n    raise SystemExit('imported a damaged module')\n",
+        "stale_text": whole.replace("BLOCK", "BL0CK", 3),
+    }
+    for damage, text in damages.items():
+        path.write_text(text)
+        result = python(CALL_AND_CHECK.format(spec=SPEC), cache)
+        assert result.returncode == 0, (damage, result.stderr[-2000:])
+        assert Path(result.stdout.strip()) == path, damage
+        assert path.read_text() == whole, f"{damage}: the damaged file was not rewritten"
+
+
+# ------------------------------------------------------------------ (c) the tuning cache
+CONFIG = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+
+
+@pytest.mark.parametrize("damage", [
+    b"", b"{", b"{\"fwd-d64\": ", b"[1, 2, 3]", b"null", b"\"text\"",
+    b"{\"fwd-d64\": {\"BLOCK_M\": 64}}",  # a config missing keys
+    b"{\"fwd-d64\": {\"BLOCK_M\": 48, \"BLOCK_N\": 32, \"num_warps\": 4, \"num_stages\": 2}}",
+    b"{\"fwd-d64\": 7}",
+], ids=["empty", "open_brace", "truncated", "list", "null", "string", "missing_keys",
+        "bad_block", "not_a_dict"])
+def test_a_damaged_tuning_file_is_ignored_and_rebuilt(tmp_path, damage):
+    path = tmp_path / "tuning" / "v.json"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(damage)
+    assert tuning._load(path) == {}
+    tuning._store(path, "dq-d32", CONFIG)
+    assert json.loads(path.read_text()) == {"dq-d32": CONFIG}
+    assert tuning._load(path) == {"dq-d32": CONFIG}
+
+
+def test_tuning_entries_accumulate_and_a_missing_file_is_created(tmp_path):
+    path = tmp_path / "deep" / "dir" / "v.json"
+    assert tuning._load(path) == {}
+    tuning._store(path, "a", CONFIG)
+    tuning._store(path, "b", dict(CONFIG, BLOCK_M=128))
+    tuning._store(path, "a", dict(CONFIG, num_warps=8))  # a later winner replaces it
+    assert tuning._load(path) == {"a": dict(CONFIG, num_warps=8), "b": dict(CONFIG, BLOCK_M=128)}
+
+
+STORE_MANY = """
+import os, sys, time
+from pathlib import Path
+from attncc import tuning
+path, who, start, n = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+while not os.path.exists(start):
+    time.sleep(0.0005)
+for i in range(n):
+    tuning._store(path, f"{who}-{i}", dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1))
+"""
+
+
+def test_processes_storing_different_keys_at_once_leave_a_valid_file(tmp_path):
+    """Two processes each store their own keys concurrently. Every write is an atomic
+    replace, so the file is always valid JSON holding only valid configs. _store is a
+    read-modify-write with only an in-process lock, so an entry the other process
+    wrote between our read and our replace can be lost (measured below, not asserted:
+    a lost entry costs one re-tuning, never a wrong config)."""
+    path, n = tmp_path / "tuning" / "v.json", 40
+    procs = [subprocess.Popen([sys.executable, "-c", STORE_MANY, str(path), who,
+                               str(tmp_path / "start"), str(n)], env=env_for(tmp_path),
+                              stderr=subprocess.PIPE, text=True) for who in ("a", "b")]
+    time.sleep(1.0)  # both have imported attncc.tuning (a light import) by now
+    (tmp_path / "start").touch()
+    for p in procs:
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+    data = json.loads(path.read_text())
+    assert data and all(tuning.check_config(c, "t") for c in data.values())
+    assert set(data) <= {f"{w}-{i}" for w in "ab" for i in range(n)}
+    # Each process's own last key always survives its own final write... unless the
+    # other process replaced the file after reading it before that write. So at least
+    # the last writer's final key survives.
+    assert f"a-{n - 1}" in data or f"b-{n - 1}" in data
+    lost = 2 * n - len(data)
+    print(f"tuning entries lost to concurrent read-modify-write: {lost} of {2 * n}")
+
+
+# ------------------------------------------------------------------ (d) cache keys
+def test_module_name_and_digest_change_with_the_ir(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
+    a = attncc.parse("attention w { param window: int = 8 mask q >= k and q - k < window }")
+    b = attncc.parse("attention w { param window: int = 9 mask q >= k and q - k < window }")
+    assert a.key() != b.key()
+    ga, gb = generate(a), generate(b)
+    assert ga.module_name != gb.module_name and a.key() in ga.module_name
+    assert ga.source != gb.source
+    (gen_a, mod_a), (gen_b, mod_b) = runtime.load_generated(a), runtime.load_generated(b)
+    assert mod_a.__file__ != mod_b.__file__
+    assert len(list((tmp_path / "modules").glob("attncc_w_*.py"))) == 2
+    # And the same IR, parsed again, names the same module.
+    assert runtime.load_generated(attncc.parse(
+        "attention w { param window: int = 8 mask q >= k and q - k < window }"))[1] is mod_a
+
+
+def test_module_name_changes_with_every_part_of_the_variant():
+    base = "attention v { heads 4 / 2 param c: float = 2.0 mask q >= k score s * c }"
+    edits = [base.replace("4 / 2", "4 / 1"), base.replace("2.0", "2.5"),
+             base.replace("q >= k", "q > k"), base.replace("s * c", "s + c"),
+             base.replace("score", "dropout 0.1 score"), base.replace("attention v", "attention u"),
+             base.replace("mask", "scale 0.5 mask")]
+    names = {generate(attncc.parse(t)).module_name for t in [base] + edits}
+    assert len(names) == len(edits) + 1
+
+
+def test_tuning_file_path_names_the_gpu_and_every_version(tmp_path, monkeypatch):
+    import triton
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
+    v = attncc.parse("attention w { param window: int = 8 mask q - k < window }")
+    path = tuning._cache_file(v)
+    versions = tuning._versions()
+    gpu = torch.cuda.get_device_name().replace(" ", "_") if torch.cuda.is_available() else "cpu"
+    for part in (gpu, f"triton{triton.__version__}",
+                 f"torch{torch.__version__.split('+')[0]}", f"attncc{attncc.__version__}"):
+        assert part in versions, (part, versions)
+    assert path.parent == tmp_path / "tuning" / versions
+    assert v.key() in path.name
+    other = attncc.parse("attention w { param window: int = 9 mask q - k < window }")
+    assert tuning._cache_file(other) != path
+    monkeypatch.setattr(attncc, "__version__", "9.9.9")
+    assert tuning._cache_file(v) != path and "attncc9.9.9" in str(tuning._cache_file(v))
+    monkeypatch.setattr(triton, "__version__", "0.0.1")
+    assert "triton0.0.1" in str(tuning._cache_file(v))
+    monkeypatch.setattr(torch, "__version__", "0.0.2+cpu")
+    assert "torch0.0.2-" in str(tuning._cache_file(v))

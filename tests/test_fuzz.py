@@ -1,0 +1,335 @@
+"""Differential fuzzing: random variants and shapes, kernels against the float64 reference.
+
+A hypothesis strategy builds random Variants from the pieces real variants are made of:
+masks from affine comparisons of q, k, len_q and len_k (small integer coefficients and
+constants), `%` and `//` by small constants and document-id reads, joined by and/or/not;
+score modifications (scaling, softcap, ALiBi, a leaky `where`); a block layout; GQA
+groups of 1, 2 and 4; params; dropout. Each is compiled and run on random shapes (len_q
+!= len_k, lengths 1 to 70 that are not multiples of 16, head dims 16/32/48/80), and the
+forward (out, lse) and backward (dq, dk, dv) are held to `attncc.tolerance`'s rule
+against `attncc.reference` in float64 (float32 under the interpreter).
+
+The front end is fuzzed against itself with the same strategy: printing a variant and
+parsing the text gives the same IR, and so does building it with the decorator from
+Python functions that spell the same expressions.
+
+CI runs a seeded, bounded number of examples (derandomized: the same examples every
+run). Run far more with
+
+    ATTNCC_FUZZ_EXAMPLES=1000 python -m pytest -n 2 tests/test_fuzz.py
+
+(the number of kernel examples, split over the shards; the front-end tests run five
+times as many). A failure hypothesis finds becomes a named test in test_regressions.py.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import attncc
+from attncc import checker, ir
+from attncc.decorator import build_variant
+from attncc.printer import print_variant
+from test_kernels import compare
+
+KERNEL_SHARDS = 4  # parametrized, so `pytest -n 2` spreads the kernel examples over workers
+KERNEL_EXAMPLES = int(os.environ.get("ATTNCC_FUZZ_EXAMPLES", "80"))
+FRONT_END_EXAMPLES = 5 * KERNEL_EXAMPLES if "ATTNCC_FUZZ_EXAMPLES" in os.environ else 300
+
+kernel_settings = settings(max_examples=max(1, math.ceil(KERNEL_EXAMPLES / KERNEL_SHARDS)),
+                           deadline=None, derandomize=True, print_blob=True,
+                           suppress_health_check=[HealthCheck.too_slow,
+                                                  HealthCheck.data_too_large])
+front_end_settings = settings(max_examples=FRONT_END_EXAMPLES, deadline=None,
+                              derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+
+# ------------------------------------------------------------------ IR building blocks
+Q, K, LQ, LK = ir.Var("q"), ir.Var("k"), ir.Var("len_q"), ir.Var("len_k")
+S, H = ir.Var("s"), ir.Var("h")
+
+
+def c_int(n):
+    return ir.Const(n, ir.INT)
+
+
+def c_float(x):
+    return ir.Const(float(x), ir.FLOAT)
+
+
+@st.composite
+def affine(draw, params=()):
+    """a*x + b*y + ... + c over q, k, len_q, len_k: always led by a variable (so that a
+    Python function spelling it traces to the same tree), small coefficients."""
+    names = draw(st.lists(st.sampled_from([Q, K, LQ, LK]), min_size=1, max_size=3,
+                          unique=True))
+    expr = None
+    for var in names:
+        coef = draw(st.sampled_from([1, 1, 1, 2, 3, -1, -2]))
+        if expr is None:
+            if coef == 1:
+                term = var
+            elif coef == -1:
+                term = ir.Neg(var)
+            else:
+                term = ir.BinOp("*", c_int(coef), var)
+            expr = term
+        else:
+            mag = abs(coef)
+            term = var if mag == 1 else ir.BinOp("*", c_int(mag), var)
+            expr = ir.BinOp("+" if coef > 0 else "-", expr, term)
+    const = draw(st.sampled_from([None, None, 1, 2, 3, 5, 8, 17, "param"] if params
+                                 else [None, None, 1, 2, 3, 5, 8, 17]))
+    if const == "param":
+        expr = ir.BinOp(draw(st.sampled_from("+-")), expr, ir.Param(params[0]))
+    elif const is not None:
+        expr = ir.BinOp(draw(st.sampled_from("+-")), expr, c_int(const))
+    return expr
+
+
+CMP = st.sampled_from(ir.CMP_OPS)
+SMALL = st.sampled_from([2, 3, 4, 5, 7, 8, 16])
+
+
+@st.composite
+def atom(draw, params=(), docs=False):
+    kinds = ["affine", "affine", "affine_const", "mod", "floordiv"] + (["doc"] * 2 if docs else [])
+    kind = draw(st.sampled_from(kinds))
+    if kind == "affine":
+        return ir.Cmp(draw(CMP), draw(affine(params)), draw(affine(params)))
+    if kind == "affine_const":
+        return ir.Cmp(draw(CMP), draw(affine(params)),
+                      draw(st.sampled_from([c_int(0), c_int(4), c_int(-3), c_int(30)])))
+    if kind == "mod":
+        m = draw(SMALL)
+        lhs = ir.BinOp("%", draw(affine()), c_int(m))
+        rhs = draw(st.one_of(st.integers(0, m - 1).map(c_int),
+                             affine().map(lambda a: ir.BinOp("%", a, c_int(m)))))
+        return ir.Cmp(draw(CMP), lhs, rhs)
+    if kind == "floordiv":
+        m = draw(SMALL)
+        lhs = ir.BinOp("//", draw(affine()), c_int(m))
+        rhs = draw(st.one_of(st.integers(-1, 3).map(c_int),
+                             affine().map(lambda a: ir.BinOp("//", a, c_int(m)))))
+        return ir.Cmp(draw(CMP), lhs, rhs)
+    # Document ids, as in examples/document.attn.
+    return ir.Cmp(draw(st.sampled_from(["==", "==", "!=", "<="])),
+                  ir.Load("doc_q", (Q,)), ir.Load("doc_k", (K,)))
+
+
+@st.composite
+def boolean(draw, params=(), docs=False, depth=2):
+    if depth == 0 or draw(st.integers(0, 2)) == 0:
+        return draw(atom(params, docs))
+    op = draw(st.sampled_from(["and", "and", "or", "or", "not"]))
+    if op == "not":
+        return ir.Not(draw(boolean(params, docs, depth - 1)))
+    a, b = draw(boolean(params, docs, depth - 1)), draw(boolean(params, docs, depth - 1))
+    return ir.And(a, b) if op == "and" else ir.Or(a, b)
+
+
+@st.composite
+def variants(draw):
+    """A random Variant, checked by attncc's checker as both front ends would."""
+    params, inputs = [], []
+    use_window_param = draw(st.booleans())
+    if use_window_param:
+        params.append(ir.ParamDecl("w", ir.INT, draw(st.sampled_from([0, 1, 4, 9, 33]))))
+    docs = draw(st.booleans())
+    mask = draw(st.one_of(st.none(), boolean(("w",) if use_window_param else (), docs)))
+    if mask is not None and docs and not ({"doc_q", "doc_k"} & ir.loaded_tensors(mask)):
+        docs = False
+    if mask is None or "w" not in {n.name for n in ir.walk(mask) if isinstance(n, ir.Param)}:
+        params = []
+    if docs:
+        inputs += [ir.InputDecl("doc_q", "i32", ("q",)), ir.InputDecl("doc_k", "i32", ("k",))]
+
+    score_kind = draw(st.sampled_from(["none", "scale", "softcap", "alibi", "leaky"]))
+    score = None
+    if score_kind in ("scale", "softcap"):
+        value = draw(st.sampled_from([0.5, 2.0, 3.0, -1.0] if score_kind == "scale"
+                                     else [1.0, 5.0, 20.0]))
+        if draw(st.booleans()):
+            params.append(ir.ParamDecl("c", ir.FLOAT, value))
+            c = ir.Param("c")
+        else:
+            c = c_float(value)
+        score = (ir.BinOp("*", S, c) if score_kind == "scale"
+                 else ir.BinOp("*", c, ir.Call("tanh", (ir.BinOp("/", S, c),))))
+    elif score_kind == "alibi":
+        inputs.append(ir.InputDecl("slope", "f32", ("h",)))
+        score = ir.BinOp("+", S, ir.BinOp("*", ir.Load("slope", (H,)), ir.BinOp("-", K, Q)))
+    elif score_kind == "leaky":
+        score = ir.Where(ir.Cmp(">", S, c_int(0)), S, ir.BinOp("*", c_float(0.5), S))
+
+    layout = block = None
+    if draw(st.integers(0, 3)) == 0:
+        qb, kb = ir.Var("qb"), ir.Var("kb")
+        n = draw(st.integers(0, 2))
+        layout = ir.Or(ir.Cmp("<=", ir.Call("abs", (ir.BinOp("-", qb, kb),)), c_int(n)),
+                       ir.Cmp("==", kb, c_int(0)))
+        block = draw(st.sampled_from([16, 32]))
+
+    heads = None
+    if draw(st.booleans()):
+        hkv = draw(st.sampled_from([1, 2]))
+        group = draw(st.sampled_from([1, 2, 4] if hkv == 1 else [1, 2]))
+        heads = ir.Heads(hkv * group, hkv)
+    scale = draw(st.sampled_from([None, None, None, c_float(0.125), c_float(0.3)]))
+    dropout = draw(st.sampled_from([None, None, None, 0.1, 0.3]))
+    v = ir.Variant(name="fuzz", heads=heads, scale=scale, params=tuple(params),
+                   inputs=tuple(inputs), mask=mask, layout=layout, block=block,
+                   score=score, dropout=dropout)
+    return checker.check_variant(v)
+
+
+# Lengths 1..70 that are not multiples of the 16-wide tiles, one token included.
+LENGTHS = st.sampled_from([n for n in range(1, 71) if n % 16])
+
+
+@st.composite
+def shapes(draw, variant):
+    if variant.heads:
+        hq, hkv = variant.heads.q, variant.heads.kv
+    else:
+        hkv = draw(st.sampled_from([1, 2]))
+        hq = hkv * draw(st.sampled_from([1, 2, 4] if hkv == 1 else [1, 2]))
+    batch = 1 if hq >= 4 else draw(st.sampled_from([1, 2]))
+    lq = draw(LENGTHS)
+    lk = draw(LENGTHS.filter(lambda n: n != lq) if draw(st.integers(0, 4)) else LENGTHS)
+    return dict(B=batch, H=hq, Hkv=hkv, Lq=lq, Lk=lk, D=draw(st.sampled_from([16, 32, 48, 80])),
+                seed=draw(st.integers(0, 2 ** 16)))
+
+
+def random_inputs(variant, shape, data):
+    """Document ids (sorted runs, or shuffled: the kernels must be right either way)
+    and ALiBi slopes for the variant's declared inputs."""
+    gen = torch.Generator().manual_seed(shape["seed"] + 1)
+    out = {}
+    for decl in variant.inputs:
+        n = {"q": shape["Lq"], "k": shape["Lk"], "h": shape["H"]}[decl.axes[0]]
+        if decl.name == "slope":
+            out[decl.name] = torch.rand(n, generator=gen) * 0.5
+        else:
+            docs = data.draw(st.integers(1, 4), label=f"{decl.name} documents")
+            ids = torch.randint(0, docs, (n,), generator=gen)
+            if data.draw(st.integers(0, 3), label=f"{decl.name} sorted"):
+                ids = torch.sort(ids).values
+            out[decl.name] = ids.to(torch.int32)
+    return out
+
+
+def check_kernel(variant, shape, inputs):
+    """Forward (out, lse) and backward (dq, dk, dv) within tolerance of float64."""
+    compare(variant, dtype=torch.float32, inputs=inputs, **shape)
+
+
+# ------------------------------------------------------------------ kernels vs reference
+@pytest.mark.parametrize("shard", range(KERNEL_SHARDS))
+@kernel_settings
+@given(data=st.data())
+def test_random_variant_matches_reference(shard, data):
+    variant = data.draw(variants(), label="variant")
+    shape = data.draw(shapes(variant), label="shape")
+    inputs = random_inputs(variant, shape, data)
+    print(print_variant(variant), shape)
+    check_kernel(variant, shape, inputs)
+
+
+# ------------------------------------------------------------------ front end vs itself
+@front_end_settings
+@given(variants())
+def test_print_then_parse_gives_the_same_ir(variant):
+    text = print_variant(variant)
+    again = attncc.parse(text)
+    assert again == variant, text
+    assert print_variant(again) == text
+    assert again.key() == variant.key()
+
+
+def python_source(e) -> str:
+    """The expression as Python the decorator traces: & | ~ for and/or/not, attncc's
+    functions for the language's. Written independently of attncc.printer."""
+    if isinstance(e, (ir.Var, ir.Param)):
+        return e.name
+    if isinstance(e, ir.Const):
+        return repr(e.value)
+    if isinstance(e, ir.Load):
+        return f"{e.tensor}[{', '.join(python_source(i) for i in e.indices)}]"
+    if isinstance(e, ir.BinOp):
+        return f"({python_source(e.lhs)} {e.op} {python_source(e.rhs)})"
+    if isinstance(e, ir.Neg):
+        return f"(-{python_source(e.operand)})"
+    if isinstance(e, ir.Cmp):
+        return f"({python_source(e.lhs)} {e.op} {python_source(e.rhs)})"
+    if isinstance(e, ir.And):
+        return f"({python_source(e.lhs)} & {python_source(e.rhs)})"
+    if isinstance(e, ir.Or):
+        return f"({python_source(e.lhs)} | {python_source(e.rhs)})"
+    if isinstance(e, ir.Not):
+        return f"(~{python_source(e.operand)})"
+    if isinstance(e, ir.Call):
+        fn = {"min": "minimum", "max": "maximum"}.get(e.fn, e.fn)
+        return f"{fn}({', '.join(python_source(a) for a in e.args)})"
+    if isinstance(e, ir.Where):
+        return f"where({python_source(e.cond)}, {python_source(e.then)}, {python_source(e.other)})"
+    raise TypeError(e)
+
+
+def python_function(decl: str, e):
+    """def <decl>(<the names e reads>): return <e as Python>, built with exec."""
+    names = sorted({n.name for n in ir.walk(e) if isinstance(n, (ir.Var, ir.Param))}
+                   | {n.tensor for n in ir.walk(e) if isinstance(n, ir.Load)})
+    src = f"def {decl}({', '.join(names)}):\n    return {python_source(e)}\n"
+    namespace = {"abs": abs, "tanh": attncc.tanh, "exp": attncc.exp, "log": attncc.log,
+                 "sqrt": attncc.sqrt, "where": attncc.where, "minimum": attncc.minimum,
+                 "maximum": attncc.maximum}
+    exec(compile(src, f"<fuzz {decl}>", "exec"), namespace)
+    return namespace[decl]
+
+
+@front_end_settings
+@given(variants())
+def test_decorator_builds_the_same_ir_as_the_text(variant):
+    pieces = {d: python_function(d, getattr(variant, d))
+              for d in ("mask", "score", "layout") if getattr(variant, d) is not None}
+    built = build_variant(
+        variant.name, **pieces,
+        scale=None if variant.scale is None else variant.scale.value,
+        heads=None if variant.heads is None else (variant.heads.q, variant.heads.kv),
+        params={p.name: p.value for p in variant.params},
+        inputs={i.name: f"{i.dtype}[{', '.join(map(str, i.axes))}]" for i in variant.inputs},
+        learnable=[i.name for i in variant.inputs if i.learnable],
+        block=variant.block, dropout=variant.dropout)
+    assert built == variant, print_variant(variant)
+    assert built == attncc.parse(print_variant(variant))
+
+
+def test_the_strategy_covers_what_it_promises():
+    """The fuzzers are only as good as their variants: check the strategy really makes
+    every promised piece (a guard against a strategy that silently narrows)."""
+    seen = set()
+
+    @settings(max_examples=300, deadline=None, derandomize=True, database=None)
+    @given(variants())
+    def collect(v):
+        nodes = [n for d in (v.mask, v.score, v.layout) if d is not None for n in ir.walk(d)]
+        seen.update(type(n).__name__ for n in nodes)
+        seen.update(f"op{n.op}" for n in nodes if isinstance(n, (ir.BinOp, ir.Cmp)))
+        seen.update(f"var_{n.name}" for n in nodes if isinstance(n, ir.Var))
+        seen.update(["layout"] if v.layout is not None else [])
+        seen.update([f"group{v.heads.group}"] if v.heads else [])
+        seen.update(["dropout"] if v.dropout else [])
+        seen.update(["params"] if v.params else [])
+        seen.update(["scale"] if v.scale is not None else [])
+
+    collect()
+    promised = {"And", "Or", "Not", "Cmp", "Load", "Param", "Where", "Call", "Neg",
+                "op%", "op//", "op*", "op==", "op<", "op>=", "op!=",
+                "var_q", "var_k", "var_len_q", "var_len_k", "var_s", "var_h",
+                "layout", "group1", "group2", "group4", "dropout", "params", "scale"}
+    assert promised <= seen, sorted(promised - seen)
