@@ -105,9 +105,68 @@ def dropout(q, k):
     return q >= k
 
 
+# ------------------------------------------------------------ block-sparse research
+@attncc.variant(params={"stride": 4}, block=128)
+class sparse_strided:
+    def mask(q, k):
+        return q >= k
+
+    def layout(qb, kb, stride):
+        return (kb <= qb) & ((qb - kb < stride) | ((qb - kb) % stride == 0))
+
+
+@attncc.variant(params={"local": 4, "summary": 1}, block=128)
+class sparse_fixed:
+    def mask(q, k):
+        return q >= k
+
+    def layout(qb, kb, local, summary):
+        return (qb // local == kb // local) | (kb % local >= local - summary)
+
+
+@attncc.variant(params={"stride": 4}, block=64)
+class sparse_heads:
+    def mask(q, k):
+        return q >= k
+
+    def layout(h, qb, kb, stride):
+        return (kb <= qb) & (((h % 2 == 0) & (qb - kb < stride))
+                             | ((h % 2 == 1) & ((qb - kb) % stride == 0)))
+
+
+@attncc.variant(params={"segment": 4, "dilation": 4}, block=64)
+class dilated_blocks:
+    def mask(q, k):
+        return q >= k
+
+    def layout(qb, kb, segment, dilation):
+        return ((qb // segment == kb // segment)
+                | ((qb // (segment * dilation) == kb // (segment * dilation))
+                   & ((qb - kb) % dilation == 0)))
+
+
+@attncc.variant(inputs={"blocks": "bool[h, qb, kb]"}, block=64)
+class vertical_slash:
+    def mask(q, k):
+        return q >= k
+
+    def layout(h, qb, kb, blocks):
+        return blocks[h, qb, kb]
+
+
+@attncc.variant(inputs={"selected": "bool[b, h, qb, kb]"}, block=64)
+class nsa_selected:
+    def mask(q, k):
+        return q >= k
+
+    def layout(b, h, qb, kb, selected):
+        return selected[b, h, qb, kb]
+
+
 # Keyed by the stem of the .attn file that declares the same variant.
 EXAMPLES = {v.name: v for v in (
     full, causal, causal_bottom_right, gqa_causal, sliding_window, prefix_lm, document,
     dilated_window, chunked_local, longformer, alibi, softcap, relative_bias, bigbird,
-    dropout,
+    dropout, sparse_strided, sparse_fixed, sparse_heads, dilated_blocks, vertical_slash,
+    nsa_selected,
 )}

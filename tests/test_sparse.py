@@ -1,0 +1,280 @@
+"""Block-sparse research patterns: the sparse examples against the float64 reference.
+
+Each example from examples/ (Sparse Transformer strided, fixed and per-head patterns,
+LongNet-style dilated blocks, MInference vertical-slash, NSA top-k selection) is
+compiled and compared with `attncc.reference` under the interpreter (test_kernels'
+`compare`), on small shapes: the static layouts also at blocks of 16 and 32 so that a
+short sequence spans many blocks, with lengths that are not multiples of the block.
+The runtime layouts are built by the code in the examples' own comments. Then layouts
+per head and per batch row, layouts combined with causal and document masks, bad
+layout tensors, and the host-side helpers of benchmarks/density_curve.py.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import attncc
+from test_kernels import compare
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+def example(name: str, **subs) -> attncc.Variant:
+    """The example `name`, with `old=new` text substitutions (smaller blocks, params)."""
+    text = (EXAMPLES / f"{name}.attn").read_text()
+    for old, new in subs.items():
+        assert old in text, f"{old!r} not in {name}.attn"
+        text = text.replace(old, new)
+    return attncc.parse(text)
+
+
+def comment_code(name: str) -> str:
+    """The indented Python in an example's header comment (how to build its layout)."""
+    lines = [line[1:] for line in (EXAMPLES / f"{name}.attn").read_text().splitlines()
+             if line.startswith("#     ")]
+    return textwrap.dedent("\n".join(lines))
+
+
+def run_comment_code(name: str, **env) -> dict:
+    """Execute the comment's code with `env` (q, k, v, L, H, ...); `kernel` is captured."""
+    calls = {}
+
+    def kernel(q, k, v, **inputs):
+        calls.update(inputs)
+        return None
+
+    scope = {"torch": torch, "kernel": kernel, **env}
+    exec(compile(comment_code(name), f"{name}.attn comment", "exec"), scope)
+    return calls
+
+
+# ----------------------------------------------------------- static layouts (block 16, 32)
+@pytest.mark.parametrize("name,subs,H,L", [
+    ("sparse_strided", {"block  128": "block 16"}, 2, 130),            # 9 blocks: diagonals 0-3, 4, 8
+    ("sparse_fixed", {"block  128": "block 16", "int = 4": "int = 3"}, 2, 130),
+    ("sparse_heads", {"block  64": "block 32", "int = 4": "int = 2"}, 2, 150),  # 5 blocks
+    ("dilated_blocks", {"block  64": "block 16", "segment:  int = 4": "segment:  int = 2",
+                        "dilation: int = 4": "dilation: int = 3"}, 2, 130),
+], ids=["strided", "fixed", "heads", "dilated"])
+def test_static_sparse_examples_on_small_blocks(name, subs, H, L):
+    v = example(name, **subs)
+    compare(v, B=1, H=H, Lq=L, Lk=L, D=16)
+
+
+def test_sparse_heads_as_shipped_block_64():
+    # Three blocks of 64 (the last one partial): even heads see a band, odd the diagonal.
+    compare(example("sparse_heads"), B=1, H=2, Lq=140, Lk=140, D=16)
+
+
+def test_sparse_heads_differ_by_head():
+    from attncc.arguments import Problem
+    from attncc.reference import allowed_pairs
+    v = example("sparse_heads", **{"block  64": "block 16", "int = 4": "int = 2"})
+    allowed = allowed_pairs(v, Problem(1, 4, 4, 96, 96, 16, 16), {}, "cpu").expand(1, 4, 96, 96)
+    assert torch.equal(allowed[0, 0], allowed[0, 2]) and torch.equal(allowed[0, 1], allowed[0, 3])
+    assert not torch.equal(allowed[0, 0], allowed[0, 1])
+    # Even heads: a causal band of two blocks; odd heads: every second block diagonal.
+    assert allowed[0, 0, 40, 16] and not allowed[0, 0, 40, 0]
+    assert allowed[0, 1, 40, 0] and not allowed[0, 1, 40, 16]
+
+
+def test_fixed_pattern_is_the_papers_element_mask():
+    # With l = local * block and c = summary * block the layout is exact (Child et al. 3c).
+    from attncc.arguments import Problem
+    from attncc.reference import allowed_pairs
+    v = example("sparse_fixed", **{"block  128": "block 16"})
+    L, l, c = 200, 4 * 16, 16
+    got = allowed_pairs(v, Problem(1, 1, 1, L, L, 16, 16), {}, "cpu").expand(1, 1, L, L)[0, 0]
+    i, j = torch.arange(L).view(-1, 1), torch.arange(L).view(1, -1)
+    want = (j <= i) & ((i // l == j // l) | (j % l >= l - c))
+    assert torch.equal(got, want)
+
+
+# ----------------------------------------------------------- runtime layouts from the comments
+def test_vertical_slash_from_its_comment_recipe():
+    gen = torch.Generator().manual_seed(5)
+    H, L = 2, 140
+    q, k = torch.randn(1, H, L, 16, generator=gen), torch.randn(1, H, L, 16, generator=gen)
+    blocks = run_comment_code("vertical_slash", q=q, k=k, v=k, L=L, H=H, n_vert=1,
+                              n_slash=1)["blocks"]
+    assert blocks.shape == (H, 3, 3) and blocks.dtype == torch.bool
+    assert blocks.diagonal(dim1=1, dim2=2).all()
+    compare(example("vertical_slash"), B=1, H=H, Lq=L, Lk=L, D=16, inputs={"blocks": blocks})
+
+
+def test_nsa_selection_from_its_comment_recipe():
+    gen = torch.Generator().manual_seed(6)
+    B, H, Hkv, L = 2, 2, 1, 140
+    q = torch.randn(B, H, L, 16, generator=gen)
+    k = torch.randn(B, Hkv, L, 16, generator=gen)
+    selected = run_comment_code("nsa_selected", q=q, k=k, v=k, L=L, n_top=1)["selected"]
+    assert selected.shape == (B, H, 3, 3) and selected.dtype == torch.bool
+    assert not selected.triu(1).any(), "the selection must be causal"
+    assert selected[..., 0].all() and selected.diagonal(dim1=2, dim2=3).all()
+    # Per batch row and head, the selections differ (else this would not test much).
+    assert len({tuple(s.flatten().tolist()) for s in selected.flatten(0, 1)}) > 1
+    compare(example("nsa_selected"), B=B, H=H, Hkv=Hkv, Lq=L, Lk=L, D=16,
+            inputs={"selected": selected})
+
+
+# ----------------------------------------------------------- per head, per batch, with masks
+def random_layout(shape, density, gen, diagonal=True):
+    lay = torch.rand(shape, generator=gen) < density
+    if diagonal:
+        n = min(shape[-2], shape[-1])
+        lay[..., torch.arange(n), torch.arange(n)] = True
+    return lay
+
+
+def test_per_head_layout_block_16_with_empty_rows():
+    # 45 queries and 61 keys: 3 x 4 blocks of 16, both lengths cut mid-block, no causal mask.
+    v = attncc.parse("attention l { input blocks: bool[h, qb, kb] layout blocks[h, qb, kb] block 16 }")
+    gen = torch.Generator().manual_seed(1)
+    blocks = random_layout((3, 3, 4), 0.4, gen)
+    blocks[1, 2] = False  # head 1's last query block sees nothing
+    blocks[2] = torch.tensor([[0, 0, 0, 1], [1, 0, 0, 0], [0, 1, 1, 0]], dtype=torch.bool)
+    got, _ = compare(v, B=2, H=3, Lq=45, Lk=61, D=16, inputs={"blocks": blocks})
+    out, lse = got[0], got[1]
+    assert torch.all(lse[:, 1, 32:] == -math.inf) and torch.all(out[:, 1, 32:] == 0)
+    assert torch.isfinite(lse[:, 0]).all()
+
+
+def test_per_batch_layout_block_32_gqa():
+    # Per batch row and head, with two query heads per key/value head: dK/dV sums over
+    # query heads whose layouts differ. 70 tokens: 3 blocks of 32, the last one partial.
+    v = attncc.parse("attention l { input sel: bool[b, h, qb, kb] layout sel[b, h, qb, kb] block 32 }")
+    gen = torch.Generator().manual_seed(2)
+    sel = random_layout((2, 4, 3, 3), 0.3, gen)
+    assert not torch.equal(sel[0], sel[1])
+    compare(v, B=2, H=4, Hkv=2, Lq=70, Lk=70, D=16, inputs={"sel": sel})
+
+
+@pytest.mark.parametrize("Lq,Lk", [(70, 70), (50, 90)], ids=["square", "more_keys"])
+def test_layout_with_causal_mask_block_32(Lq, Lk):
+    v = attncc.parse("attention l { input blocks: bool[h, qb, kb] mask q >= k "
+                     "layout blocks[h, qb, kb] block 32 }")
+    gen = torch.Generator().manual_seed(3)
+    nq, nk = math.ceil(Lq / 32), math.ceil(Lk / 32)
+    compare(v, B=1, H=2, Lq=Lq, Lk=Lk, D=16,
+            inputs={"blocks": random_layout((2, nq, nk), 0.5, gen)})
+
+
+def test_layout_with_document_mask_block_16():
+    # Packed documents (cut mid-block) and a per-head layout: both must hold.
+    v = attncc.parse("attention l { input doc_q: i32[q] input doc_k: i32[k] "
+                     "input blocks: bool[h, qb, kb] mask doc_q[q] == doc_k[k] and q >= k "
+                     "layout blocks[h, qb, kb] block 16 }")
+    gen = torch.Generator().manual_seed(4)
+    doc = torch.zeros(53, dtype=torch.int32)
+    doc[13:] += 1
+    doc[40:] += 1
+    inputs = {"doc_q": doc, "doc_k": doc, "blocks": random_layout((2, 4, 4), 0.5, gen)}
+    compare(v, B=1, H=2, Lq=53, Lk=53, D=16, inputs=inputs)
+
+
+# ----------------------------------------------------------- bad layout tensors
+PER_HEAD = "attention l { input blocks: bool[h, qb, kb] layout blocks[h, qb, kb] block 16 }"
+PER_BATCH = "attention l { input sel: bool[b, h, qb, kb] layout sel[b, h, qb, kb] block 16 }"
+
+
+def _qkv(B=2, H=3, L=40):  # 40 tokens: 3 blocks of 16
+    return [torch.randn(B, H, L, 16) for _ in range(3)]
+
+
+@pytest.mark.parametrize("spec,name,bad,expected", [
+    (PER_HEAD, "blocks", torch.ones(3, 3, dtype=torch.bool), "(3, 3, 3)"),           # no head axis
+    (PER_HEAD, "blocks", torch.ones(3, 2, 2, dtype=torch.bool), "(3, 3, 3)"),        # floor, not ceil
+    (PER_HEAD, "blocks", torch.ones(1, 3, 3, dtype=torch.bool), "(3, 3, 3)"),        # no broadcasting
+    (PER_BATCH, "sel", torch.ones(1, 3, 3, 3, dtype=torch.bool), "(2, 3, 3, 3)"),    # one batch row
+    (PER_BATCH, "sel", torch.ones(3, 3, 3, dtype=torch.bool), "(2, 3, 3, 3)"),       # no batch axis
+], ids=["no_head_axis", "floor_blocks", "one_head", "one_batch_row", "no_batch_axis"])
+def test_layout_of_the_wrong_shape_names_the_argument_and_expected_shape(spec, name, bad, expected):
+    with pytest.raises(ValueError, match=rf"input '{name}' has shape .*expected {re.escape(expected)}"):
+        attncc.compile(spec)(*_qkv(), **{name: bad})
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.float32], ids=str)
+def test_layout_of_the_wrong_dtype_names_the_argument(dtype):
+    with pytest.raises(ValueError, match=rf"input 'blocks' has dtype {dtype}.*bool"):
+        attncc.compile(PER_HEAD)(*_qkv(), blocks=torch.ones(3, 3, 3, dtype=dtype))
+
+
+def test_missing_layout_names_the_declaration():
+    with pytest.raises(ValueError, match=r"missing input 'blocks'.*bool\[h, qb, kb\]"):
+        attncc.compile(PER_HEAD)(*_qkv())
+
+
+# ----------------------------------------------------------- benchmarks/density_curve.py
+def _density_curve():
+    spec = importlib.util.spec_from_file_location("density_curve", ROOT / "benchmarks" / "density_curve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_density_curve_layouts_have_the_density_and_the_diagonal():
+    dc = _density_curve()
+    gen = torch.Generator().manual_seed(0)
+    for d in dc.DENSITIES:
+        lay = dc.random_layout(16, 128, d, gen)
+        assert lay.shape == (16, 128, 128) and lay.dtype == torch.bool
+        assert lay.diagonal(dim1=1, dim2=2).all()
+        per_row = lay.sum(-1)
+        assert (per_row == per_row[0, 0]).all(), "every row holds the same number of tiles"
+        assert abs(lay.float().mean().item() - d) <= 0.5 / 128 + 1e-9
+    assert dc.random_layout(2, 8, 0.0, gen).sum() == 2 * 8  # at least the diagonal
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_density_curve_flex_block_mask_is_the_same_layout():
+    dc = _density_curve()
+    gen = torch.Generator().manual_seed(1)
+    H, nb, block = 2, 5, 16
+    lay = dc.random_layout(H, nb, 0.3, gen)
+    bm = dc.flex_block_mask(lay, block, seq_len=nb * block)
+    dense = bm.to_dense()  # [1, H, nb, nb] counts of partial + full blocks
+    assert torch.equal(dense[0].bool(), lay)
+    # Same result as attncc's reference on the same layout (FlexAttention runs eagerly on CPU).
+    from torch.nn.attention.flex_attention import flex_attention
+    q, k, v = (torch.randn(1, H, nb * block, 16, generator=gen) for _ in range(3))
+    got = flex_attention(q, k, v, block_mask=bm)
+    variant = attncc.parse(dc.sparse_spec(block))
+    want = attncc.reference(variant, q.double(), k.double(), v.double(), blocks=lay)
+    assert (got.double() - want).abs().max() < 1e-4
+
+
+def test_density_curve_model_table_json_and_plot(tmp_path):
+    dc = _density_curve()
+    dense = {"fwd_ms": 10.0, "bwd_ms": 25.0}
+    rows = [dict(density=d, actual_density=d, attncc={"fwd_ms": 12 * d + 0.1, "bwd_ms": 30 * d + 0.3},
+                 flex={"fwd_ms": 14 * d + 0.1, "bwd_ms": 33 * d + 0.3}) for d in dc.DENSITIES]
+    assert dc.model_ms(10.0, 0.5, 128) == pytest.approx(1.2 * 0.5 * 10.0 + 10.0 / 128)
+    for r in rows:
+        dc.add_ratios(r, dense, n_blocks=128)
+    assert rows[-1]["attncc"]["fwd_ratio"] == pytest.approx(6.1 / (6.0 + 10 / 128))
+    table = dc.format_table(rows, dense)
+    assert "density" in table and "0.030" in table and "dense" in table
+    # A backend that failed prints as '-' and plots nothing.
+    rows.append(dict(density=0.75, actual_density=0.75, attncc={"error": "boom"}, flex={"error": "x"}))
+    rows[0]["attncc"]["kernel_fwd_ms"] = 0.05  # do_bench 0.46 ms: the host is the limit
+    assert "host-bound: attncc fwd at d=0.03" in dc.format_table(rows, dense)
+    failed = dc.format_table(rows, dense).splitlines()[-3]
+    assert failed.startswith("   0.750") and failed.count("-") >= 8
+    paths = dc.write_results(rows, dense, {"S": 16384}, str(tmp_path))
+    assert (tmp_path / "density_curve.json").exists() and (tmp_path / "density_curve.png").exists()
+    assert set(paths) == {str(tmp_path / "density_curve.json"), str(tmp_path / "density_curve.png")}
+
+
+def test_density_curve_needs_a_gpu(capsys, monkeypatch):
+    dc = _density_curve()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert dc.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
