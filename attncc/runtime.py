@@ -38,8 +38,11 @@ def interpreting() -> bool:
 def _write_if_changed(path: Path, text: str):
     """Write atomically, and only when the content differs: concurrent compiles of the
     same variant race harmlessly, and a reader never sees a half-written file."""
-    if path.exists() and path.read_text() == text:
-        return
+    try:
+        if path.read_bytes() == text.encode():
+            return
+    except OSError:
+        pass  # missing or unreadable: write it
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
