@@ -147,9 +147,9 @@ def test_strided_tensors_in_sequence_major_layout():
     # (batch, seq, heads, dim) storage seen as (batch, heads, seq, dim): a common layout.
     v = attncc.parse(WINDOW_SINKS)
     gen = torch.Generator().manual_seed(5)
-    q, k, w = (torch.randn(2, 29, 3, 32, generator=gen).transpose(1, 2).requires_grad_()
+    q, k, w = (torch.randn(2, 29, 3, 32, generator=gen).to(DEVICE).transpose(1, 2).requires_grad_()
                for _ in range(3))
-    do = torch.randn(2, 29, 3, 32, generator=gen).transpose(1, 2)
+    do = torch.randn(2, 29, 3, 32, generator=gen).to(DEVICE).transpose(1, 2)
     out = attncc.compile(v)(q, k, w)
     grads = torch.autograd.grad(out, (q, k, w), do)
     ref = attncc.reference(v, q.double(), k.double(), w.double())
@@ -180,8 +180,8 @@ def test_backward_is_deterministic():
     v = attncc.parse(WINDOW_SINKS)
     kernel = attncc.compile(v)
     gen = torch.Generator().manual_seed(3)
-    q, k, w = (torch.randn(2, 3, 41, 32, generator=gen).requires_grad_() for _ in range(3))
-    do = torch.randn(2, 3, 41, 32, generator=gen)
+    q, k, w = (torch.randn(2, 3, 41, 32, generator=gen).to(DEVICE).requires_grad_() for _ in range(3))
+    do = torch.randn(2, 3, 41, 32, generator=gen).to(DEVICE)
     first = torch.autograd.grad(kernel(q, k, w), (q, k, w), do)
     second = torch.autograd.grad(kernel(q, k, w), (q, k, w), do)
     for a, b in zip(first, second):
@@ -191,7 +191,7 @@ def test_backward_is_deterministic():
 def test_dropout_is_reproducible_from_its_seed():
     v = attncc.parse("attention d { mask q >= k dropout 0.3 }")
     kernel = attncc.compile(v)
-    q, k, w = (torch.randn(1, 2, 33, 16) for _ in range(3))
+    q, k, w = (torch.randn(1, 2, 33, 16, device=DEVICE) for _ in range(3))
     a = kernel(q, k, w, dropout_seed=5)
     assert torch.equal(a, kernel(q, k, w, dropout_seed=5))
     assert not torch.equal(a, kernel(q, k, w, dropout_seed=6))
@@ -221,8 +221,8 @@ def test_tile_tables_are_rebuilt_after_an_in_place_change():
     v = attncc.parse("attention d { input doc: i32[q] input dk: i32[k] "
                      "mask doc[q] == dk[k] and q >= k }")
     kernel = attncc.compile(v)
-    q, k, w = (torch.randn(1, 2, 40, 16) for _ in range(3))
-    doc = torch.zeros(40, dtype=torch.int32)
+    q, k, w = (torch.randn(1, 2, 40, 16, device=DEVICE) for _ in range(3))
+    doc = torch.zeros(40, dtype=torch.int32, device=DEVICE)
     kernel(q, k, w, doc=doc, dk=doc)
     doc[20:] = 1  # in place: two documents now
     out = kernel(q, k, w, doc=doc, dk=doc)
@@ -237,7 +237,7 @@ def test_outputs_are_fully_written(monkeypatch):
     monkeypatch.setattr(torch, "empty_like",
                         lambda *a, **kw: real_empty_like(*a, **kw).fill_(float("nan")))
     v = attncc.parse(WINDOW_SINKS)
-    q, k, w = (torch.randn(1, 2, 37, 16).requires_grad_() for _ in range(3))
+    q, k, w = (torch.randn(1, 2, 37, 16, device=DEVICE).requires_grad_() for _ in range(3))
     out, lse = attncc.compile(v)(q, k, w, return_lse=True)
     grads = torch.autograd.grad(out, (q, k, w), torch.randn_like(out))
     for t in (out, lse, *grads):
@@ -247,7 +247,7 @@ def test_outputs_are_fully_written(monkeypatch):
 # ------------------------------------------------------------------- autograd rules
 def test_backward_twice_fails_like_autograd():
     kernel = attncc.compile(CAUSAL)
-    q, k, w = (torch.randn(1, 1, 8, 16).requires_grad_() for _ in range(3))
+    q, k, w = (torch.randn(1, 1, 8, 16, device=DEVICE).requires_grad_() for _ in range(3))
     out = kernel(q, k, w)
     out.sum().backward()
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
@@ -256,7 +256,7 @@ def test_backward_twice_fails_like_autograd():
 
 def test_backward_after_in_place_change_fails_like_autograd():
     kernel = attncc.compile(CAUSAL)
-    q, k, w = (torch.randn(1, 1, 8, 16).requires_grad_() for _ in range(3))
+    q, k, w = (torch.randn(1, 1, 8, 16, device=DEVICE).requires_grad_() for _ in range(3))
     x = q * 1.0
     out = kernel(x, k, w)
     with torch.no_grad():
@@ -267,19 +267,20 @@ def test_backward_after_in_place_change_fails_like_autograd():
 
 # ------------------------------------------------------------------- call errors
 def qkv(B=1, H=2, Lq=8, Lk=8, D=16, dtype=torch.float32):
-    return (torch.randn(B, H, Lq, D, dtype=dtype), torch.randn(B, H, Lk, D, dtype=dtype),
-            torch.randn(B, H, Lk, D, dtype=dtype))
+    return (torch.randn(B, H, Lq, D, dtype=dtype, device=DEVICE),
+            torch.randn(B, H, Lk, D, dtype=dtype, device=DEVICE),
+            torch.randn(B, H, Lk, D, dtype=dtype, device=DEVICE))
 
 
 @pytest.mark.parametrize("case,make,match", [
-    ("rank", lambda: (torch.randn(2, 8, 16),) + qkv()[1:], "q must have 4 dimensions"),
+    ("rank", lambda: (torch.randn(2, 8, 16, device=DEVICE),) + qkv()[1:], "q must have 4 dimensions"),
     ("dtype differs", lambda: (qkv()[0].half(),) + qkv()[1:], "same dtype"),
     ("float64", lambda: qkv(dtype=torch.float64), "float16, bfloat16 or float32"),
     ("head dim 8", lambda: qkv(D=8), "head dim 8 is not supported"),
     ("head dim 512", lambda: qkv(D=512), "head dim 512 is not supported"),
-    ("heads not a multiple", lambda: (torch.randn(1, 3, 8, 16),) + qkv()[1:], "not a multiple"),
-    ("v head dim", lambda: qkv()[:2] + (torch.randn(1, 2, 8, 32),), "v has head dim 32"),
-    ("k, v lengths", lambda: qkv()[:2] + (torch.randn(1, 2, 9, 16),), "same sequence length"),
+    ("heads not a multiple", lambda: (torch.randn(1, 3, 8, 16, device=DEVICE),) + qkv()[1:], "not a multiple"),
+    ("v head dim", lambda: qkv()[:2] + (torch.randn(1, 2, 8, 32, device=DEVICE),), "v has head dim 32"),
+    ("k, v lengths", lambda: qkv()[:2] + (torch.randn(1, 2, 9, 16, device=DEVICE),), "same sequence length"),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_bad_tensors_raise_value_errors_naming_them(case, make, match):
     with pytest.raises(ValueError, match=match):
@@ -289,7 +290,7 @@ def test_bad_tensors_raise_value_errors_naming_them(case, make, match):
 def test_cpu_tensors_without_interpreter_say_how_to_fix(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(CallError, match="TRITON_INTERPRET=1"):
-        attncc.compile(CAUSAL)(*qkv())
+        attncc.compile(CAUSAL)(*(t.cpu() for t in qkv()))
 
 
 DOC = "attention d { input doc: i32[q] mask doc[q] == doc[k] }"
@@ -297,9 +298,9 @@ DOC = "attention d { input doc: i32[q] mask doc[q] == doc[k] }"
 
 @pytest.mark.parametrize("inputs,match", [
     ({}, "missing input 'doc'"),
-    ({"doc": torch.zeros(8, dtype=torch.int32), "extra": torch.zeros(1)}, "unexpected input 'extra'"),
-    ({"doc": torch.zeros(9, dtype=torch.int32)}, "input 'doc' has shape"),
-    ({"doc": torch.zeros(8, dtype=torch.int64)}, "input 'doc' has dtype torch.int64"),
+    ({"doc": torch.zeros(8, dtype=torch.int32, device=DEVICE), "extra": torch.zeros(1)}, "unexpected input 'extra'"),
+    ({"doc": torch.zeros(9, dtype=torch.int32, device=DEVICE)}, "input 'doc' has shape"),
+    ({"doc": torch.zeros(8, dtype=torch.int64, device=DEVICE)}, "input 'doc' has dtype torch.int64"),
     ({"doc": [0] * 8}, "must be a torch.Tensor"),
 ], ids=["missing", "extra", "shape", "dtype", "not a tensor"])
 def test_bad_inputs_raise_value_errors_naming_them(inputs, match):
