@@ -67,6 +67,7 @@ def compare(variant, *, B=2, H=None, Hkv=None, Lq=37, Lk=45, D=32, dtype=torch.f
     if inputs is None:
         from attncc.arguments import Problem, axis_extent
         inputs = make_inputs(variant, B, H, Lq + q_offset, Lk + k_offset, gen)
+    inputs = {n: t.to(DEVICE) for n, t in inputs.items()}
     learnable = [d.name for d in variant.learnable_inputs]
     extra = dict(dropout_seed=seed + 11, q_offset=q_offset, k_offset=k_offset)
 

@@ -24,6 +24,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def run(fn, q, k, v, do, cast, **inputs):
     """out, lse, dq, dk, dv of `fn` on q, k, v cast to `cast`."""
     qkv = [t.to(DEVICE, cast).requires_grad_() for t in (q, k, v)]
+    inputs = {n: t.to(DEVICE) for n, t in inputs.items()}
     out, lse = fn(*qkv, return_lse=True, **inputs)
     grads = torch.autograd.grad(out, qkv, do.to(DEVICE, cast))
     return [out, lse, *grads]
