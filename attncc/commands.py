@@ -15,7 +15,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +24,7 @@ import torch
 from . import ir
 from .arguments import TORCH_DTYPES, Problem, axis_extent
 from .errors import AttnccError
+from .runtime import write_if_changed
 from .tolerance import max_abs_error, slack, within_tolerance
 
 MAX_COMPILE_ESTIMATE_LEN = 8192   # `compile --len`: dense classification up to this length
@@ -154,25 +154,13 @@ def _configs_text(configs: dict) -> str:
 
 
 # ================================================================= compile
-def _write_if_changed(path: Path, text: str) -> bool:
-    """Write atomically when the content differs; True when the file was (re)written."""
-    if path.exists() and path.read_text() == text:
-        return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-    return True
-
-
 def compile_command(args) -> int:
     from .codegen import generate
     variant = _load(args.spec)
     gen = generate(variant)
     path = Path(args.out) / f"{variant.name}.py"
     try:
-        written = _write_if_changed(path, gen.source)
+        written = write_if_changed(path, gen.source)
     except OSError as err:
         raise AttnccError(f"cannot write {path}: {err.strerror or err}") from None
     print(f"variant   {variant.name}")

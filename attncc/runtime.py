@@ -35,12 +35,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _write_if_changed(path: Path, text: str):
-    """Write atomically, and only when the content differs: concurrent compiles of the
-    same variant race harmlessly, and a reader never sees a half-written file."""
+def write_if_changed(path: Path, text: str) -> bool:
+    """Write atomically, and only when the content differs; True when (re)written.
+
+    Concurrent compiles of the same variant race harmlessly, a reader never sees a
+    half-written file, and a damaged file (even one that is not UTF-8) is rewritten."""
     try:
         if path.read_bytes() == text.encode():
-            return
+            return False
     except OSError:
         pass  # missing or unreadable: write it
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -48,6 +50,7 @@ def _write_if_changed(path: Path, text: str):
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+    return True
 
 
 def _import_module(name: str, path: Path):
@@ -66,7 +69,7 @@ def load_generated(variant: ir.Variant):
     digest = hashlib.sha256(gen.source.encode()).hexdigest()[:12]
     name = f"{gen.module_name}_{digest}"
     path = cache_dir() / "modules" / f"{name}.py"
-    _write_if_changed(path, gen.source)
+    write_if_changed(path, gen.source)
     return gen, _import_module(name, path)
 
 

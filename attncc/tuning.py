@@ -117,11 +117,11 @@ def _load(path) -> dict:
 
 
 def _store(path, key: str, config: dict):
-    from .runtime import _write_if_changed
+    from .runtime import write_if_changed
     with _LOCK:
         data = _load(path)
         data[key] = config
-        _write_if_changed(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+        write_if_changed(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
 def config_for(kernel, problem, dtype, direction: str, run=None) -> dict:

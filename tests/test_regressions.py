@@ -31,7 +31,7 @@ def test_layout_that_reads_only_one_tile_index(layout):
 
 # ------------------------------------------------------------------ caches and bad bytes
 def test_tuning_file_with_bytes_that_are_not_utf8_is_rebuilt(tmp_path):
-    # _write_if_changed compared with read_text(), which raised UnicodeDecodeError.
+    # write_if_changed compared with read_text(), which raised UnicodeDecodeError.
     path = tmp_path / "v.json"
     path.write_bytes(b"{\"fwd\": \xff\xfe}")
     assert tuning._load(path) == {}
