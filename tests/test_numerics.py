@@ -140,7 +140,7 @@ def test_scores_of_1e4_leak_no_nan_and_lse_matches_the_output(spec, sign):
     assert within_tolerance(max_abs_error(lse, lse64), max_abs_error(eager[1], lse64),
                             torch.float32, lse64)
     # The kernel's own lse normalises its probabilities: rows sum to one.
-    rowsum = lambda lse_: torch.where(allowed, torch.exp(s64 - lse_.double()[..., None]),
+    rowsum = lambda lse_: torch.where(allowed, torch.exp(s64 - lse_.double().cpu()[..., None]),
                                       torch.zeros_like(s64)).sum(-1)
     one = torch.ones_like(lse64)
     assert within_tolerance(max_abs_error(rowsum(lse), one),
@@ -200,6 +200,6 @@ def test_nan_and_inf_in_q_spread_like_sdpa(causal, poison):
 # ------------------------------------------------------------------ empty batch
 def test_empty_batch_raises_a_call_error_naming_the_batch():
     kernel = attncc.compile("attention c { mask q >= k }")
-    q, k, w = (torch.randn(0, 2, 8, 16) for _ in range(3))
+    q, k, w = (torch.randn(0, 2, 8, 16, device=DEVICE) for _ in range(3))
     with pytest.raises(CallError, match="batch"):
         kernel(q, k, w)
