@@ -143,3 +143,14 @@ def check_inputs(variant: ir.Variant, p: Problem, inputs: dict, *, device,
         if t.device != device:
             raise CallError(f"input '{name}' is on {t.device} but q is on {device}; "
                             f"move it with .to(q.device)")
+
+
+def random_index_lists(shape: tuple, n_tiles: int, gen: torch.Generator) -> torch.Tensor:
+    """Sample index lists (int64, `shape`, the list on the last axis): distinct random
+    tiles in [0, n_tiles), padded with -1 where a list is longer than there are tiles."""
+    *rows, length = shape
+    order = torch.rand(*rows, n_tiles, generator=gen).argsort(-1)[..., :length]
+    if length > n_tiles:
+        pad = torch.full((*rows, length - n_tiles), -1, dtype=order.dtype)
+        order = torch.cat([order, pad], -1)
+    return order

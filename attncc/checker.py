@@ -115,6 +115,8 @@ def type_of(node, child_types: list, scope: Scope) -> str:
                 raise SpecError(f"index {i + 1} of '{node.tensor}' must be an integer, "
                                 f"not {TYPE_WORDS[t]}")
         return inp.type
+    if isinstance(node, ir.Member):
+        return _type_of_member(node, child_types, scope)
     if isinstance(node, ir.BinOp):
         lt, rt = child_types
         for t in (lt, rt):
@@ -159,6 +161,35 @@ def type_of(node, child_types: list, scope: Scope) -> str:
                             "or both numbers")
         return ir.FLOAT
     raise SpecError(f"internal: unknown expression node {type(node).__name__}")
+
+
+def _type_of_member(node: ir.Member, child_types: list, scope: Scope) -> str:
+    """`kb in top[b, h, qb]`: a tile index against a runtime list of tile indices."""
+    inp = scope.inputs.get(node.tensor)
+    if inp is None:
+        raise SpecError(f"unknown tensor '{node.tensor}'{did_you_mean(node.tensor, scope.inputs)}"
+                        + ("" if scope.inputs else "; declare it with `input`"))
+    if scope.decl != "layout":
+        raise SpecError("`in` tests a tile index against a list of tile indices, so it belongs "
+                        f"in `layout`, not `{scope.decl}`")
+    if not (isinstance(node.item, ir.Var) and node.item.name in ir.TILE_VARS):
+        raise SpecError("the left side of `in` must be kb or qb, the tile index to look up, as in "
+                        f"`kb in {node.tensor}[b, h, qb]`")
+    example = f"input {node.tensor}: i32[b, h, qb, 8]"
+    if inp.type != ir.INT:
+        raise SpecError(f"'{node.tensor}' must hold integer tile indices to be used with `in`, "
+                        f"but it is {inp.dtype}; declare it as `{example}`")
+    if not isinstance(inp.axes[-1], int):
+        raise SpecError(f"the last axis of '{node.tensor}' holds the index list, so it must be a "
+                        f"fixed size (the list length), not '{inp.axes[-1]}'; as in `{example}`")
+    if len(node.indices) != len(inp.axes) - 1:
+        raise SpecError(f"`in` reads whole index lists: index every axis of '{node.tensor}' but its "
+                        f"last ({len(inp.axes) - 1} of {len(inp.axes)}), got {len(node.indices)}")
+    for i, t in enumerate(child_types[1:]):
+        if t != ir.INT:
+            raise SpecError(f"index {i + 1} of '{node.tensor}' must be an integer, "
+                            f"not {TYPE_WORDS[t]}")
+    return ir.BOOL
 
 
 def check_expr(e, scope: Scope, on_error=None) -> str:
@@ -231,7 +262,7 @@ def check_input(inp: ir.InputDecl):
 
 
 KEYWORDS = ("attention", "heads", "scale", "param", "input", "learnable", "mask", "layout",
-            "block", "score", "dropout", "and", "or", "not", "true", "false")
+            "block", "score", "dropout", "and", "or", "not", "in", "true", "false")
 
 
 def check_identifier(name, what: str):

@@ -48,6 +48,10 @@ class TorchEmitter(TritonEmitter):
         idx = ", ".join(f"_h_clamp({self(i)}, {e.tensor}.shape[{n}])" for n, i in enumerate(e.indices))
         return f"{e.tensor}[{idx}]"
 
+    def Member(self, e):
+        rows = self.Load(ir.Load(e.tensor, e.indices))
+        return f"_h_tile_in({self(e.item)}, {rows})"
+
     def BinOp(self, e):
         a, b = self(e.lhs), self(e.rhs)
         if e.op == "//":

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 
 from . import ir
-from .arguments import TORCH_DTYPES, Problem, axis_extent
+from .arguments import TORCH_DTYPES, Problem, axis_extent, random_index_lists
 from .errors import AttnccError
 from .runtime import write_if_changed
 from .tolerance import max_abs_error, slack, within_tolerance
@@ -58,17 +58,21 @@ def sample_inputs(variant: ir.Variant, p: Problem, *, seed: int = 0, device="cpu
 
     Integer tensors with one position axis (q or k) hold sorted random document ids,
     cut from one sequence over absolute positions, so that doc_q[i] == doc_k[i]; other
-    integer tensors small ints in [0, 8); bool tensors (layouts) are true with
+    integer tensors small ints in [0, 8); index lists (`kb in top[...]`) distinct random
+    tiles, padded with -1; bool tensors (layouts) are true with
     probability BOOL_DENSITY; float tensors are standard normal.
     """
     gen = torch.Generator().manual_seed(seed)
     n_pos = max(p.q_offset + p.len_q, p.k_offset + p.len_k)
     docs = _doc_ids(n_pos, gen)
     out = {}
+    lists = ir.index_lists(variant.layout)
     for decl in variant.inputs:
         shape = tuple(axis_extent(a, variant, p) for a in decl.axes)
         dtype = TORCH_DTYPES[decl.dtype]
-        if decl.type == ir.BOOL:
+        if decl.name in lists:
+            t = random_index_lists(shape, axis_extent(lists[decl.name], variant, p), gen)
+        elif decl.type == ir.BOOL:
             t = torch.rand(shape, generator=gen) < BOOL_DENSITY
         elif decl.type == ir.INT:
             pos = [i for i, a in enumerate(decl.axes) if a in ("q", "k")]
@@ -427,6 +431,14 @@ def lower(e, variant: ir.Variant, inputs: dict):
                 at = tuple(torch.clamp(torch.as_tensor(f(env)), 0, n - 1) for f, n in zip(idx, sizes))
                 return tensor[at]
             return load
+        if isinstance(e, ir.Member):
+            tensor, item = inputs[e.tensor], go(e.item)
+            idx, sizes = [go(i) for i in e.indices], inputs[e.tensor].shape
+
+            def member(env):
+                at = tuple(torch.clamp(torch.as_tensor(f(env)), 0, n - 1) for f, n in zip(idx, sizes))
+                return (tensor[at] == torch.as_tensor(item(env)).unsqueeze(-1)).any(-1)
+            return member
         if isinstance(e, ir.BinOp):
             a, b, op = go(e.lhs), go(e.rhs), e.op
             fn = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y,

@@ -127,6 +127,16 @@ def lift(x):
                     "booleans, index names, params and indexed inputs")
 
 
+def isin(tile, row):
+    """`tile in row`, the language's `kb in top[b, h, qb]`: attncc.isin(kb, top[b, h, qb])
+    in a layout, with `top` an integer input whose last axis holds the list (Python's own
+    `in` cannot be traced)."""
+    row = lift(row)
+    if not isinstance(row, ir.Load):
+        raise SpecError("isin(tile, row): row must be an indexed input, as in top[b, h, qb]")
+    return Sym(ir.Member(lift(tile), row.tensor, row.indices))
+
+
 def _call(fn, *args):
     return Sym(ir.Call(fn, tuple(lift(a) for a in args)))
 

@@ -12,6 +12,23 @@ from . import ir
 from .errors import CallError
 
 
+def check_index_list(name: str, tensor: torch.Tensor, n_tiles: int):
+    """An index list input holds, per list, distinct tile indices in [0, n_tiles) and -1
+    for padding. Reads the values: one host synchronisation."""
+    rows = tensor.long()
+    bad = (rows < -1) | (rows >= n_tiles)
+    if bool(bad.any()):
+        value = int(rows[bad][0])
+        raise CallError(f"input '{name}' holds tile index {value}, outside [0, {n_tiles}) for "
+                        "these shapes; index lists hold tile indices and -1 for padding")
+    ordered = rows.sort(-1).values
+    repeated = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
+    if bool(repeated.any()):
+        value = int(ordered[..., 1:][repeated][0])
+        raise CallError(f"input '{name}' lists tile {value} twice in one list; each list must "
+                        "name distinct tiles (pad with -1)")
+
+
 def evaluate(e, env: dict, *, float_dtype=torch.float64):
     """Evaluate `e`. `env` maps index names to tensors or numbers, and holds
     `params` (name -> value) and `inputs` (name -> tensor)."""
@@ -54,6 +71,13 @@ class _Evaluator:
         shape = torch.broadcast_shapes(*(i.shape for i in idx))
         out = tensor[tuple(i.expand(shape) for i in idx)]
         return out.to(self.float_dtype) if out.is_floating_point() else out
+
+    def Member(self, e):
+        tensor = self.env["inputs"][e.tensor]
+        n_tiles = self._num(self.env[e.item.name]).numel()  # qb / kb range over every tile
+        check_index_list(e.tensor, tensor, n_tiles)
+        rows = self.Load(ir.Load(e.tensor, e.indices))  # [..., list length]
+        return (rows == self.run(e.item).unsqueeze(-1)).any(-1)
 
     def _promote(self, a, b):
         if a.is_floating_point() or b.is_floating_point():

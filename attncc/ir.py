@@ -89,6 +89,16 @@ class Load:
 
 
 @dataclass(frozen=True)
+class Member:
+    """`kb in tensor[i, ...]`: the tile index is one of the entries of a runtime index
+    list (top-k key tiles per query tile). The indices select every axis of `tensor` but
+    its last, which holds the list; entries of -1 pad a list and match no tile."""
+    item: "Expr"  # Var("kb") or Var("qb")
+    tensor: str
+    indices: tuple
+
+
+@dataclass(frozen=True)
 class BinOp:
     op: str  # one of ARITH_OPS
     lhs: "Expr"
@@ -137,7 +147,7 @@ class Where:
     other: "Expr"
 
 
-Expr = Union[Var, Const, Param, Load, BinOp, Neg, Cmp, And, Or, Not, Call, Where]
+Expr = Union[Var, Const, Param, Load, Member, BinOp, Neg, Cmp, And, Or, Not, Call, Where]
 
 
 def children(e: Expr) -> tuple:
@@ -146,6 +156,8 @@ def children(e: Expr) -> tuple:
         return ()
     if isinstance(e, Load):
         return e.indices
+    if isinstance(e, Member):
+        return (e.item, *e.indices)
     if isinstance(e, (BinOp, Cmp, And, Or)):
         return (e.lhs, e.rhs)
     if isinstance(e, (Neg, Not)):
@@ -169,7 +181,14 @@ def free_vars(e: Expr) -> set:
 
 
 def loaded_tensors(e: Expr) -> set:
-    return {n.tensor for n in walk(e) if isinstance(n, Load)}
+    return {n.tensor for n in walk(e) if isinstance(n, (Load, Member))}
+
+
+def index_lists(e: Expr | None) -> dict:
+    """{tensor: "qb" or "kb"} for each input that `e` reads as an index list (`kb in t[...]`)."""
+    if e is None:
+        return {}
+    return {n.tensor: n.item.name for n in walk(e) if isinstance(n, Member)}
 
 
 # ---------------------------------------------------------------------- declarations

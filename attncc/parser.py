@@ -482,6 +482,16 @@ class _Builder:
             return ir.Where(*args), args
         return ir.Call(fn, args), args
 
+    def x_member(self, t):
+        item_tree, name_tok, *index_trees = t.children
+        name = str(name_tok)
+        if name not in self.inputs:
+            raise self.fail(f"unknown tensor '{name}'{did_you_mean(name, self.inputs)}"
+                            + ("" if self.inputs else "; declare it with `input`"), name_tok)
+        item = self.expr(item_tree)
+        idx = tuple(self.expr(i) for i in index_trees)
+        return ir.Member(item, name, idx), (item, *idx)
+
     def x_load(self, t):
         name_tok, *index_trees = t.children
         name = str(name_tok)

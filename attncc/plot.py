@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from . import ir
-from .arguments import TORCH_DTYPES, Problem, axis_extent
+from .arguments import TORCH_DTYPES, Problem, axis_extent, random_index_lists
 from .errors import AttnccError
 from .evaluate import evaluate
 from .reference import index_env, layout_grid
@@ -77,16 +77,20 @@ def sample_inputs(variant: ir.Variant, p: Problem, *, seed: int = SEED) -> dict:
     """Plausible, deterministic stand-ins for the variant's runtime inputs.
 
     Integer tensors with a position axis (q or k) hold sorted segment ids along it
-    (documents); other integer tensors small ints in [0, 8); bool tensors are true
+    (documents); other integer tensors small ints in [0, 8); index lists distinct random
+    tiles, padded with -1; bool tensors are true
     with probability 0.2 (a sparse layout); float tensors are standard normal.
     """
     gen = torch.Generator().manual_seed(seed)
     out = {}
+    lists = ir.index_lists(variant.layout)
     for decl in variant.inputs:
         shape = tuple(axis_extent(a, variant, p) if (a not in ("qb", "kb") or variant.block)
                       else 1 for a in decl.axes)
         dtype = TORCH_DTYPES[decl.dtype]
-        if decl.type == ir.BOOL:
+        if decl.name in lists:
+            t = random_index_lists(shape, axis_extent(lists[decl.name], variant, p), gen)
+        elif decl.type == ir.BOOL:
             t = torch.rand(shape, generator=gen) < 0.2
         elif decl.type == ir.INT:
             pos = [i for i, a in enumerate(decl.axes) if a in ("q", "k")]

@@ -28,6 +28,9 @@ def _fmt(e):
         return e.name, ATOM
     if isinstance(e, ir.Load):
         return f"{e.tensor}[{', '.join(print_expr(i) for i in e.indices)}]", ATOM
+    if isinstance(e, ir.Member):
+        row = ", ".join(print_expr(i) for i in e.indices)
+        return f"{_wrap(e.item, SUM)} in {e.tensor}[{row}]", CMP
     if isinstance(e, ir.Call):
         return f"{e.fn}({', '.join(print_expr(a) for a in e.args)})", ATOM
     if isinstance(e, ir.Where):

@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 
 from . import ir, tuning
-from .arguments import bind
+from .arguments import axis_extent, bind
 from .codegen import generate
 from .errors import CallError
+from .evaluate import check_index_list
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
@@ -115,6 +116,8 @@ class Kernel:
         self.key = variant.key()  # hashed once: the tuner looks configs up on every call
         self.generated, self.module = load_generated(variant)
         self.pinned_config = tuning.check_config(config, "config") if config else None
+        self._index_lists = ir.index_lists(variant.layout)  # {input: "qb" | "kb"}
+        self._checked_lists: dict = {}  # index-list states already validated
 
     @property
     def source(self) -> str:
@@ -149,7 +152,22 @@ class Kernel:
             if q_offset % b or k_offset % b:
                 raise CallError(f"q_offset={q_offset} and k_offset={k_offset} must be multiples of "
                                 f"the layout's block {b}, so that kernel tiles nest in layout blocks")
+        self._check_index_lists(p, inputs)
         return p
+
+    def _check_index_lists(self, p, inputs):
+        """Index lists must hold distinct tile indices in range. Checking reads the values
+        (a host synchronisation), so each list is checked once while it is unchanged."""
+        for name, tile in self._index_lists.items():
+            t = inputs[name]
+            n_tiles = axis_extent(tile, self.variant, p)
+            key = (name, t.data_ptr(), t._version, tuple(t.shape), t.stride(), n_tiles)
+            if key in self._checked_lists:
+                continue
+            check_index_list(name, t, n_tiles)
+            if len(self._checked_lists) >= 64:
+                self._checked_lists.pop(next(iter(self._checked_lists)))
+            self._checked_lists[key] = True
 
     def __call__(self, q, k, v, *, return_lse: bool = False, dropout_seed: int | None = None,
                  q_offset: int = 0, k_offset: int = 0, **inputs):

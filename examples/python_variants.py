@@ -163,10 +163,19 @@ class nsa_selected:
         return selected[b, h, qb, kb]
 
 
+@attncc.variant(inputs={"top": "i32[b, h, qb, 8]"}, block=64)
+class nsa_topk:
+    def mask(q, k):
+        return q >= k
+
+    def layout(b, h, qb, kb, top):
+        return attncc.isin(kb, top[b, h, qb])  # the language's `kb in top[b, h, qb]`
+
+
 # Keyed by the stem of the .attn file that declares the same variant.
 EXAMPLES = {v.name: v for v in (
     full, causal, causal_bottom_right, gqa_causal, sliding_window, prefix_lm, document,
     dilated_window, chunked_local, longformer, alibi, softcap, relative_bias, bigbird,
     dropout, sparse_strided, sparse_fixed, sparse_heads, dilated_blocks, vertical_slash,
-    nsa_selected,
+    nsa_selected, nsa_topk,
 )}

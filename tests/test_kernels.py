@@ -32,14 +32,18 @@ def max_err(x, ref) -> float:
 
 
 def make_inputs(variant: ir.Variant, B, H, Lq, Lk, gen, device=DEVICE) -> dict:
-    """Fresh random stand-ins for a variant's runtime inputs (documents as sorted ids)."""
-    from attncc.arguments import Problem, TORCH_DTYPES, axis_extent
+    """Fresh random stand-ins for a variant's runtime inputs (documents as sorted ids,
+    index lists as distinct random tiles padded with -1)."""
+    from attncc.arguments import Problem, TORCH_DTYPES, axis_extent, random_index_lists
     p = Problem(B, H, H, Lq, Lk, 16, 16)
+    lists = ir.index_lists(variant.layout)
     out = {}
     for decl in variant.inputs:
         shape = tuple(axis_extent(a, variant, p) for a in decl.axes)
         dtype = TORCH_DTYPES[decl.dtype]
-        if decl.type == ir.BOOL:
+        if decl.name in lists:
+            t = random_index_lists(shape, axis_extent(lists[decl.name], variant, p), gen)
+        elif decl.type == ir.BOOL:
             t = torch.rand(shape, generator=gen) < 0.4
         elif decl.type == ir.INT:
             if len(shape) == 1 and decl.axes[0] in ("q", "k"):

@@ -125,6 +125,77 @@ def test_nsa_selection_from_its_comment_recipe():
             inputs={"selected": selected})
 
 
+def nsa_top_indices(seed=6, B=2, H=2, Hkv=1, L=140, n_top=8):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, 16, generator=gen)
+    k = torch.randn(B, Hkv, L, 16, generator=gen)
+    return q, k, run_comment_code("nsa_topk", q=q, k=k, v=k, L=L, n_top=n_top)["top"]
+
+
+def test_nsa_top_k_indices_from_its_comment_recipe():
+    B, H, Hkv, L = 2, 2, 1, 140  # 3 blocks of 64: every list of 8 is padded with -1
+    q, k, top = nsa_top_indices(B=B, H=H, Hkv=Hkv, L=L)
+    assert top.shape == (B, H, 3, 8) and top.dtype == torch.int32
+    assert (top[..., 0, 1:] == -1).all(), "the first block can select only itself"
+    assert ((top >= -1) & (top <= torch.arange(3).view(3, 1))).all(), "selections are causal"
+    compare(example("nsa_topk"), B=B, H=H, Hkv=Hkv, Lq=L, Lk=L, D=16, inputs={"top": top})
+
+
+def test_index_lists_and_bool_layout_give_the_same_attention():
+    # Two of 9 blocks per list, at block 16: the same selection both ways, bit for bit.
+    gen = torch.Generator().manual_seed(3)
+    B, H, L, n = 2, 3, 140, 9
+    top = torch.stack([torch.randperm(n, generator=gen)[:2] for _ in range(B * H * n)])
+    top = top.view(B, H, n, 2).int()
+    top[0, 1, 4, 1] = -1
+    selected = torch.zeros(B, H, n, n, dtype=torch.bool)
+    selected.scatter_(-1, top.clamp(min=0).long(), top >= 0)
+    selected[0, 1, 4, top[0, 1, 4, 0]] = True
+    by_index = example("nsa_topk", **{"block  64": "block 16", "8]": "2]"})
+    by_bool = example("nsa_selected", **{"block  64": "block 16"})
+    q, k, v = (torch.randn(B, H, L, 16, generator=gen) for _ in range(3))
+    a = attncc.compile(by_index)(q, k, v, top=top)
+    b = attncc.compile(by_bool)(q, k, v, selected=selected)
+    assert torch.equal(a, b)
+
+
+def test_query_tile_lists_select_columns():
+    # `qb in rows[h, kb]`: per key block, the query blocks that may read it.
+    v = attncc.parse("attention t { input rows: i64[h, kb, 2] layout qb in rows[h, kb] block 16 }")
+    gen = torch.Generator().manual_seed(4)
+    rows = torch.stack([torch.randperm(3, generator=gen)[:2] for _ in range(2 * 4)]).view(2, 4, 2)
+    compare(v, B=1, H=2, Lq=45, Lk=61, D=16, inputs={"rows": rows})
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda t: t.index_fill_(-1, torch.tensor([1]), 0).index_fill_(-1, torch.tensor([0]), 0),
+     r"input 'top' lists tile 0 twice in one list; each list must name distinct tiles"),
+    (lambda t: t.fill_(3), r"input 'top' holds tile index 3, outside \[0, 3\)"),
+    (lambda t: t.fill_(-2), r"input 'top' holds tile index -2, outside \[0, 3\).*-1 for padding"),
+], ids=["repeated", "too_large", "below_padding"])
+def test_bad_index_lists_name_the_input_and_the_value(change, message):
+    spec = example("nsa_topk", **{"8]": "2]"})
+    q, k, v = _qkv(H=2, L=140)
+    top = change(torch.tensor([[0, -1], [0, 1], [1, 2]], dtype=torch.int32).expand(2, 2, 3, 2).clone())
+    with pytest.raises(ValueError, match=message):
+        attncc.compile(spec)(q, k, v, top=top)
+    with pytest.raises(ValueError, match=message):
+        attncc.reference(spec, q, k, v, top=top)
+
+
+def test_index_list_checked_once_then_again_after_an_in_place_write():
+    spec = example("nsa_topk", **{"block  64": "block 16", "8]": "2]"})
+    kernel = attncc.compile(spec)
+    q, k, v = _qkv(H=2, L=40)
+    top = torch.tensor([[0, -1], [0, 1], [1, 2]], dtype=torch.int32).expand(2, 2, 3, 2).clone()
+    kernel(q, k, v, top=top)
+    kernel(q, k, v, top=top)
+    assert len(kernel._checked_lists) == 1
+    top[0, 0, 2, 1] = 1  # now tile 1 twice: the version counter moved, so it is checked
+    with pytest.raises(ValueError, match="lists tile 1 twice"):
+        kernel(q, k, v, top=top)
+
+
 # ----------------------------------------------------------- per head, per batch, with masks
 def random_layout(shape, density, gen, diagonal=True):
     lay = torch.rand(shape, generator=gen) < density
