@@ -100,10 +100,13 @@ class _Emitter:
         decl = self.inputs[e.tensor]
         if decl.type == ir.FLOAT:
             return UNKNOWN  # float tensors rarely decide masks; not summarised
-        # Summarised when exactly one index is the bare position q or k along an axis
-        # of that extent, and every other index is the same for the whole tile.
+        # Summarised when exactly one index is the bare position q or k, along a position
+        # axis (of either extent: `doc[k]` with `doc: i32[q]` is the usual self-attention
+        # document mask) or one of fixed size, and every other index is the same for the
+        # whole tile. Positions past the axis read its last entry, as the kernels clamp.
         pos = [i for i, x in enumerate(e.indices)
-               if isinstance(x, ir.Var) and x.name in ("q", "k") and decl.axes[i] == x.name]
+               if isinstance(x, ir.Var) and x.name in ("q", "k")
+               and (decl.axes[i] in ("q", "k") or isinstance(decl.axes[i], int))]
         if len(pos) != 1:
             return UNKNOWN
         axis = pos[0]

@@ -80,7 +80,7 @@ class _Attention(torch.autograd.Function):
         inputs = dict(zip(call["input_names"], input_values))
         run = lambda config: kernel.module.forward(
             q, k, v, inputs, q_offset=call["q_offset"], k_offset=call["k_offset"],
-            seed=call["seed"], config=config)
+            seed=call["seed"], config=config, tables=call["tables"])
         config = tuning.config_for(kernel, call["problem"], q.dtype, "fwd", run)
         out, lse = run(config)
         ctx.save_for_backward(q, k, v, out, lse, *input_values)
@@ -95,7 +95,8 @@ class _Attention(torch.autograd.Function):
         call = ctx.call
         inputs = dict(zip(call["input_names"], input_values))
         module, problem = ctx.kernel.module, call["problem"]
-        common = dict(q_offset=call["q_offset"], k_offset=call["k_offset"], seed=call["seed"])
+        common = dict(q_offset=call["q_offset"], k_offset=call["k_offset"], seed=call["seed"],
+                      tables=call["tables"])
         delta = module.backward_delta(out, dout)
         # dK/dV and dQ are tuned apart: they want different tile shapes.
         run_dkdv = lambda config: module.backward_dkdv(q, k, v, lse, delta, dout, inputs,
@@ -170,8 +171,14 @@ class Kernel:
             self._checked_lists[key] = True
 
     def __call__(self, q, k, v, *, return_lse: bool = False, dropout_seed: int | None = None,
-                 q_offset: int = 0, k_offset: int = 0, **inputs):
+                 q_offset: int = 0, k_offset: int = 0, tables: "TileTables | None" = None,
+                 **inputs):
         p = self.check_call(q, k, v, inputs, q_offset, k_offset)
+        if tables is not None:
+            if not isinstance(tables, TileTables):
+                raise CallError(f"tables must come from kernel.tile_tables(...), got "
+                                f"{type(tables).__name__}")
+            tables.check(self, p, inputs)
         if p.len_q == 0 or p.len_k == 0:
             out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
             lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
@@ -189,9 +196,100 @@ class Kernel:
         call = {
             "input_names": names, "q_offset": q_offset, "k_offset": k_offset,
             "seed": int(dropout_seed or 0), "problem": p,
+            "tables": tables.store if tables is not None else None,
         }
         out, lse = _Attention.apply(self, q, k, v, call, *values)
         return (out, lse) if return_lse else out
+
+
+    def tile_tables(self, q, k, v, *, q_offset: int = 0, k_offset: int = 0,
+                    **inputs) -> "TileTables":
+        """Tile tables for calls shaped like this one, to keep and pass as `tables=`.
+
+        The kernel caches tables itself (32 entries, keyed by the tensors they read), so
+        this is for when that is not enough: many layers with layouts of their own, or
+        building the tables (and checking index lists) once, outside a training step."""
+        p = self.check_call(q, k, v, inputs, q_offset, k_offset)
+        if not self.module.USES_TABLES:
+            raise CallError(f"variant '{self.variant.name}' has no tile tables to keep: its "
+                            f"kernels skip tiles by analytic bounds ({self.strategy}); call "
+                            "the kernel without tables=")
+        return TileTables(self, p, inputs, q.device)
+
+    def density(self, q, k, v, *, block: int | None = None, q_offset: int = 0,
+                k_offset: int = 0, **inputs) -> float:
+        """The fraction of block x block tiles (default: the layout's block, else 64) that
+        the kernels visit for calls shaped like this one, averaged over batch and heads.
+        Tiles are classified as the tables do, so this may count a tile the kernels'
+        analytic bounds would skip, never the reverse. Reads the result: one sync."""
+        p = self.check_call(q, k, v, inputs, q_offset, k_offset)
+        return tile_density(self.module, p, inputs, q.device, block or self.variant.block or 64)
+
+
+def tile_density(module, p, inputs: dict, device, block: int) -> float:
+    if block < 1:
+        raise CallError(f"block must be a positive number of positions, got {block}")
+    t = module.tile_tables(p.batch, p.heads_q, p.len_q, p.len_k, p.q_offset, p.k_offset, p.dim,
+                           inputs, block, block, device)
+    visited = (t["row_full_count"] + t["row_part_count"]).float().mean()
+    return visited.item() / -(-p.len_k // block)
+
+
+class TileTables:
+    """A kernel's tile tables for one problem shape and one state of the tensors the mask
+    and layout read, built by `kernel.tile_tables(...)` and passed as `kernel(...,
+    tables=t)`. Tables for each tile size the kernels use are built on first use and
+    kept here, not in the kernel's bounded cache. A call whose shapes differ, or whose
+    mask or layout tensors are other tensors or were written in place since, is refused:
+    such tables would skip the wrong tiles."""
+
+    def __init__(self, kernel: Kernel, problem, inputs: dict, device):
+        self.kernel, self.problem, self.device = kernel, problem, device
+        self._reads = {name: _state(inputs[name]) for name in kernel.module.TABLE_INPUTS}
+        self._inputs = {name: inputs[name] for name in kernel.module.TABLE_INPUTS}
+        self.store: dict = {}  # (BLOCK_M, BLOCK_N) -> tables; filled by the generated module
+        self._density = None
+
+    @property
+    def density(self) -> float:
+        """The fraction of tiles visited (see Kernel.density), at the layout's block."""
+        if self._density is None:
+            block = self.kernel.variant.block or 64
+            self._density = tile_density(self.kernel.module, self.problem, self._inputs,
+                                         self.device, block)
+        return self._density
+
+    def check(self, kernel: Kernel, problem, inputs: dict):
+        if kernel is not self.kernel:
+            raise CallError(f"these tables belong to the kernel for '{self.kernel.variant.name}', "
+                            f"not to this one ('{kernel.variant.name}'); build them with "
+                            "this kernel's tile_tables(...)")
+        if problem != self.problem:
+            raise CallError(f"these tables were built for {_shape_text(self.problem)}, but this "
+                            f"call is {_shape_text(problem)}; build tables for it with "
+                            "kernel.tile_tables(...)")
+        for name, state in self._reads.items():
+            if _state(inputs[name]) != state:
+                raise CallError(f"these tables were built from another '{name}' (or it was "
+                                "written in place since); rebuild them with "
+                                "kernel.tile_tables(...) when it changes")
+
+    def __repr__(self):
+        sizes = ", ".join(f"{m}x{n}" for m, n in self.store) or "none yet"
+        return (f"<attncc tile tables for '{self.kernel.variant.name}', "
+                f"{_shape_text(self.problem)}; tile sizes built: {sizes}>")
+
+
+def _state(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype, str(t.device))
+
+
+def _shape_text(p) -> str:
+    text = (f"batch {p.batch}, heads {p.heads_q}/{p.heads_kv}, len_q {p.len_q}, "
+            f"len_k {p.len_k}, dim {p.dim}")
+    if p.q_offset or p.k_offset:
+        text += f", offsets {p.q_offset}/{p.k_offset}"
+    return text
 
 
 def compile_variant(variant: ir.Variant, *, config: dict | None = None) -> Kernel:

@@ -56,6 +56,14 @@ def run_comment_code(name: str, **env) -> dict:
     return calls
 
 
+PER_HEAD = "attention l { input blocks: bool[h, qb, kb] layout blocks[h, qb, kb] block 16 }"
+PER_BATCH = "attention l { input sel: bool[b, h, qb, kb] layout sel[b, h, qb, kb] block 16 }"
+
+
+def _qkv(B=2, H=3, L=40):  # 40 tokens: 3 blocks of 16
+    return [torch.randn(B, H, L, 16) for _ in range(3)]
+
+
 # ----------------------------------------------------------- static layouts (block 16, 32)
 @pytest.mark.parametrize("name,subs,H,L", [
     ("sparse_strided", {"block  128": "block 16"}, 2, 130),            # 9 blocks: diagonals 0-3, 4, 8
@@ -196,6 +204,87 @@ def test_index_list_checked_once_then_again_after_an_in_place_write():
         kernel(q, k, v, top=top)
 
 
+# ----------------------------------------------------------- tile tables the caller keeps
+def test_kept_tables_give_the_same_results_and_are_built_once_per_tile_size(monkeypatch):
+    kernel = attncc.compile(PER_HEAD)
+    gen = torch.Generator().manual_seed(8)
+    blocks = random_layout((3, 3, 3), 0.5, gen)
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    tables = kernel.tile_tables(q, k, v, blocks=blocks)
+    builds = []
+    real = kernel.module.tile_tables
+    monkeypatch.setattr(kernel.module, "tile_tables", lambda *a: builds.append(a[8:10]) or real(*a))
+    kernel.module._TABLE_CACHE.clear()
+    for _ in range(3):  # three steps, forward and backward
+        out = kernel(q, k, v, blocks=blocks, tables=tables)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert sorted(set(builds)) == sorted(builds) == sorted(tables.store)
+    assert not kernel.module._TABLE_CACHE, "kept tables must not go through the module cache"
+    want = kernel(q, k, v, blocks=blocks)
+    assert torch.equal(out, want)
+    assert all(torch.equal(g, w) for g, w in zip(grads, torch.autograd.grad(want.sum(), (q, k, v))))
+
+
+def test_kept_tables_refuse_a_call_they_do_not_describe():
+    kernel = attncc.compile(PER_HEAD)
+    blocks = torch.ones(3, 3, 3, dtype=torch.bool)
+    q, k, v = _qkv()
+    tables = kernel.tile_tables(q, k, v, blocks=blocks)
+    with pytest.raises(ValueError, match=r"built for batch 2, heads 3/3, len_q 40.*this call is batch 2, heads 3/3, len_q 33"):
+        kernel(q[:, :, :33], k, v, blocks=blocks, tables=tables)
+    with pytest.raises(ValueError, match=r"built from another 'blocks'"):
+        kernel(q, k, v, blocks=blocks.clone(), tables=tables)
+    blocks[0, 0, 0] = False  # written in place: the version counter moves
+    with pytest.raises(ValueError, match=r"built from another 'blocks' \(or it was written in place"):
+        kernel(q, k, v, blocks=blocks, tables=tables)
+    other = attncc.compile(PER_BATCH)
+    with pytest.raises(ValueError, match=r"belong to the kernel for 'l'"):
+        other(q, k, v, sel=torch.ones(2, 3, 3, 3, dtype=torch.bool), tables=tables)
+    with pytest.raises(ValueError, match=r"tables must come from kernel.tile_tables"):
+        kernel(q, k, v, blocks=blocks, tables={})
+
+
+def test_analytic_variants_have_no_tables_to_keep():
+    with pytest.raises(ValueError, match=r"no tile tables to keep: .*analytic"):
+        attncc.compile("attention c { mask q >= k }").tile_tables(*_qkv())
+
+
+@pytest.mark.parametrize("spec,L,block", [
+    ("attention c { mask q >= k }", 100, 16),
+    ("attention c { mask q >= k }", 64, 64),
+    ("attention f { }", 50, 16),
+    ("attention w { mask q >= k and q - k < 20 }", 90, 16),
+    (PER_HEAD, 40, 16),
+    ("attention d { input doc: i32[q] mask doc[q] == doc[k] }", 70, 16),
+], ids=["causal", "causal_one_tile", "full", "window", "layout", "document"])
+def test_density_is_the_fraction_of_tiles_with_a_pair_that_attends(spec, L, block):
+    from attncc.arguments import Problem
+    from attncc.commands import tile_visit_fraction
+    from attncc.reference import allowed_pairs
+    variant = attncc.parse(spec)
+    gen = torch.Generator().manual_seed(9)
+    inputs = {}
+    if variant.inputs and variant.inputs[0].name == "blocks":
+        inputs = {"blocks": random_layout((3, 3, 3), 0.4, gen, diagonal=False)}
+    elif variant.inputs:
+        inputs = {"doc": torch.sort(torch.randint(0, 3, (L,), generator=gen)).values.int()}
+    q, k, v = _qkv(L=L)
+    got = attncc.compile(variant).density(q, k, v, block=block, **inputs)
+    allowed = allowed_pairs(variant, Problem(2, 3, 3, L, L, 16, 16), inputs, "cpu")
+    visited, total = tile_visit_fraction(allowed.expand(2, 3, L, L), block, block)
+    assert got == pytest.approx(visited / total)
+    assert 0 < got <= 1
+
+
+def test_kept_tables_report_density_at_the_layout_block():
+    kernel = attncc.compile(example("nsa_topk", **{"block  64": "block 16", "8]": "2]"}))
+    q, k, v = _qkv(H=2, L=40)  # 3 tiles; lists of 2: tile 0 and the diagonal
+    top = torch.stack([torch.zeros(3), torch.arange(3)], -1).int().expand(2, 2, 3, 2).clone()
+    top[..., 0, 1] = -1
+    tables = kernel.tile_tables(q, k, v, top=top)
+    assert tables.density == pytest.approx(5 / 9)  # (0,0), (1,0), (1,1), (2,0), (2,2)
+
+
 # ----------------------------------------------------------- per head, per batch, with masks
 def random_layout(shape, density, gen, diagonal=True):
     lay = torch.rand(shape, generator=gen) < density
@@ -252,14 +341,6 @@ def test_layout_with_document_mask_block_16():
 
 
 # ----------------------------------------------------------- bad layout tensors
-PER_HEAD = "attention l { input blocks: bool[h, qb, kb] layout blocks[h, qb, kb] block 16 }"
-PER_BATCH = "attention l { input sel: bool[b, h, qb, kb] layout sel[b, h, qb, kb] block 16 }"
-
-
-def _qkv(B=2, H=3, L=40):  # 40 tokens: 3 blocks of 16
-    return [torch.randn(B, H, L, 16) for _ in range(3)]
-
-
 @pytest.mark.parametrize("spec,name,bad,expected", [
     (PER_HEAD, "blocks", torch.ones(3, 3, dtype=torch.bool), "(3, 3, 3)"),           # no head axis
     (PER_HEAD, "blocks", torch.ones(3, 2, 2, dtype=torch.bool), "(3, 3, 3)"),        # floor, not ceil
