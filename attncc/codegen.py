@@ -9,24 +9,17 @@ bytes: nothing here depends on the machine, the time or dict order.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import jinja2
 
 from . import bounds, dropout, ir, intervals
 from .derivative import score_gradients
 from .elementwise import TritonEmitter, input_arg_names
+from .generated import Generated
 from .printer import print_variant
 from .resources import templates_dir
 
 BIG = str(1 << 30)  # "unbounded" inside loop-bound code; positions stay far below it
-
-
-@dataclass(frozen=True)
-class Generated:
-    source: str
-    strategy: str
-    module_name: str
 
 
 @functools.lru_cache(maxsize=1)

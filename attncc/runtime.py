@@ -7,8 +7,10 @@ sizes (attncc/tuning.py), and runs the forward and backward through autograd.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
+import json
 import os
 import sys
 import tempfile
@@ -18,9 +20,10 @@ import torch
 
 from . import ir, tuning
 from .arguments import axis_extent, bind
-from .codegen import generate
 from .errors import CallError
 from .evaluate import check_index_list
+from .generated import Generated
+from .resources import grammar_path, templates_dir
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
@@ -64,13 +67,54 @@ def _import_module(name: str, path: Path):
     return module
 
 
+@functools.lru_cache(maxsize=1)
+def generator_digest() -> str:
+    """A hash of everything that turns a variant into code: attncc's own sources, the
+    templates and the grammar. A module cached under another digest is never reused."""
+    h = hashlib.sha256()
+    package = Path(__file__).resolve().parent
+    templates = [p for p in templates_dir().iterdir() if p.is_file()]
+    files = sorted(package.glob("*.py")) + sorted(templates) + [grammar_path()]
+    for path in files:
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _index_path(variant: ir.Variant) -> Path:
+    return cache_dir() / "modules" / "index" / f"{variant.name}-{variant.key()}-{generator_digest()}.json"
+
+
+def _load_indexed(variant: ir.Variant):
+    """(generated, module) from the cache without generating, or None on any miss: no
+    index entry, a damaged one, or a module file whose bytes are not the ones indexed."""
+    try:
+        entry = json.loads(_index_path(variant).read_text())
+        name, strategy, digest = entry["module"], entry["strategy"], entry["sha256"]
+        path = cache_dir() / "modules" / f"{name}.py"
+        data = path.read_bytes()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if hashlib.sha256(data).hexdigest() != digest:
+        return None
+    gen = Generated(source=data.decode(), strategy=strategy, module_name=name.rsplit("_", 1)[0])
+    return gen, _import_module(name, path)
+
+
 def load_generated(variant: ir.Variant):
-    """(generated, module): render the variant and import it from the cache."""
+    """(generated, module): import the variant's module from the cache, rendering it
+    first when the cache does not hold it. A warm start skips the generator (and its
+    sympy import, most of a second) by looking the module up by IR and generator hash."""
+    found = _load_indexed(variant)
+    if found is not None:
+        return found
+    from .codegen import generate  # imports sympy: only when there is code to generate
     gen = generate(variant)
-    digest = hashlib.sha256(gen.source.encode()).hexdigest()[:12]
-    name = f"{gen.module_name}_{digest}"
+    digest = hashlib.sha256(gen.source.encode()).hexdigest()
+    name = f"{gen.module_name}_{digest[:12]}"
     path = cache_dir() / "modules" / f"{name}.py"
     write_if_changed(path, gen.source)
+    entry = {"module": name, "strategy": gen.strategy, "sha256": digest}
+    write_if_changed(_index_path(variant), json.dumps(entry, indent=1) + "\n")
     return gen, _import_module(name, path)
 
 

@@ -86,8 +86,10 @@ def test_processes_compiling_the_same_variant_at_once_share_one_module(tmp_path)
     assert {out.strip() for out, _, _ in results} == {str(files[0])}
     assert files[0].read_text() == generate(variant).source
     leftovers = [p.name for p in (cache / "modules").iterdir() if p != files[0]
-                 and p.name != "__pycache__"]
+                 and p.name not in ("__pycache__", "index")]
     assert not leftovers, f"temporary files left behind: {leftovers}"
+    (index,) = (cache / "modules" / "index").iterdir()  # one entry, no temporary file
+    assert json.loads(index.read_text())["module"] == files[0].stem
 
 
 # ------------------------------------------------------------------ (b) damaged modules
@@ -118,6 +120,34 @@ def test_a_damaged_module_file_is_rewritten_not_imported(tmp_path):
         assert result.returncode == 0, (damage, result.stderr[-2000:])
         assert Path(result.stdout.strip()) == path, damage
         assert path.read_text() == whole, f"{damage}: the damaged file was not rewritten"
+
+
+def test_a_warm_start_imports_the_cached_module_without_the_generator(tmp_path):
+    """The second process finds the module through the index (IR and generator hash),
+    so it neither imports sympy nor renders the template; a damaged index is a miss."""
+    cache = tmp_path / "cache"
+    probe = CALL_AND_CHECK.format(spec=SPEC) + "import sys; print('sympy' in sys.modules)\n"
+    cold = python(probe, cache)
+    assert cold.returncode == 0, cold.stderr
+    assert cold.stdout.split() [-1] == "True"
+    warm = python(probe, cache)
+    assert warm.returncode == 0, warm.stderr
+    assert warm.stdout.split() == [cold.stdout.split()[0], "False"]
+    (index,) = (cache / "modules" / "index").glob("cached-*.json")
+    for damage in ("", "{", '{"module": "elsewhere", "strategy": "", "sha256": "0"}'):
+        index.write_text(damage)
+        again = python(probe, cache)
+        assert again.returncode == 0, (damage, again.stderr)
+        assert again.stdout.split() == [cold.stdout.split()[0], "True"], damage
+        assert json.loads(index.read_text())["module"] in again.stdout, "the index was not rewritten"
+
+
+def test_the_module_index_is_keyed_by_the_generator(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
+    variant = attncc.parse(SPEC)
+    first = runtime._index_path(variant)
+    monkeypatch.setattr(runtime, "generator_digest", lambda: "another-attncc")
+    assert runtime._index_path(variant) != first and variant.key() in first.name
 
 
 # ------------------------------------------------------------------ (c) the tuning cache

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import attncc
-from test_kernels import compare
+from test_kernels import DEVICE, compare
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -61,7 +61,7 @@ PER_BATCH = "attention l { input sel: bool[b, h, qb, kb] layout sel[b, h, qb, kb
 
 
 def _qkv(B=2, H=3, L=40):  # 40 tokens: 3 blocks of 16
-    return [torch.randn(B, H, L, 16) for _ in range(3)]
+    return [torch.randn(B, H, L, 16, device=DEVICE) for _ in range(3)]
 
 
 # ----------------------------------------------------------- static layouts (block 16, 32)
@@ -161,9 +161,9 @@ def test_index_lists_and_bool_layout_give_the_same_attention():
     selected[0, 1, 4, top[0, 1, 4, 0]] = True
     by_index = example("nsa_topk", **{"block  64": "block 16", "8]": "2]"})
     by_bool = example("nsa_selected", **{"block  64": "block 16"})
-    q, k, v = (torch.randn(B, H, L, 16, generator=gen) for _ in range(3))
-    a = attncc.compile(by_index)(q, k, v, top=top)
-    b = attncc.compile(by_bool)(q, k, v, selected=selected)
+    q, k, v = (torch.randn(B, H, L, 16, generator=gen).to(DEVICE) for _ in range(3))
+    a = attncc.compile(by_index)(q, k, v, top=top.to(DEVICE))
+    b = attncc.compile(by_bool)(q, k, v, selected=selected.to(DEVICE))
     assert torch.equal(a, b)
 
 
@@ -185,6 +185,7 @@ def test_bad_index_lists_name_the_input_and_the_value(change, message):
     spec = example("nsa_topk", **{"8]": "2]"})
     q, k, v = _qkv(H=2, L=140)
     top = change(torch.tensor([[0, -1], [0, 1], [1, 2]], dtype=torch.int32).expand(2, 2, 3, 2).clone())
+    top = top.to(DEVICE)
     with pytest.raises(ValueError, match=message):
         attncc.compile(spec)(q, k, v, top=top)
     with pytest.raises(ValueError, match=message):
@@ -195,7 +196,7 @@ def test_index_list_checked_once_then_again_after_an_in_place_write():
     spec = example("nsa_topk", **{"block  64": "block 16", "8]": "2]"})
     kernel = attncc.compile(spec)
     q, k, v = _qkv(H=2, L=40)
-    top = torch.tensor([[0, -1], [0, 1], [1, 2]], dtype=torch.int32).expand(2, 2, 3, 2).clone()
+    top = torch.tensor([[0, -1], [0, 1], [1, 2]], dtype=torch.int32, device=DEVICE).expand(2, 2, 3, 2).clone()
     kernel(q, k, v, top=top)
     kernel(q, k, v, top=top)
     assert len(kernel._checked_lists) == 1
@@ -208,7 +209,7 @@ def test_index_list_checked_once_then_again_after_an_in_place_write():
 def test_kept_tables_give_the_same_results_and_are_built_once_per_tile_size(monkeypatch):
     kernel = attncc.compile(PER_HEAD)
     gen = torch.Generator().manual_seed(8)
-    blocks = random_layout((3, 3, 3), 0.5, gen)
+    blocks = random_layout((3, 3, 3), 0.5, gen).to(DEVICE)
     q, k, v = (t.requires_grad_() for t in _qkv())
     tables = kernel.tile_tables(q, k, v, blocks=blocks)
     builds = []
@@ -227,7 +228,7 @@ def test_kept_tables_give_the_same_results_and_are_built_once_per_tile_size(monk
 
 def test_kept_tables_refuse_a_call_they_do_not_describe():
     kernel = attncc.compile(PER_HEAD)
-    blocks = torch.ones(3, 3, 3, dtype=torch.bool)
+    blocks = torch.ones(3, 3, 3, dtype=torch.bool, device=DEVICE)
     q, k, v = _qkv()
     tables = kernel.tile_tables(q, k, v, blocks=blocks)
     with pytest.raises(ValueError, match=r"built for batch 2, heads 3/3, len_q 40.*this call is batch 2, heads 3/3, len_q 33"):
@@ -239,7 +240,7 @@ def test_kept_tables_refuse_a_call_they_do_not_describe():
         kernel(q, k, v, blocks=blocks, tables=tables)
     other = attncc.compile(PER_BATCH)
     with pytest.raises(ValueError, match=r"belong to the kernel for 'l'"):
-        other(q, k, v, sel=torch.ones(2, 3, 3, 3, dtype=torch.bool), tables=tables)
+        other(q, k, v, sel=torch.ones(2, 3, 3, 3, dtype=torch.bool, device=DEVICE), tables=tables)
     with pytest.raises(ValueError, match=r"tables must come from kernel.tile_tables"):
         kernel(q, k, v, blocks=blocks, tables={})
 
@@ -269,7 +270,8 @@ def test_density_is_the_fraction_of_tiles_with_a_pair_that_attends(spec, L, bloc
     elif variant.inputs:
         inputs = {"doc": torch.sort(torch.randint(0, 3, (L,), generator=gen)).values.int()}
     q, k, v = _qkv(L=L)
-    got = attncc.compile(variant).density(q, k, v, block=block, **inputs)
+    got = attncc.compile(variant).density(q, k, v, block=block,
+                                          **{n: t.to(DEVICE) for n, t in inputs.items()})
     allowed = allowed_pairs(variant, Problem(2, 3, 3, L, L, 16, 16), inputs, "cpu")
     visited, total = tile_visit_fraction(allowed.expand(2, 3, L, L), block, block)
     assert got == pytest.approx(visited / total)
@@ -279,7 +281,7 @@ def test_density_is_the_fraction_of_tiles_with_a_pair_that_attends(spec, L, bloc
 def test_kept_tables_report_density_at_the_layout_block():
     kernel = attncc.compile(example("nsa_topk", **{"block  64": "block 16", "8]": "2]"}))
     q, k, v = _qkv(H=2, L=40)  # 3 tiles; lists of 2: tile 0 and the diagonal
-    top = torch.stack([torch.zeros(3), torch.arange(3)], -1).int().expand(2, 2, 3, 2).clone()
+    top = torch.stack([torch.zeros(3), torch.arange(3)], -1).int().expand(2, 2, 3, 2).clone().to(DEVICE)
     top[..., 0, 1] = -1
     tables = kernel.tile_tables(q, k, v, top=top)
     assert tables.density == pytest.approx(5 / 9)  # (0,0), (1,0), (1,1), (2,0), (2,2)
