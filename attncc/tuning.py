@@ -71,17 +71,18 @@ def keep(config: dict, variant: ir.Variant, head_dim: int, direction: str) -> bo
 
 def candidates(direction: str) -> list:
     """Hopper-oriented candidates, most likely winner first (ATTNCC_TUNE=0 takes it)."""
-    # Measured on an H100 (benchmarks/RESULTS.md): 64x64 tiles with 4 warps won every
-    # key so far; 32x128 dK/dV tiles spill their two accumulators and ran 3.6x slower.
+    # Measured on an H100 (benchmarks/RESULTS.md, run 12): forward 128x128 tiles with 8
+    # warps and 3 stages beat 64x64 by 7-9% at D = 128 (with 2 stages they lost);
+    # 32x128 dK/dV tiles spill their two accumulators and ran 3.6x slower.
     if direction == "fwd":
-        shapes = [(64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3), (64, 64, 4, 4),
-                  (128, 64, 8, 3), (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)]
+        shapes = [(128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3),
+                  (128, 128, 8, 2), (64, 64, 4, 4), (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)]
     elif direction == "dkdv":  # the key tile stays on chip; query tiles stream past it
-        shapes = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 64, 8, 2),
-                  (64, 128, 8, 2), (128, 64, 8, 2), (32, 32, 4, 1), (16, 16, 4, 1)]
+        shapes = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3),
+                  (64, 64, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 32, 4, 1), (16, 16, 4, 1)]
     elif direction == "dq":  # the query tile stays on chip; key tiles stream past it
-        shapes = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (64, 64, 8, 2),
-                  (128, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)]
+        shapes = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3),
+                  (64, 64, 8, 2), (128, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)]
     else:
         raise ValueError(f"unknown direction {direction!r}")
     return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
@@ -133,8 +134,10 @@ def config_for(kernel, problem, dtype, direction: str, run=None) -> dict:
     kept = [c for c in candidates(direction) if keep(c, kernel.variant, problem.dim, direction)]
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    if run is None or os.environ.get("ATTNCC_TUNE") == "0":
+    if run is None:
         return kept[0]
+    if os.environ.get("ATTNCC_TUNE") == "0":
+        return first_that_runs(kernel, problem, dtype, direction, kept, run)
     key = (f"{direction}-d{problem.dim}-{str(dtype).replace('torch.', '')}-g{problem.group}"
            f"-q{length_bucket(problem.len_q)}-k{length_bucket(problem.len_k)}")
     mem_key = (kernel.key, key)
@@ -151,13 +154,39 @@ def config_for(kernel, problem, dtype, direction: str, run=None) -> dict:
     return best
 
 
+def first_that_runs(kernel, problem, dtype, direction: str, kept: list, run) -> dict:
+    """Untimed choice (ATTNCC_TUNE=0): the first candidate that compiles within the GPU's
+    resources (a variant reading tensors in its score may need more shared memory than
+    the favourite tile allows). Each one skipped is reported; the choice is remembered
+    for this process."""
+    mem_key = (kernel.key, "untuned", direction, problem.dim, str(dtype), problem.group)
+    if mem_key in _MEMORY:
+        return _MEMORY[mem_key]
+    import triton
+    for config in kept:
+        try:
+            run(config)  # compiles it; the launch repeats the call's own work once
+        except triton.runtime.errors.OutOfResources as e:
+            print(f"attncc: {kernel.variant.name} {direction}: {_label(config)} does not fit "
+                  f"({str(e).splitlines()[0][:100]}); trying the next candidate", file=sys.stderr)
+            continue
+        _MEMORY[mem_key] = config
+        return config
+    raise RuntimeError(f"attncc: no tile config fits {kernel.variant.name} ({direction}, head dim "
+                       f"{problem.dim}); pin a smaller one with ATTNCC_CONFIG")
+
+
+def _label(config: dict) -> str:
+    return f"{config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
+
+
 def tune(name: str, key: str, configs: list, run) -> dict:
     """Time each config (median of do_bench), report progress, return the fastest."""
     import triton
     start = time.perf_counter()
     timings = []
     for i, config in enumerate(configs):
-        label = f"{config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
+        label = _label(config)
         try:
             ms = triton.testing.do_bench(lambda: run(config), warmup=5, rep=20, return_mode="median")
         except Exception as e:  # out of resources, compile failure: skip, and say so
