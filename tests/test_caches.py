@@ -265,3 +265,31 @@ def test_tuning_file_path_names_the_gpu_and_every_version(tmp_path, monkeypatch)
     assert "triton0.0.1" in str(tuning._cache_file(v))
     monkeypatch.setattr(torch, "__version__", "0.0.2+cpu")
     assert "torch0.0.2-" in str(tuning._cache_file(v))
+
+
+# ------------------------------------------------------------------ (e) untimed choice
+def test_untuned_choice_skips_a_config_that_does_not_fit(monkeypatch, capsys):
+    """ATTNCC_TUNE=0 takes the first candidate that fits the GPU, says which it skipped,
+    and remembers the choice (run 12: a score reading a tensor overflowed shared memory
+    at 128x128 tiles)."""
+    import triton
+    from types import SimpleNamespace
+    from attncc.arguments import Problem
+    monkeypatch.setenv("ATTNCC_TUNE", "0")
+    monkeypatch.setattr(runtime, "interpreting", lambda: False)
+    kernel = SimpleNamespace(key="k-untuned-test", pinned_config=None,
+                             variant=attncc.parse("attention rel { mask q >= k }"))
+    problem = Problem(1, 2, 2, 4096, 4096, 128, 128)
+    tried = []
+
+    def run(config):
+        tried.append(config)
+        if config["BLOCK_M"] == 128:
+            raise triton.runtime.errors.OutOfResources(360448, 232448, "shared memory")
+
+    chosen = tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run)
+    assert chosen["BLOCK_M"] == 64 and tried[0]["BLOCK_M"] == 128
+    assert "does not fit" in capsys.readouterr().err
+    n = len(tried)
+    assert tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run) == chosen
+    assert len(tried) == n, "the choice is remembered, not retried"
