@@ -25,7 +25,7 @@ from . import ir
 from .arguments import TORCH_DTYPES, Problem, axis_extent, random_index_lists
 from .errors import AttnccError
 from .runtime import write_if_changed
-from .tolerance import max_abs_error, slack, within_tolerance
+from .tolerance import gradient_scales, max_abs_error, slack, within_tolerance
 
 MAX_COMPILE_ESTIMATE_LEN = 8192   # `compile --len`: dense classification up to this length
 MAX_BENCH_EXACT_LEN = 16384       # `bench`: exact pair counts up to this length, sampled beyond
@@ -271,7 +271,7 @@ def _leaf(t: torch.Tensor, dtype=None, grad=False) -> torch.Tensor:
 
 def check_shape(variant, kernel, *, batch, heads, len_q, len_k, dim, dtype, device, seed) -> list:
     """One comparison: rows (tensor, err_kernel, err_eager, ok) for every result tensor."""
-    from .reference import reference
+    from .reference import reference, scale_value
     hq, hkv = heads
     gen = torch.Generator().manual_seed(seed)
     randn = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
@@ -294,11 +294,13 @@ def check_shape(variant, kernel, *, batch, heads, len_q, len_k, dim, dtype, devi
     truth = _run_attention(ref_fn, variant, rq, rk, rv, rin, dout.double())
     (eq, ek, ev), ein = case(dtype, None)
     eager = _run_attention(ref_fn, variant, eq, ek, ev, ein, dout)
+    scales = gradient_scales(rq, rk, truth["out"], dout, scale_value(variant, dim), hq // hkv)
     rows = []
     for name in truth:
         e_k = max_abs_error(got[name], truth[name])
         e_e = max_abs_error(eager[name], truth[name])
-        rows.append((name, e_k, e_e, within_tolerance(e_k, e_e, dtype, truth[name])))
+        rows.append((name, e_k, e_e, within_tolerance(e_k, e_e, dtype, truth[name],
+                                                      scales.get(name, 1.0))))
     return rows
 
 

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import attncc  # noqa: E402
 from attncc.reference import allowed_pairs  # noqa: E402
 from attncc.arguments import Problem  # noqa: E402
-from attncc.tolerance import within_tolerance  # noqa: E402
+from attncc.tolerance import gradient_scales, within_tolerance  # noqa: E402
 
 OUT = os.environ.get("OUT", "out")
 
@@ -74,6 +74,9 @@ def error_vs_reference(variant, q, k, v, inputs, dtype, seed):
     qe = [t.to(dtype).requires_grad_() for t in (q, k, v)]
     eager, else_ = attncc.reference(variant, *qe, return_lse=True, dropout_seed=seed, **inputs)
     egrads = torch.autograd.grad(eager, qe, do)
+    from attncc.reference import scale_value
+    scales = gradient_scales(q64[0], q64[1], ref, do, scale_value(variant, q.shape[-1]),
+                             q.shape[1] // k.shape[1])
     rows = []
     for label, a, r, e in [("out", out, ref, eager), ("lse", lse, rlse, else_)] + \
             [(f"d{n}", g, rg, eg) for n, g, rg, eg in zip("qkv", grads, rgrads, egrads)]:
@@ -83,7 +86,8 @@ def error_vs_reference(variant, q, k, v, inputs, dtype, seed):
         ea = (e.double() - r)[finite].abs().max().item() if finite.any() else 0.0
         nan = bool(torch.isnan(a).any())
         rows.append(dict(tensor=label, kernel_err=ka, eager_err=ea, inf_rows_match=inf_ok, nan=nan,
-                         ok=(not nan) and inf_ok and within_tolerance(ka, ea, dtype, r)))
+                         ok=(not nan) and inf_ok and within_tolerance(ka, ea, dtype, r,
+                                                                   scales.get(label, 1.0))))
     return rows
 
 
