@@ -118,11 +118,20 @@ def _load(path) -> dict:
 
 
 def _store(path, key: str, config: dict):
+    """Add one winner. The read-modify-write holds an exclusive lock on a file beside the
+    cache file, so processes tuning at once keep each other's entries (readers need no
+    lock: every write is an atomic replace)."""
+    import fcntl
     from .runtime import write_if_changed
-    with _LOCK:
-        data = _load(path)
-        data[key] = config
-        write_if_changed(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _LOCK, open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            data = _load(path)
+            data[key] = config
+            write_if_changed(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def config_for(kernel, problem, dtype, direction: str, run=None) -> dict:

@@ -192,12 +192,10 @@ for i in range(n):
 """
 
 
-def test_processes_storing_different_keys_at_once_leave_a_valid_file(tmp_path):
-    """Two processes each store their own keys concurrently. Every write is an atomic
-    replace, so the file is always valid JSON holding only valid configs. _store is a
-    read-modify-write with only an in-process lock, so an entry the other process
-    wrote between our read and our replace can be lost (measured below, not asserted:
-    a lost entry costs one re-tuning, never a wrong config)."""
+def test_processes_storing_different_keys_at_once_keep_every_entry(tmp_path):
+    """Two processes each store their own keys concurrently. The read-modify-write holds
+    a file lock and every write is an atomic replace, so the file is always valid JSON
+    and no process loses another's entry."""
     path, n = tmp_path / "tuning" / "v.json", 40
     procs = [subprocess.Popen([sys.executable, "-c", STORE_MANY, str(path), who,
                                str(tmp_path / "start"), str(n)], env=env_for(tmp_path),
@@ -208,14 +206,8 @@ def test_processes_storing_different_keys_at_once_leave_a_valid_file(tmp_path):
         _, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
     data = json.loads(path.read_text())
-    assert data and all(tuning.check_config(c, "t") for c in data.values())
-    assert set(data) <= {f"{w}-{i}" for w in "ab" for i in range(n)}
-    # Each process's own last key always survives its own final write... unless the
-    # other process replaced the file after reading it before that write. So at least
-    # the last writer's final key survives.
-    assert f"a-{n - 1}" in data or f"b-{n - 1}" in data
-    lost = 2 * n - len(data)
-    print(f"tuning entries lost to concurrent read-modify-write: {lost} of {2 * n}")
+    assert all(tuning.check_config(c, "t") for c in data.values())
+    assert set(data) == {f"{w}-{i}" for w in "ab" for i in range(n)}
 
 
 # ------------------------------------------------------------------ (d) cache keys
