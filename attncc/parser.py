@@ -80,8 +80,10 @@ def parse(text: str, path: str = "<spec>") -> ir.Variant:
     if len(text) > MAX_SOURCE_BYTES:
         raise SpecError(f"the spec is {len(text)} characters long, more than the limit of "
                         f"{MAX_SOURCE_BYTES}", path=path)
-    # Lines as lark counts them (only \n ends one), so positions and source lines agree.
-    lines = [l.removesuffix("\r") for l in text.split("\n")]
+    # Every line ending becomes \n (lark counts only \n, so a file with old Mac \r
+    # endings would otherwise be one line), and positions and source lines agree.
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    lines = text.split("\n")
     if all(l.strip().startswith("#") or not l.strip() for l in lines):
         raise SpecError("the spec is empty: write `attention NAME { ... }`", path=path)
     _check_brackets(text, lines, path)
