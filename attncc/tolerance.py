@@ -54,7 +54,8 @@ def slack(dtype: torch.dtype, ref: torch.Tensor | None = None, scale: float = 1.
 def gradient_scales(q, k, out, dout, sm_scale: float, group: int) -> dict:
     """{"dq": s, "dk": s}: the size of the rounding noise dq and dk inherit from the
     stored O (see the module docstring), per unit of the dtype's resolution."""
-    noise = (dout.detach().double() * out.detach().double()).norm(dim=-1)
+    out = out.detach().double()
+    noise = (dout.detach().double().to(out.device) * out).norm(dim=-1)
     noise = noise[torch.isfinite(noise)]
     if noise.numel() == 0:
         return {}
