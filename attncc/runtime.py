@@ -239,7 +239,7 @@ class Kernel:
         for name, tile in self._index_lists.items():
             t = inputs[name]
             n_tiles = axis_extent(tile, self.variant, p)
-            key = (name, t.data_ptr(), t._version, tuple(t.shape), t.stride(), n_tiles)
+            key = (name, _state(t), n_tiles)
             if key in self._checked_lists:
                 continue
             check_index_list(name, t, n_tiles)
@@ -277,7 +277,6 @@ class Kernel:
         }
         out, lse = _Attention.apply(self, q, k, v, call, *values)
         return (out, lse) if return_lse else out
-
 
     def tile_tables(self, q, k, v, *, q_offset: int = 0, k_offset: int = 0,
                     **inputs) -> "TileTables":
