@@ -9,6 +9,7 @@ bytes: nothing here depends on the machine, the time or dict order.
 from __future__ import annotations
 
 import functools
+import re
 
 import jinja2
 
@@ -75,6 +76,17 @@ def _segment_code(seg: bounds.Segment) -> bounds.Segment:
     fix = lambda c: None if c is None else c.replace("_BIG", BIG)
     return bounds.Segment(fix(seg.reach_lo), fix(seg.reach_hi), fix(seg.full_lo),
                           fix(seg.full_hi), seg.full_known)
+
+
+def heavy_tiles_last(plan: bounds.LoopPlan, other: str) -> bool:
+    """True when a later tile of the `other` side (q for the forward and dQ loops, k for
+    dK/dV) reaches more tiles: some segment's upper reach follows the other side's
+    position while its lower reach does not (causal), and no segment shrinks that way.
+    The kernels then launch their tiles last-first (see the template's tile_order)."""
+    follows = lambda code: code is not None and re.search(rf"\b{other}_(lo|hi)\b", code) is not None
+    grows = [follows(s.reach_hi) and not follows(s.reach_lo) for s in plan.segments]
+    shrinks = [follows(s.reach_lo) and not follows(s.reach_hi) for s in plan.segments]
+    return any(grows) and not any(shrinks)
 
 
 def _summary_base(read: intervals.SummaryRead) -> str:
@@ -190,6 +202,8 @@ def generate(variant: ir.Variant) -> Generated:
         layout_torch=layout_torch,
         k_segments=[_segment_code(s) for s in fwd_plan.segments],
         q_segments=[_segment_code(s) for s in bwd_plan.segments],
+        heavy_rows_last=heavy_tiles_last(fwd_plan, "q"),
+        heavy_cols_last=heavy_tiles_last(bwd_plan, "k"),
         common_args=", ".join(params),
         common_param_list=params,
         summary_specs=[[r.tensor, r.axis, r.var] for r in summary_reads],

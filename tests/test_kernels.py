@@ -134,6 +134,18 @@ def test_shape_sweep(spec, Lq, Lk, D, H, Hkv):
     compare(attncc.parse(spec), B=1, H=H, Hkv=Hkv, Lq=Lq, Lk=Lk, D=D)
 
 
+@pytest.mark.parametrize("spec,reversed_kernel", [
+    (CAUSAL, "attn_fwd"),  # forward and dQ launch their last query tiles first
+    ("attention anti_causal { mask q <= k }", "attn_bwd_dkdv"),  # dK/dV its last key tiles
+])
+def test_kernels_launched_longest_tiles_first_cover_every_tile(spec, reversed_kernel):
+    variant = attncc.parse(spec)
+    source = attncc.codegen.generate(variant).source
+    start = source.index(f"def {reversed_kernel}(")
+    assert "longest first" in source[start:source.index("\n# ---", start)]
+    compare(variant, B=1, H=2, Lq=70, Lk=53, D=16)
+
+
 def test_bottom_right_causal_with_more_keys_than_queries():
     compare(attncc.parse("attention br { mask q + len_k - len_q >= k }"), Lq=20, Lk=50)
 

@@ -428,6 +428,20 @@ def test_loop_bounds_truth_table(name):
     assert got == TRUTH[name]
 
 
+@pytest.mark.parametrize("spec,rows,cols", [
+    ("mask q >= k", True, False),            # later query tiles reach more keys
+    ("mask q <= k", False, True),            # later key tiles reach more queries
+    ("mask q >= k and q - k < 64", False, False),  # a window: every row alike
+    ("mask k < 8 or q >= k", True, False),   # sinks beside causal: still grows
+    ("mask q >= k or k >= q + 64", False, False),  # one segment grows, one shrinks
+    ("", False, False),
+])
+def test_heavy_tiles_last(spec, rows, cols):
+    variant = attncc.parse(f"attention v {{ {spec} }}")
+    assert codegen.heavy_tiles_last(bounds.plan_loops(variant, "k"), "q") == rows
+    assert codegen.heavy_tiles_last(bounds.plan_loops(variant, "q"), "k") == cols
+
+
 @pytest.mark.parametrize("name", ["causal", "causal_bottom_right", "window_left_wide", "prefix_lm",
                                   "sink_window", "only_k_band", "strided_mixed", "not_window"])
 def test_replica_matches_rendered_template(name):
