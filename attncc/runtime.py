@@ -170,15 +170,18 @@ class _Attention(torch.autograd.Function):
                 module.prepare_tables(q, k, inputs, q_offset=call["q_offset"],
                                       k_offset=call["k_offset"], config=config,
                                       tables=call["tables"])
+            # dK and dV are allocated here, on the main stream, like every tensor the side
+            # stream touches: the main stream waits for the side one before any of them
+            # can be freed, so no record_stream (and no cross-stream allocator churn).
+            dk, dv = (torch.empty(k.shape, device=k.device, dtype=q.dtype) for _ in range(2))
             main = torch.cuda.current_stream(q.device)
             side = _side_stream(q.device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                dk, dv = run_dkdv(config_dkdv)
+                module.backward_dkdv(q, k, v, lse, delta, dout, inputs, config=config_dkdv,
+                                     out=(dk, dv), **common)
             dq, dinputs = run_dq(config_dq)
             main.wait_stream(side)
-            dk.record_stream(main)
-            dv.record_stream(main)
         else:
             dk, dv = run_dkdv(config_dkdv)
             dq, dinputs = run_dq(config_dq)

@@ -135,16 +135,18 @@ def _store(path, key: str, config: dict):
 
 
 def config_for(kernel, problem, dtype, direction: str, run=None) -> dict:
-    """The config for this call; `run(config)` launches the direction once (for tuning)."""
+    """The config for this call; `run(config)` launches the direction once (for tuning).
+    Every call of a kernel comes here (three times per forward + backward), so a config
+    already chosen in this process is found before any candidate is filtered."""
     pinned = kernel.pinned_config or _env_config()
     if pinned:
         return check_config(pinned, "config")
     from .runtime import interpreting
-    kept = [c for c in candidates(direction) if keep(c, kernel.variant, problem.dim, direction)]
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    kept = lambda: [c for c in candidates(direction) if keep(c, kernel.variant, problem.dim, direction)]
     if run is None:
-        return kept[0]
+        return kept()[0]
     if os.environ.get("ATTNCC_TUNE") == "0":
         return first_that_runs(kernel, problem, dtype, direction, kept, run)
     key = (f"{direction}-d{problem.dim}-{str(dtype).replace('torch.', '')}-g{problem.group}"
@@ -157,13 +159,13 @@ def config_for(kernel, problem, dtype, direction: str, run=None) -> dict:
     if cached:
         _MEMORY[mem_key] = cached
         return cached
-    best = tune(kernel.variant.name, key, kept[:TUNE_AT_MOST], run)
+    best = tune(kernel.variant.name, key, kept()[:TUNE_AT_MOST], run)
     _MEMORY[mem_key] = best
     _store(path, key, best)
     return best
 
 
-def first_that_runs(kernel, problem, dtype, direction: str, kept: list, run) -> dict:
+def first_that_runs(kernel, problem, dtype, direction: str, kept, run) -> dict:
     """Untimed choice (ATTNCC_TUNE=0): the first candidate that compiles within the GPU's
     resources (a variant reading tensors in its score may need more shared memory than
     the favourite tile allows). Each one skipped is reported; the choice is remembered
@@ -172,7 +174,7 @@ def first_that_runs(kernel, problem, dtype, direction: str, kept: list, run) -> 
     if mem_key in _MEMORY:
         return _MEMORY[mem_key]
     import triton
-    for config in kept:
+    for config in kept():
         try:
             run(config)  # compiles it; the launch repeats the call's own work once
         except triton.runtime.errors.OutOfResources as e:

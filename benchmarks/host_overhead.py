@@ -1,0 +1,102 @@
+"""Host time per call: how long Python takes to issue one forward (and forward +
+backward), where the GPU work is too small to hide it.
+
+    python benchmarks/host_overhead.py [--seq 256] [--profile]
+
+At low tile density a call's kernels can finish before the host has issued the next
+call (RESULTS.md: the density curve's d = 0.03 row). This times N calls back to back
+with one synchronisation at the end, on a short sequence, for attncc (an analytic mask
+and a runtime layout), FlexAttention (torch.compile'd) and SDPA, and prints the
+per-call microseconds beside the kernels' own GPU time per call (torch.profiler): where
+the wall time is well above the GPU time, the host is the bound. --profile adds
+cProfile's top entries (cumulative) for attncc's layout forward + backward.
+No kernel is tuned here: configs are pinned, so only the steady-state path is timed.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import attncc  # noqa: E402
+
+LAYOUT = "attention sparse { input blocks: bool[h, qb, kb] layout blocks[h, qb, kb] block 128 }"
+CAUSAL = "attention causal { mask q >= k }"
+CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+
+
+def per_call_us(fn, n=200) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def gpu_us(fn, iters=10) -> float:
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / iters
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    S, H, D = args.seq, 16, 128
+    q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    do = torch.randn_like(q)
+    blocks = torch.rand(H, S // 128, S // 128, device="cuda") < 0.1
+    blocks |= torch.eye(S // 128, dtype=torch.bool, device="cuda")
+    layout = attncc.compile(LAYOUT, config=CONFIG)
+    causal = attncc.compile(CAUSAL, config=CONFIG)
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    flex = torch.compile(flex_attention, dynamic=False)
+    bm = create_block_mask(lambda b, h, i, j: i >= j, None, None, S, S, device="cuda")
+    cases = {
+        "attncc causal": lambda: causal(q, k, v),
+        "attncc layout": lambda: layout(q, k, v, blocks=blocks),
+        "flex causal": lambda: flex(q, k, v, block_mask=bm),
+        "sdpa causal": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+    }
+    rows = []
+    for name, fn in cases.items():
+        fwd_bwd = lambda: torch.autograd.grad(fn(), (q, k, v), do)
+        row = (name, per_call_us(fn), gpu_us(fn), per_call_us(fwd_bwd), gpu_us(fwd_bwd))
+        rows.append(row)
+        print("{:15s} fwd {:7.1f} us (GPU {:6.1f})  fwd+bwd {:7.1f} us (GPU {:6.1f})".format(*row),
+              flush=True)
+    if args.profile:
+        fn = lambda: torch.autograd.grad(layout(q, k, v, blocks=blocks), (q, k, v), do)
+        per_call_us(fn, 20)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(200):
+            fn()
+        torch.cuda.synchronize()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+    print(f"\nS={S} H={H} D={D} bf16, {torch.cuda.get_device_name()}: wall time per call "
+          "(N calls, one sync) and the kernels' GPU time per call, microseconds")
+    print("case             fwd wall   GPU   fwd+bwd wall   GPU")
+    for name, fwd, fwd_gpu, both, both_gpu in rows:
+        print(f"{name:15s} {fwd:8.1f} {fwd_gpu:6.1f}   {both:11.1f} {both_gpu:6.1f}")
+
+
+if __name__ == "__main__":
+    main()
