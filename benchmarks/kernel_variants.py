@@ -8,7 +8,7 @@ Each experiment is a small, named edit of one kernel's section of the generated 
 measured before it goes into templates/attention.py.jinja. Every (edit, config) pair
 is checked against the unedited kernel at its first config in the same process and
 timed with triton.testing.do_bench (median), on the ANCHORS shapes: 16 heads, head
-dim 128, bf16, batch x seq = 16384 tokens. Prints a table last and writes JSON to
+dim 128 (or --dim), bf16, batch x seq = 16384 tokens. Prints a table last and writes JSON to
 $OUT/kernel_variants.json. (Session 2's forward edits, run 12 in RESULTS.md, are in
 the template now; this file's history has them.)
 """
@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -112,6 +113,29 @@ FMA = [("    t = qk * qk_scale  # scale and log2(e) folded into one multiply\n  
         p = tl.math.exp2(qk * qk_scale - m_use[:, None])
 """, 1)]
 
+# Lazy rescaling (FlashAttention-4's trick): keep a row's running max until a tile
+# raises it by more than 8 (log2 units, so p <= 256), and rescale acc and l_i only on
+# tiles where some row's max moved; the final division cancels the stale max exactly.
+LAZY = [("""    m_new = tl.maximum(m_i, tl.max(t, 1))
+    # A row that has seen no allowed key keeps max -inf: subtract 0 instead, so that
+    # exp2(-inf - -inf) never makes a NaN.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(t - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+""", """    m_cand = tl.maximum(m_i, tl.max(t, 1))
+    grow = m_cand > m_i + 8.0
+    m_new = tl.where(grow, m_cand, m_i)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(t - m_use[:, None])
+    if tl.max(grow.to(tl.int32), 0) > 0:
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha
+        acc = acc * alpha[:, None]
+    l_i = l_i + tl.sum(p, 1)
+""", 1)]
+
 
 def edits_for(kernel):
     table = {"baseline": [], "tma": TMA[kernel], "ws": _ws(kernel), "tma_ws": TMA[kernel] + _ws(kernel)}
@@ -121,6 +145,8 @@ def edits_for(kernel):
     if kernel == "fwd":
         table["fma"] = FMA
         table["fma_reverse"] = FMA + _reverse(kernel)
+        table["lazy"] = LAZY
+        table["lazy_reverse"] = LAZY + _reverse(kernel)
     return table
 
 
@@ -169,12 +195,21 @@ def main():
     ap.add_argument("--variants", default="full,causal")
     ap.add_argument("--kernels", default="fwd,dq,dkdv")
     ap.add_argument("--edits", default=None, help="comma list; default: every edit of each kernel")
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--configs", default=None,
+                    help="KERNEL:MxNwWsS[,...] entries separated by ';' (e.g. 'fwd:128x64w4s3'), "
+                         "replacing that kernel's CONFIGS; the first is the error reference")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", "."))
     workdir = Path(tempfile.mkdtemp(prefix="attncc_kernels_"))
     # Device-side tensor descriptors need a scratch allocator.
     triton.set_allocator(lambda size, align, stream: torch.empty(size, device="cuda", dtype=torch.int8))
-    L, H, D = args.len, 16, 128
+    if args.configs:
+        for entry in args.configs.split(";"):
+            kernel, _, listed = entry.partition(":")
+            CONFIGS[kernel] = [tuple(int(x) for x in re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", c).groups())
+                               for c in listed.split(",")]
+    L, H, D = args.len, 16, args.dim
     B = max(1, 16384 // L)
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
