@@ -175,6 +175,13 @@ def generate(variant: ir.Variant) -> Generated:
     else:
         scale_code = f"float({TorchEmitter(variant, {'dim': 'dim'})(variant.scale)})"
     strategy = describe_strategy(variant, fwd_plan, summary_reads, uses_tables)
+    # A kernel tile larger than the layout's block covers several blocks, some of which
+    # may be off: its partial tiles evaluate the layout per element. Index lists
+    # (`kb in t[...]`) have no per-element form; their tiles stay within one block.
+    layout_elem = None
+    if variant.layout is not None and not ir.index_lists(variant.layout):
+        layout_elem = TritonEmitter(variant, {"qb": f"_fdiv(q_pos, {variant.block})",
+                                              "kb": f"_fdiv(k_pos, {variant.block})"})(variant.layout)
     context = dict(
         version=_package_version(),
         spec_comment="\n".join(f"#   {line}" for line in spec_text.rstrip().splitlines()),
@@ -200,6 +207,7 @@ def generate(variant: ir.Variant) -> Generated:
         layout=variant.layout is not None,
         block=variant.block,
         layout_torch=layout_torch,
+        layout_elem=layout_elem,
         k_segments=[_segment_code(s) for s in fwd_plan.segments],
         q_segments=[_segment_code(s) for s in bwd_plan.segments],
         heavy_rows_last=heavy_tiles_last(fwd_plan, "q"),

@@ -149,7 +149,7 @@ def chosen_configs(variant: ir.Variant, head_dim: int, *, interpreter: bool) -> 
             with _env("TRITON_INTERPRET", "1" if interpreter else None):
                 out[d] = tuning.config_for(kernel, problem, torch.float16, d)
         else:
-            out[d] = next(c for c in tuning.candidates(d) if tuning.keep(c, variant, head_dim, d))
+            out[d] = tuning.kept_candidates(variant, head_dim, d)[0]
     return out
 
 

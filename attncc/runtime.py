@@ -196,7 +196,8 @@ class Kernel:
         self.variant = variant
         self.key = variant.key()  # hashed once: the tuner looks configs up on every call
         self.generated, self.module = load_generated(variant)
-        self.pinned_config = tuning.check_config(config, "config") if config else None
+        self.pinned_config = (tuning.check_pinned(tuning.check_config(config, "config"), variant,
+                                                  "config") if config else None)
         self._index_lists = ir.index_lists(variant.layout)  # {input: "qb" | "kb"}
         self._checked_lists: dict = {}  # index-list states already validated
 

@@ -1,7 +1,7 @@
 """Tile configurations: candidates, the keep() rule, autotuning, and the on-disk cache.
 
 A config is BLOCK_M, BLOCK_N, num_warps, num_stages. `keep(config, variant, ...)`
-filters the candidates (tiles no larger than a layout's block, shared memory that
+filters the candidates (tiles no larger than an index-list layout's block, shared memory that
 fits). On a GPU the first call of a variant for a (head dim, dtype, length bucket,
 direction) times every kept candidate on the real inputs, keeps the fastest, and
 writes it to disk keyed by the variant, GPU, Triton and attncc versions, so a second
@@ -50,10 +50,36 @@ def check_config(config: dict, where: str) -> dict:
     return dict(config)
 
 
+def check_pinned(config: dict, variant: ir.Variant, where: str) -> dict:
+    """A pinned config must be one the kernels can run correctly for this variant."""
+    block = variant.block
+    if block is not None and ir.index_lists(variant.layout) and (
+            config["BLOCK_M"] > block or config["BLOCK_N"] > block):
+        raise ValueError(f"{where}: tiles {config['BLOCK_M']}x{config['BLOCK_N']} are larger than "
+                         f"the layout's block {block}; a layout given as index lists needs "
+                         f"BLOCK_M and BLOCK_N of at most {block}")
+    return config
+
+
+def kept_candidates(variant: ir.Variant, head_dim: int, direction: str) -> list:
+    """The candidates keep() allows, in the order they are tried (the tuner times the
+    first TUNE_AT_MOST). With a layout, tiles within its block come first: a larger tile
+    covers several blocks, visits every tile any of them is on in, and evaluates the
+    layout per element; it pays for layouts whose blocks cluster (bands), and on random
+    layouts of 32-blocks it ran 3x slower than 32x32 tiles (RESULTS.md run 31)."""
+    kept = [c for c in candidates(direction) if keep(c, variant, head_dim, direction)]
+    if variant.block is None:
+        return kept
+    within = lambda c: c["BLOCK_M"] <= variant.block and c["BLOCK_N"] <= variant.block
+    return [c for c in kept if within(c)] + [c for c in kept if not within(c)]
+
+
 def keep(config: dict, variant: ir.Variant, head_dim: int, direction: str) -> bool:
     """Whether a candidate can run this variant at all."""
-    if variant.block is not None:
-        # Kernel tiles nest inside layout blocks, so a tile is on or off as a whole.
+    if variant.block is not None and ir.index_lists(variant.layout):
+        # An index list (`kb in t[...]`) says which blocks are on, not which positions:
+        # kernel tiles nest inside its blocks, so each tile is on or off as a whole.
+        # (Other layouts are evaluated per element in tiles that span several blocks.)
         if config["BLOCK_M"] > variant.block or config["BLOCK_N"] > variant.block:
             return False
     pad = max(16, 1 << (head_dim - 1).bit_length())
@@ -73,16 +99,20 @@ def candidates(direction: str) -> list:
     """Hopper-oriented candidates, most likely winner first (ATTNCC_TUNE=0 takes it)."""
     # Measured on an H100 (benchmarks/RESULTS.md, run 12): forward 128x128 tiles with 8
     # warps and 3 stages beat 64x64 by 7-9% at D = 128 (with 2 stages they lost);
-    # 32x128 dK/dV tiles spill their two accumulators and ran 3.6x slower.
+    # 32x128 dK/dV tiles spill their two accumulators and ran 3.6x slower. 16x16 tiles
+    # (layouts of 16-blocks scattered at random) ran 16% faster with 2 stages (run 32).
     if direction == "fwd":
         shapes = [(128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3),
-                  (128, 128, 8, 2), (64, 64, 4, 4), (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1)]
+                  (128, 128, 8, 2), (64, 64, 4, 4), (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 2),
+                  (16, 16, 4, 1)]
     elif direction == "dkdv":  # the key tile stays on chip; query tiles stream past it
         shapes = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3),
-                  (64, 64, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 32, 4, 1), (16, 16, 4, 1)]
+                  (64, 64, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 32, 4, 1), (16, 16, 4, 2),
+                  (16, 16, 4, 1)]
     elif direction == "dq":  # the query tile stays on chip; key tiles stream past it
         shapes = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3),
-                  (64, 64, 8, 2), (128, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)]
+                  (64, 64, 8, 2), (128, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 4, 2),
+                  (16, 16, 4, 1)]
     else:
         raise ValueError(f"unknown direction {direction!r}")
     return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
@@ -138,13 +168,15 @@ def config_for(kernel, problem, dtype, direction: str, run=None) -> dict:
     """The config for this call; `run(config)` launches the direction once (for tuning).
     Every call of a kernel comes here (three times per forward + backward), so a config
     already chosen in this process is found before any candidate is filtered."""
-    pinned = kernel.pinned_config or _env_config()
+    if kernel.pinned_config:
+        return kernel.pinned_config  # checked when the kernel was compiled
+    pinned = _env_config()
     if pinned:
-        return check_config(pinned, "config")
+        return check_pinned(pinned, kernel.variant, "ATTNCC_CONFIG")
     from .runtime import interpreting
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    kept = lambda: [c for c in candidates(direction) if keep(c, kernel.variant, problem.dim, direction)]
+    kept = lambda: kept_candidates(kernel.variant, problem.dim, direction)
     if run is None:
         return kept()[0]
     if os.environ.get("ATTNCC_TUNE") == "0":

@@ -2,6 +2,7 @@
 
     python benchmarks/density_curve.py [--seq 16384] [--heads 16] [--dim 128]
                                        [--densities 0.03,0.06,0.125,0.25,0.5] [--no-flex]
+                                       [--block 128] [--sparse-config JSON]
 
 One variant, `attention sparse { input blocks: bool[h, qb, kb] layout blocks[h, qb, kb]
 block 128 }`, run on random per-head layouts of 128 x 128 tiles at each density d (every
@@ -211,6 +212,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--densities", default=",".join(map(str, DENSITIES)))
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--block", type=int, default=BLOCK, help="the layout's block (a power of two)")
+    ap.add_argument("--sparse-config", default=None,
+                    help="pin the sparse kernel's tiles (JSON, as ATTNCC_CONFIG); dense stays tuned")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -219,9 +223,10 @@ def main(argv=None) -> int:
     import triton
     dev, dtype = "cuda", torch.bfloat16
     B, H, S, D = 1, args.heads, args.seq, args.dim
-    nb = math.ceil(S / BLOCK)
+    block = args.block
+    nb = math.ceil(S / block)
     densities = [float(x) for x in args.densities.split(",")]
-    meta = dict(B=B, H=H, S=S, D=D, dtype="bfloat16", block=BLOCK, gpu=torch.cuda.get_device_name(),
+    meta = dict(B=B, H=H, S=S, D=D, dtype="bfloat16", block=block, gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=triton.__version__,
                 attncc=getattr(attncc, "__version__", "?"), date=time.strftime("%Y-%m-%d %H:%M"))
     print(" ".join(f"{k}={v}" for k, v in meta.items()), flush=True)
@@ -233,7 +238,9 @@ def main(argv=None) -> int:
     do = torch.randn_like(q)
     layouts = {d: random_layout(H, nb, d, gen).to(dev) for d in densities}
 
-    sparse = attncc.compile(sparse_spec(BLOCK))
+    pinned = json.loads(args.sparse_config) if args.sparse_config else None
+    meta["sparse_config"] = pinned
+    sparse = attncc.compile(sparse_spec(block), config=pinned)
     dense_kernel = attncc.compile(DENSE_SPEC)
     flex = None
     if not args.no_flex:
@@ -265,7 +272,7 @@ def main(argv=None) -> int:
         if flex is not None:
             try:
                 t0 = time.perf_counter()
-                bm = flex_block_mask(lay, BLOCK, S)
+                bm = flex_block_mask(lay, block, S)
                 torch.cuda.synchronize()
                 row["flex_block_mask_ms"] = (time.perf_counter() - t0) * 1e3
                 ffn = lambda: flex(q, k, v, block_mask=bm)
@@ -284,7 +291,8 @@ def main(argv=None) -> int:
 
     paths = write_results(rows, dense, meta, args.out, nb)
     print(f"\nwrote {', '.join(paths)}\n")
-    print(f"S={S} H={H} D={D} bf16, block {BLOCK} ({nb} x {nb} tiles per head)")
+    print(f"S={S} H={H} D={D} bf16, block {block} ({nb} x {nb} blocks per head)"
+          + (f", sparse kernel pinned to {pinned}" if pinned else ""))
     print(format_table(rows, dense))
     return 0
 

@@ -58,7 +58,7 @@ def make_inputs(variant: ir.Variant, B, H, Lq, Lk, gen, device=DEVICE) -> dict:
 
 
 def compare(variant, *, B=2, H=None, Hkv=None, Lq=37, Lk=45, D=32, dtype=torch.float32,
-            seed=0, q_offset=0, k_offset=0, inputs=None):
+            seed=0, q_offset=0, k_offset=0, inputs=None, config=None):
     """Run kernel, eager-in-dtype and float64 reference; assert every result is close."""
     gen = torch.Generator().manual_seed(seed)
     if variant.heads:
@@ -84,7 +84,7 @@ def compare(variant, *, B=2, H=None, Hkv=None, Lq=37, Lk=45, D=32, dtype=torch.f
         grads = torch.autograd.grad(out, qkv + [ins[n] for n in learnable], do.to(DEVICE, cast))
         return [out, lse, *grads]
 
-    kernel = attncc.compile(variant)
+    kernel = attncc.compile(variant, config=config)
     got = run(kernel, dtype)
     ref = run(lambda *a, **kw: attncc.reference(variant, *a, **kw), torch.float64)
     eager = run(lambda *a, **kw: attncc.reference(variant, *a, **kw), dtype)

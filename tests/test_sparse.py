@@ -342,6 +342,41 @@ def test_layout_with_document_mask_block_16():
     compare(v, B=1, H=2, Lq=53, Lk=53, D=16, inputs=inputs)
 
 
+# ------------------------------------------ kernel tiles larger than the layout's block
+def tile(m, n):
+    return dict(BLOCK_M=m, BLOCK_N=n, num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize("spec,config,H,Hkv,Lq,Lk", [
+    # Each 32x32 tile covers 2x2 blocks of 16, some on and some off.
+    (PER_HEAD, tile(32, 32), 3, 3, 45, 61),
+    # Causal inside the layout; 64x32 tiles over 16-blocks, more keys than queries.
+    ("attention l { input blocks: bool[h, qb, kb] mask q >= k layout blocks[h, qb, kb] block 16 }",
+     tile(64, 32), 2, 2, 50, 90),
+    # A static pattern read per element, GQA summing dK/dV over differing heads.
+    ("attention l { layout abs(qb - kb) <= h or kb == 0 block 16 }", tile(32, 64), 4, 2, 70, 70),
+    # Per batch row and head, tiles of 64 over blocks of 32.
+    (PER_BATCH.replace("block 16", "block 32"), tile(64, 64), 2, 2, 100, 77),
+], ids=["per_head_32x32", "causal_64x32", "static_gqa_32x64", "per_batch_64x64"])
+def test_tiles_larger_than_the_block_evaluate_the_layout_per_element(spec, config, H, Hkv, Lq, Lk):
+    v = attncc.parse(spec)
+    gen = torch.Generator().manual_seed(7)
+    nq, nk = math.ceil(Lq / v.block), math.ceil(Lk / v.block)
+    inputs = {}
+    if "blocks" in spec:
+        inputs["blocks"] = random_layout((H, nq, nk), 0.4, gen)
+    if "sel" in spec:
+        inputs["sel"] = random_layout((2, H, nq, nk), 0.4, gen)
+    compare(v, B=2, H=H, Hkv=Hkv, Lq=Lq, Lk=Lk, D=16, inputs=inputs, config=config)
+
+
+def test_index_list_layouts_refuse_tiles_larger_than_the_block():
+    spec = ("attention l { input top: i32[b, h, qb, 2] layout kb in top[b, h, qb] block 16 }")
+    with pytest.raises(ValueError, match="larger than the layout's block 16"):
+        attncc.compile(spec, config=tile(32, 16))
+    attncc.compile(spec, config=tile(16, 16))  # within the block: fine
+
+
 # ----------------------------------------------------------- bad layout tensors
 @pytest.mark.parametrize("spec,name,bad,expected", [
     (PER_HEAD, "blocks", torch.ones(3, 3, dtype=torch.bool), "(3, 3, 3)"),           # no head axis

@@ -615,7 +615,9 @@ def check_tables(ctx, tables, p, truth, bm, bn):
 def test_tile_tables_of_layouts(name, block, generated_cache):
     variant = variant_of(name, f"{LAYOUTS[name]}\n block {block}")
     _, module = load_generated(variant)
-    tiles = [(bm, bn) for bm, bn in TILES + [(32, 16)] if bm <= block and bn <= block]
+    # Tiles larger than the block too: each then covers several blocks (the kernels
+    # evaluate the layout per element in its partial tiles).
+    tiles = TILES + [(32, 16), (128, 64)]
     for lq, lk in LAYOUT_LENGTHS:
         # Offsets are multiples of the block, as the kernels require for layouts.
         for oq, ok in [(0, 0), (block, 0), (0, 2 * block)]:
