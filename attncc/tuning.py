@@ -1,8 +1,8 @@
 """Tile configurations: candidates, the keep() rule, autotuning, and the on-disk cache.
 
 A config is BLOCK_M, BLOCK_N, num_warps, num_stages. `keep(config, variant, ...)`
-filters the candidates (tiles no larger than an index-list layout's block, shared memory that
-fits). On a GPU the first call of a variant for a (head dim, dtype, length bucket,
+filters the candidates (tiles within an index-list layout's block, shared memory that
+fits); `kept_candidates` orders them (tiles within a layout's block first). On a GPU the first call of a variant for a (head dim, dtype, length bucket,
 direction) times every kept candidate on the real inputs, keeps the fastest, and
 writes it to disk keyed by the variant, GPU, Triton and attncc versions, so a second
 process does no tuning. Configs that fail to compile or launch are skipped, never
@@ -50,14 +50,23 @@ def check_config(config: dict, where: str) -> dict:
     return dict(config)
 
 
+def _within_block(config: dict, variant: ir.Variant) -> bool:
+    return config["BLOCK_M"] <= variant.block and config["BLOCK_N"] <= variant.block
+
+
+def _needs_tiles_within_block(variant: ir.Variant) -> bool:
+    # An index list (`kb in t[...]`) says which blocks are on, not which positions, so
+    # kernel tiles must nest inside its blocks (each tile on or off as a whole). Other
+    # layouts are evaluated per element in tiles that span several blocks.
+    return variant.block is not None and bool(ir.index_lists(variant.layout))
+
+
 def check_pinned(config: dict, variant: ir.Variant, where: str) -> dict:
     """A pinned config must be one the kernels can run correctly for this variant."""
-    block = variant.block
-    if block is not None and ir.index_lists(variant.layout) and (
-            config["BLOCK_M"] > block or config["BLOCK_N"] > block):
+    if _needs_tiles_within_block(variant) and not _within_block(config, variant):
         raise ValueError(f"{where}: tiles {config['BLOCK_M']}x{config['BLOCK_N']} are larger than "
-                         f"the layout's block {block}; a layout given as index lists needs "
-                         f"BLOCK_M and BLOCK_N of at most {block}")
+                         f"the layout's block {variant.block}; a layout given as index lists "
+                         f"needs BLOCK_M and BLOCK_N of at most {variant.block}")
     return config
 
 
@@ -70,18 +79,14 @@ def kept_candidates(variant: ir.Variant, head_dim: int, direction: str) -> list:
     kept = [c for c in candidates(direction) if keep(c, variant, head_dim, direction)]
     if variant.block is None:
         return kept
-    within = lambda c: c["BLOCK_M"] <= variant.block and c["BLOCK_N"] <= variant.block
-    return [c for c in kept if within(c)] + [c for c in kept if not within(c)]
+    return ([c for c in kept if _within_block(c, variant)]
+            + [c for c in kept if not _within_block(c, variant)])
 
 
 def keep(config: dict, variant: ir.Variant, head_dim: int, direction: str) -> bool:
     """Whether a candidate can run this variant at all."""
-    if variant.block is not None and ir.index_lists(variant.layout):
-        # An index list (`kb in t[...]`) says which blocks are on, not which positions:
-        # kernel tiles nest inside its blocks, so each tile is on or off as a whole.
-        # (Other layouts are evaluated per element in tiles that span several blocks.)
-        if config["BLOCK_M"] > variant.block or config["BLOCK_N"] > variant.block:
-            return False
+    if _needs_tiles_within_block(variant) and not _within_block(config, variant):
+        return False
     pad = max(16, 1 << (head_dim - 1).bit_length())
     backward = direction in ("dkdv", "dq")
     if pad >= 256:
