@@ -90,7 +90,13 @@ def main():
             fn()
         torch.cuda.synchronize()
         prof.disable()
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+        # Full listing to $OUT (cumulative and own time); the top entries here.
+        out = os.path.join(os.environ.get("OUT", "."), "host_profile.txt")
+        with open(out, "w") as f:
+            stats = pstats.Stats(prof, stream=f)
+            stats.sort_stats("cumulative").print_stats(80)
+            stats.sort_stats("tottime").print_stats(60)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
     print(f"\nS={S} H={H} D={D} bf16, {torch.cuda.get_device_name()}: wall time per call "
           "(N calls, one sync) and the kernels' GPU time per call, microseconds")
     print("case             fwd wall   GPU   fwd+bwd wall   GPU")
