@@ -152,15 +152,22 @@ class _Attention(torch.autograd.Function):
         module, problem = ctx.kernel.module, call["problem"]
         common = dict(q_offset=call["q_offset"], k_offset=call["k_offset"], seed=call["seed"],
                       tables=call["tables"])
-        delta = module.backward_delta(out, dout)
+        concurrent = CONCURRENT_BACKWARD and q.is_cuda and module.USES_TABLES
+        # Run one after the other, the dQ kernel computes delta = rowsum(dO * O) itself
+        # and dK/dV follows it (one launch fewer); run side by side, delta comes first.
+        delta = module.backward_delta(out, dout) if concurrent else module.new_delta(q)
         # dK/dV and dQ are tuned apart: they want different tile shapes.
         run_dkdv = lambda config: module.backward_dkdv(q, k, v, lse, delta, dout, inputs,
                                                        config=config, **common)
         run_dq = lambda config: module.backward_dq(q, k, v, lse, delta, dout, inputs,
-                                                   config=config, **common)
-        config_dkdv = tuning.config_for(ctx.kernel, problem, q.dtype, "dkdv", run_dkdv)
+                                                   config=config, out=None if concurrent else out,
+                                                   **common)
+        # dQ's config first: tuning it fills delta, which tuning dK/dV then reads.
         config_dq = tuning.config_for(ctx.kernel, problem, q.dtype, "dq", run_dq)
-        if CONCURRENT_BACKWARD and q.is_cuda and module.USES_TABLES:
+        if not concurrent:
+            dq, dinputs = run_dq(config_dq)
+        config_dkdv = tuning.config_for(ctx.kernel, problem, q.dtype, "dkdv", run_dkdv)
+        if concurrent:
             # dK/dV on a side stream while dQ runs: they read the same tensors and write
             # different ones, and with sparse tiles each alone leaves SMs idle (RESULTS.md
             # runs 16-17: BigBird's backward 1.21x faster, document 1.04x; analytic
@@ -184,7 +191,6 @@ class _Attention(torch.autograd.Function):
             main.wait_stream(side)
         else:
             dk, dv = run_dkdv(config_dkdv)
-            dq, dinputs = run_dq(config_dq)
         grads = [dinputs.get(name) for name in call["input_names"]]
         return (None, dq, dk, dv, None, *grads)
 

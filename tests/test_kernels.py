@@ -207,6 +207,38 @@ def test_backward_is_deterministic():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("spec", [
+    "attention c { heads 4 / 2 mask q >= k }",
+    "attention l { input on: bool[qb, kb] layout on[qb, kb] block 16 mask q >= k }",
+])
+def test_delta_computed_in_the_dq_kernel_equals_the_separate_pass(spec):
+    # Sequential backwards let the dQ kernel compute delta = rowsum(dO * O) and store
+    # it for dK/dV; the concurrent one (GPU, table-driven variants) runs the separate
+    # pass first. Both must give the same gradients, and every delta row must be written.
+    v = attncc.parse(spec)
+    kernel = attncc.compile(v)
+    m = kernel.module
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 4, 45, 32, generator=gen).to(DEVICE)
+    k, w = (torch.randn(2, 4 if v.heads is None else 2, 45, 32, generator=gen).to(DEVICE)
+            for _ in range(2))
+    inputs = make_inputs(v, 2, 4, 45, 45, gen)
+    out, lse = kernel(q, k, w, return_lse=True, **inputs)
+    do = torch.randn(out.shape, generator=gen).to(DEVICE)
+    config = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    separate_delta = m.backward_delta(out, do)
+    dk, dv = m.backward_dkdv(q, k, w, lse, separate_delta, do, inputs, config=config)
+    dq, _ = m.backward_dq(q, k, w, lse, separate_delta, do, inputs, config=config)
+    in_dq_delta = torch.full_like(separate_delta, float("nan"))
+    dq2, _ = m.backward_dq(q, k, w, lse, in_dq_delta, do, inputs, config=config, out=out)
+    assert torch.allclose(in_dq_delta, separate_delta, rtol=1e-6, atol=1e-6)
+    dk2, dv2 = m.backward_dkdv(q, k, w, lse, in_dq_delta, do, inputs, config=config)
+    for a, b in ((dq, dq2), (dk, dk2), (dv, dv2)):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(dk, m.backward_dkdv(q, k, w, lse, in_dq_delta * 0.5, do, inputs,
+                                               config=config)[0])  # delta matters to dK
+
+
 def test_dropout_is_reproducible_from_its_seed():
     v = attncc.parse("attention d { mask q >= k dropout 0.3 }")
     kernel = attncc.compile(v)
