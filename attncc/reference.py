@@ -5,6 +5,7 @@ it materialises the B×H×Lq×Lk score matrix. Run it in float64 to measure erro
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -63,14 +64,17 @@ def allowed_pairs(variant: ir.Variant, p: Problem, inputs: dict, device) -> torc
 
 
 def reference(variant: ir.Variant, q, k, v, *, return_lse: bool = False,
-              dropout_seed: int | None = None, q_offset: int = 0, k_offset: int = 0, **inputs):
+              dropout_seed: int | None = None, training: bool = True, q_offset: int = 0,
+              k_offset: int = 0, **inputs):
     """Attention of `variant` computed densely; differentiable in q, k, v and float inputs.
 
     Tensors are (batch, heads, seq, dim). Computes in the dtype of q (use float64 for
     ground truth). A query that attends to no key gets output 0 and LSE -inf, and
     zero gradients. With dropout, `dropout_seed` must be given: the same seed gives
-    the same mask as the kernels.
+    the same mask as the kernels; `training=False` leaves dropout out, as the kernels do.
     """
+    if not training and variant.dropout:
+        variant = dataclasses.replace(variant, dropout=None)
     p = bind(variant, q, k, v, inputs, q_offset=q_offset, k_offset=k_offset,
              exact_float_inputs=False)
     if variant.dropout and dropout_seed is None:

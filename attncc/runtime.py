@@ -7,6 +7,7 @@ sizes (attncc/tuning.py), and runs the forward and backward through autograd.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -206,6 +207,8 @@ class Kernel:
                                                   "config") if config else None)
         self._index_lists = ir.index_lists(variant.layout)  # {input: "qb" | "kb"}
         self._checked_lists: dict = {}  # index-list states already validated
+        self._without_dropout = None  # the same variant without dropout, for training=False
+        self._tables_owner = self  # whose tile_tables(...) this kernel's calls accept
 
     @property
     def source(self) -> str:
@@ -257,15 +260,30 @@ class Kernel:
                 self._checked_lists.pop(next(iter(self._checked_lists)))
             self._checked_lists[key] = True
 
+    def evaluation_kernel(self) -> "Kernel":
+        """This variant without its dropout (the kernel `training=False` runs): compiled,
+        and tuned, on first use. Without dropout in the variant, the kernel itself."""
+        if not self.variant.dropout:
+            return self
+        if self._without_dropout is None:
+            self._without_dropout = Kernel(dataclasses.replace(self.variant, dropout=None),
+                                           self.pinned_config)
+            self._without_dropout._tables_owner = self
+        return self._without_dropout
+
     def __call__(self, q, k, v, *, return_lse: bool = False, dropout_seed: int | None = None,
-                 q_offset: int = 0, k_offset: int = 0, tables: "TileTables | None" = None,
-                 **inputs):
+                 training: bool = True, q_offset: int = 0, k_offset: int = 0,
+                 tables: "TileTables | None" = None, **inputs):
+        if not training and self.variant.dropout:
+            # Evaluation: the same attention with no dropout (as nn.Dropout in eval mode).
+            return self.evaluation_kernel()(q, k, v, return_lse=return_lse, q_offset=q_offset,
+                                            k_offset=k_offset, tables=tables, **inputs)
         p = self.check_call(q, k, v, inputs, q_offset, k_offset)
         if tables is not None:
             if not isinstance(tables, TileTables):
                 raise CallError(f"tables must come from kernel.tile_tables(...), got "
                                 f"{type(tables).__name__}")
-            tables.check(self, p, inputs)
+            tables.check(self._tables_owner, p, inputs)
         if p.len_q == 0 or p.len_k == 0:
             out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
             lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)

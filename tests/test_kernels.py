@@ -250,6 +250,35 @@ def test_dropout_is_reproducible_from_its_seed():
     assert (a.double() - ref).abs().max() < 1e-5
 
 
+def test_training_false_turns_dropout_off():
+    v = attncc.parse("attention d { input on: bool[qb, kb] layout on[qb, kb] block 16 "
+                     "mask q >= k dropout 0.3 }")
+    kernel = attncc.compile(v)
+    gen = torch.Generator().manual_seed(4)
+    q, k, w = (torch.randn(1, 2, 40, 16, generator=gen).to(DEVICE).requires_grad_() for _ in range(3))
+    on = (torch.rand(3, 3, generator=gen) < 0.7).to(DEVICE)
+    do = torch.randn(1, 2, 40, 16, generator=gen).to(DEVICE)
+    out = kernel(q, k, w, on=on, training=False)  # no seed needed: nothing is dropped
+    grads = torch.autograd.grad(out, (q, k, w), do)
+    q64, k64, w64 = (t.detach().double().requires_grad_() for t in (q, k, w))
+    ref = attncc.reference(v, q64, k64, w64, on=on, training=False)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, w64), do.double())
+    assert (out.double() - ref).abs().max() < 1e-5
+    for g, r in zip(grads, ref_grads):
+        assert (g.double() - r).abs().max() < 1e-4
+    # The same as a variant written without dropout, and not what training gives.
+    plain = attncc.reference(attncc.parse("attention d { input on: bool[qb, kb] layout on[qb, kb] "
+                                           "block 16 mask q >= k }"), q64, k64, w64, on=on)
+    assert torch.allclose(ref, plain)
+    assert not torch.allclose(kernel(q, k, w, on=on, dropout_seed=1).double(), ref, atol=1e-3)
+    # Tables built by the kernel serve its evaluation calls too.
+    tables = kernel.tile_tables(q, k, w, on=on)
+    assert torch.equal(kernel(q, k, w, on=on, training=False, tables=tables), out)
+    assert kernel.evaluation_kernel() is kernel.evaluation_kernel()
+    no_dropout = attncc.compile("attention c { mask q >= k }")
+    assert no_dropout.evaluation_kernel() is no_dropout
+
+
 def test_learnable_bias_gets_gradients():
     path = EXAMPLES[0].parent / "relative_bias.attn"
     v = attncc.parse_file(path)
