@@ -243,10 +243,12 @@ def test_dropout_is_reproducible_from_its_seed():
     v = attncc.parse("attention d { mask q >= k dropout 0.3 }")
     kernel = attncc.compile(v)
     q, k, w = (torch.randn(1, 2, 33, 16, device=DEVICE) for _ in range(3))
-    a = kernel(q, k, w, dropout_seed=5)
-    assert torch.equal(a, kernel(q, k, w, dropout_seed=5))
+    # Seed 1 on purpose: Triton specialises int arguments equal to 1 into constants,
+    # which once made the dropout hash fail to compile on the GPU.
+    a = kernel(q, k, w, dropout_seed=1)
+    assert torch.equal(a, kernel(q, k, w, dropout_seed=1))
     assert not torch.equal(a, kernel(q, k, w, dropout_seed=6))
-    ref = attncc.reference(v, q.double(), k.double(), w.double(), dropout_seed=5)
+    ref = attncc.reference(v, q.double(), k.double(), w.double(), dropout_seed=1)
     assert (a.double() - ref).abs().max() < 1e-5
 
 
