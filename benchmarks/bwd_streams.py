@@ -18,24 +18,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import attncc  # noqa: E402
 from attncc import runtime  # noqa: E402
-from gpu_suite import VARIANTS, sample_inputs  # noqa: E402
+from gpu_suite import anchor_problem  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--len", type=int, default=16384)
 ap.add_argument("--variants", default="bigbird,document,sliding_window,causal,full")
 args = ap.parse_args()
-L, H, D = args.len, 16, 128
-B = max(1, 16384 // L)
+L, D = args.len, 128
 print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
 rows = []
 for name in args.variants.split(","):
-    variant = attncc.parse(VARIANTS[name])
-    hq, hkv = (variant.heads.q, variant.heads.kv) if variant.heads else (H, H)
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(B, hq, L, D, generator=gen).cuda().bfloat16().requires_grad_()
-    k = torch.randn(B, hkv, L, D, generator=gen).cuda().bfloat16().requires_grad_()
-    v = torch.randn(B, hkv, L, D, generator=gen).cuda().bfloat16().requires_grad_()
-    inputs = sample_inputs(name, variant, B, hq, L, "cuda", gen)
+    variant, q, k, v, inputs = anchor_problem(name, L, D)
     kernel = attncc.compile(variant)
     out = kernel(q, k, v, **inputs)
     do = torch.randn_like(out)

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import attncc  # noqa: E402
 from attncc import tuning  # noqa: E402
-from gpu_suite import VARIANTS, sample_inputs  # noqa: E402
+from gpu_suite import anchor_problem  # noqa: E402
 
 
 def main():
@@ -30,18 +30,11 @@ def main():
     ap.add_argument("--variants", default="sliding_window,causal,full,alibi,causal_gqa")
     args = ap.parse_args()
     L, H, D = args.len, 16, 128
-    B = max(1, 16384 // L)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=300, return_mode="median")
     rows = []
     for name in args.variants.split(","):
-        variant = attncc.parse(VARIANTS[name])
-        hq, hkv = (variant.heads.q, variant.heads.kv) if variant.heads else (H, H)
-        gen = torch.Generator().manual_seed(0)
-        q = torch.randn(B, hq, L, D, generator=gen).cuda().bfloat16().requires_grad_()
-        k = torch.randn(B, hkv, L, D, generator=gen).cuda().bfloat16().requires_grad_()
-        v = torch.randn(B, hkv, L, D, generator=gen).cuda().bfloat16().requires_grad_()
-        inputs = sample_inputs(name, variant, B, hq, L, "cuda", gen)
+        variant, q, k, v, inputs = anchor_problem(name, L, D)
         kernel = attncc.compile(variant)
         out, lse = kernel(q, k, v, return_lse=True, **inputs)
         do = torch.randn_like(out)

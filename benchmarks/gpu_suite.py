@@ -61,6 +61,18 @@ def sample_inputs(name, variant, B, H, L, device, gen):
     return {}
 
 
+def anchor_problem(name, L, D=128, dev="cuda", seed=0):
+    """(variant, q, k, v, inputs) for one ANCHORS variant: bf16, batch x L = 16384 tokens,
+    16 heads (or the variant's GQA heads), leaf tensors that take gradients."""
+    variant = attncc.parse(VARIANTS[name])
+    hq, hkv = (variant.heads.q, variant.heads.kv) if variant.heads else (16, 16)
+    B = max(1, 16384 // L)
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, L, D, generator=gen).to(dev, torch.bfloat16).requires_grad_()
+               for h in (hq, hkv, hkv))
+    return variant, q, k, v, sample_inputs(name, variant, B, hq, L, dev, gen)
+
+
 def error_vs_reference(variant, q, k, v, inputs, dtype, seed):
     """(kernel err, eager err) per output, both against the float64 reference."""
     kern = attncc.compile(variant)
