@@ -107,7 +107,7 @@ def candidates(direction: str) -> list:
     # 32x128 dK/dV tiles spill their two accumulators and ran 3.6x slower. 16x16 tiles
     # (layouts of 16-blocks scattered at random) ran 16% faster with 2 stages (run 32).
     # At low tile density (a few tiles per row) a short pipeline pays: the forward with
-    # 64x32 w4 s2 beat 128x128 w8 s3 by 12% at d = 0.03 and tied at d = 0.06 (run 35),
+    # 64x32 w4 s2 beat 128x128 w8 s3 by 12% at d = 0.03 and tied at d = 0.06 (runs 37-38),
     # so it is among the four tried; 64x128 w4 s3, which it replaced there, never won.
     if direction == "fwd":
         shapes = [(128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2),
