@@ -14,17 +14,17 @@ import numpy as np
 import torch
 
 from . import ir
-from .arguments import TORCH_DTYPES, Problem, axis_extent, random_index_lists
+from .arguments import Problem
 from .errors import AttnccError
 from .evaluate import evaluate
 from .reference import index_env, layout_grid
+from .samples import sample_inputs
 
 MAX_LEN = 4096  # the drawn mask is len_q * len_k booleans per head
 MAX_HEADS_DRAWN = 4
 PER_HEAD_DEFAULT_HEADS = 4  # heads sampled when a per-head variant declares none
 CHUNK_ELEMENTS = 1 << 22  # pairs evaluated at once: bounds the int64 intermediates
 MAX_TILES = 1 << 22  # tile counts are kept per head in int64
-SEED = 0
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 CLASS_NAMES = ("EMPTY", "PARTIAL", "FULL")
@@ -62,50 +62,6 @@ def is_per_head(variant: ir.Variant) -> bool:
         if any("h" in variant.input(t).axes for t in ir.loaded_tensors(e)):
             return True
     return False
-
-
-def _segment_ids(n: int, gen: torch.Generator) -> torch.Tensor:
-    """Sorted ids 0, 0, ..., 1, 1, ...: n positions cut into a few documents of random length."""
-    docs = min(8, max(2, n // 128), n)
-    cuts = torch.randperm(n - 1, generator=gen)[:docs - 1] + 1 if n > 1 else torch.zeros(0, dtype=torch.long)
-    ids = torch.zeros(n, dtype=torch.long)
-    ids[cuts] = 1
-    return torch.cumsum(ids, 0)
-
-
-def sample_inputs(variant: ir.Variant, p: Problem, *, seed: int = SEED) -> dict:
-    """Plausible, deterministic stand-ins for the variant's runtime inputs.
-
-    Integer tensors with a position axis (q or k) hold sorted segment ids along it
-    (documents); other integer tensors small ints in [0, 8); index lists distinct random
-    tiles, padded with -1; bool tensors are true
-    with probability 0.2 (a sparse layout); float tensors are standard normal.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    lists = ir.index_lists(variant.layout)
-    for decl in variant.inputs:
-        shape = tuple(axis_extent(a, variant, p) if (a not in ("qb", "kb") or variant.block)
-                      else 1 for a in decl.axes)
-        dtype = TORCH_DTYPES[decl.dtype]
-        if decl.name in lists:
-            t = random_index_lists(shape, axis_extent(lists[decl.name], variant, p), gen)
-        elif decl.type == ir.BOOL:
-            t = torch.rand(shape, generator=gen) < 0.2
-        elif decl.type == ir.INT:
-            pos = [i for i, a in enumerate(decl.axes) if a in ("q", "k")]
-            if pos:
-                axis = pos[-1]
-                rows = math.prod(s for i, s in enumerate(shape) if i != axis)
-                ids = torch.stack([_segment_ids(shape[axis], gen) for _ in range(rows)])  # [rows, n]
-                rest = [s for i, s in enumerate(shape) if i != axis]
-                t = ids.view(*rest, shape[axis]).movedim(-1, axis)
-            else:
-                t = torch.randint(0, 8, shape, generator=gen)
-        else:
-            t = torch.randn(shape, generator=gen, dtype=torch.float64)
-        out[decl.name] = t.to(dtype).contiguous()
-    return out
 
 
 # ------------------------------------------------------------------- dense counting
