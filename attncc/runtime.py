@@ -137,7 +137,7 @@ class _Attention(torch.autograd.Function):
         run = lambda config: kernel.module.forward(
             q, k, v, inputs, q_offset=call["q_offset"], k_offset=call["k_offset"],
             seed=call["seed"], config=config, tables=call["tables"])
-        config = tuning.config_for(kernel, call["problem"], q.dtype, "fwd", run)
+        config = tuning.config_for(kernel, call["problem"], q.dtype, "fwd", run, call["context"])
         out, lse = run(config)
         ctx.save_for_backward(q, k, v, out, lse, *input_values)
         ctx.kernel, ctx.call = kernel, call
@@ -164,10 +164,11 @@ class _Attention(torch.autograd.Function):
                                                    config=config, out=None if concurrent else out,
                                                    **common)
         # dQ's config first: tuning it fills delta, which tuning dK/dV then reads.
-        config_dq = tuning.config_for(ctx.kernel, problem, q.dtype, "dq", run_dq)
+        config_dq = tuning.config_for(ctx.kernel, problem, q.dtype, "dq", run_dq, call["context"])
         if not concurrent:
             dq, dinputs = run_dq(config_dq)
-        config_dkdv = tuning.config_for(ctx.kernel, problem, q.dtype, "dkdv", run_dkdv)
+        config_dkdv = tuning.config_for(ctx.kernel, problem, q.dtype, "dkdv", run_dkdv,
+                                        call["context"])
         if concurrent:
             # dK/dV on a side stream while dQ runs: they read the same tensors and write
             # different ones, and with sparse tiles each alone leaves SMs idle (RESULTS.md
@@ -302,9 +303,18 @@ class Kernel:
             "input_names": names, "q_offset": q_offset, "k_offset": k_offset,
             "seed": int(dropout_seed or 0), "problem": p,
             "tables": tables.store if tables is not None else None,
+            "context": self._tuning_context(p, inputs, q.device),
         }
         out, lse = _Attention.apply(self, q, k, v, call, *values)
         return (out, lse) if return_lse else out
+
+    def _tuning_context(self, p, inputs: dict, device):
+        """For the tuner's progress lines: the density of the layout a layout variant is
+        tuned on, since its config then serves other layouts of the same shape."""
+        if self.variant.block is None or not self.module.USES_TABLES:
+            return None
+        return lambda: (f"on a layout of tile density "
+                        f"{tile_density(self.module, p, inputs, device, self.variant.block):.3f}")
 
     def tile_tables(self, q, k, v, *, q_offset: int = 0, k_offset: int = 0,
                     **inputs) -> "TileTables":

@@ -172,10 +172,12 @@ def _store(path, key: str, config: dict):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def config_for(kernel, problem, dtype, direction: str, run=None) -> dict:
+def config_for(kernel, problem, dtype, direction: str, run=None, context=None) -> dict:
     """The config for this call; `run(config)` launches the direction once (for tuning).
     Every call of a kernel comes here (three times per forward + backward), so a config
-    already chosen in this process is found before any candidate is filtered."""
+    already chosen in this process is found before any candidate is filtered.
+    `context()`, called only when tuning, says what the tuning ran on beyond the key
+    (a runtime layout's density), for the progress lines."""
     if kernel.pinned_config:
         return kernel.pinned_config  # checked when the kernel was compiled
     pinned = _env_config()
@@ -199,7 +201,8 @@ def config_for(kernel, problem, dtype, direction: str, run=None) -> dict:
     if cached:
         _MEMORY[mem_key] = cached
         return cached
-    best = tune(kernel.variant.name, key, kept()[:TUNE_AT_MOST], run)
+    best = tune(kernel.variant.name, key, kept()[:TUNE_AT_MOST], run,
+                context=context() if context else "")
     _MEMORY[mem_key] = best
     _store(path, key, best)
     return best
@@ -231,9 +234,11 @@ def _label(config: dict) -> str:
     return f"{config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
 
 
-def tune(name: str, key: str, configs: list, run) -> dict:
+def tune(name: str, key: str, configs: list, run, context: str = "") -> dict:
     """Time each config (median of do_bench), report progress, return the fastest."""
     import triton
+    if context:
+        key = f"{key} ({context})"
     start = time.perf_counter()
     timings = []
     for i, config in enumerate(configs):

@@ -285,3 +285,28 @@ def test_untuned_choice_skips_a_config_that_does_not_fit(monkeypatch, capsys):
     n = len(tried)
     assert tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run) == chosen
     assert len(tried) == n, "the choice is remembered, not retried"
+
+
+def test_tuning_progress_names_the_layout_density_it_tuned_on(monkeypatch, capsys, tmp_path):
+    """A layout variant's config serves every layout of its shape, so the tuner says
+    which density it was chosen at."""
+    import triton
+    from types import SimpleNamespace
+    spec = "attention lay { input on: bool[qb, kb] layout on[qb, kb] block 16 }"
+    real = attncc.compile(spec)
+    q = k = v = torch.randn(1, 2, 64, 16)
+    on = torch.zeros(4, 4, dtype=torch.bool)
+    on[:, 0] = True  # one block of four per row
+    problem = real.check_call(q, k, v, {"on": on}, 0, 0)
+    context = real._tuning_context(problem, {"on": on}, q.device)
+    assert context() == "on a layout of tile density 0.250"
+    assert real.density(q, k, v, on=on) == 0.25
+    assert attncc.compile("attention c { mask q >= k }")._tuning_context(problem, {}, q.device) is None
+
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))  # a fresh tuning cache
+    monkeypatch.setattr(runtime, "interpreting", lambda: False)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
+    kernel = SimpleNamespace(key="k-density-test", pinned_config=None, variant=real.variant)
+    tuning.config_for(kernel, problem, torch.bfloat16, "fwd", lambda config: None, context)
+    err = capsys.readouterr().err
+    assert "(on a layout of tile density 0.250)" in err and "tuned lay" in err
