@@ -350,8 +350,9 @@ class _Builder:
         try:
             checker.check_input(inp)
         except SpecError as err:
-            bad = dtype_tok if str(dtype_tok) not in ir.DTYPES else (
-                name_tok if "learnable" in err.message else axes_tree)
+            bad = name_tok if name in checker.CALL_KEYWORDS else (
+                dtype_tok if str(dtype_tok) not in ir.DTYPES else (
+                    name_tok if "learnable" in err.message else axes_tree))
             raise self._locate(err, bad)
         self.inputs[name] = inp
 

@@ -193,3 +193,10 @@ def test_non_finite_constant():
 def test_heads_that_do_not_divide():
     msg = _error(lambda: attncc.variant(lambda q, k: q >= k, name="v", heads=(12, 5)))
     assert "the query heads (12) must be a multiple of the key/value heads (5)" in msg
+
+
+@pytest.mark.parametrize("name", ["training", "tables", "q_offset", "v"])
+def test_an_input_named_like_a_call_keyword_is_refused(name):
+    # kernel(q, k, v, training=...) could never pass such an input: say so at compile time.
+    with pytest.raises(attncc.SpecError, match=f"cannot be named '{name}'.*{name}="):
+        attncc.variant(name="clash", inputs={name: "f32[h]"})(lambda q, k: q >= k)
