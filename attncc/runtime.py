@@ -275,6 +275,8 @@ class Kernel:
     def __call__(self, q, k, v, *, return_lse: bool = False, dropout_seed: int | None = None,
                  training: bool = True, q_offset: int = 0, k_offset: int = 0,
                  tables: "TileTables | None" = None, **inputs):
+        if not isinstance(training, bool):
+            raise CallError(f"training must be True or False, got {training!r}")
         if not training and self.variant.dropout:
             # Evaluation: the same attention with no dropout (as nn.Dropout in eval mode).
             return self.evaluation_kernel()(q, k, v, return_lse=return_lse, q_offset=q_offset,

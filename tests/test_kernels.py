@@ -279,6 +279,8 @@ def test_training_false_turns_dropout_off():
     assert kernel.evaluation_kernel() is kernel.evaluation_kernel()
     no_dropout = attncc.compile("attention c { mask q >= k }")
     assert no_dropout.evaluation_kernel() is no_dropout
+    with pytest.raises(CallError, match="training must be True or False, got 'no'"):
+        kernel(q, k, w, on=on, training="no")
 
 
 def test_learnable_bias_gets_gradients():
