@@ -372,9 +372,12 @@ def test_bad_tensors_raise_value_errors_naming_them(case, make, match):
 
 
 def test_cpu_tensors_without_interpreter_say_how_to_fix(monkeypatch):
+    # Compiled first, with the interpreter on: a module imported without it would stay in
+    # sys.modules as compiled Triton, and later tests of the same variant would get it.
+    kernel = attncc.compile(CAUSAL)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(CallError, match="TRITON_INTERPRET=1"):
-        attncc.compile(CAUSAL)(*(t.cpu() for t in qkv()))
+        kernel(*(t.cpu() for t in qkv()))
 
 
 DOC = "attention d { input doc: i32[q] mask doc[q] == doc[k] }"
