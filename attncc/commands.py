@@ -89,12 +89,13 @@ def _env(name: str, value):
             os.environ[name] = old
 
 
-def kernel_directions() -> tuple:
-    """The directions tuning.py picks tiles for: the forward and the two backward kernels."""
-    return ("fwd", "dkdv", "dq")
+def kernel_directions(source: str) -> tuple:
+    """The directions tuning.py picks tiles for in a generated module: the forward, then
+    the backward's one launch (table-driven variants) or its two kernels."""
+    return ("fwd", "bwd") if "\ndef attn_bwd(" in source else ("fwd", "dkdv", "dq")
 
 
-def chosen_configs(variant: ir.Variant, head_dim: int, *, interpreter: bool) -> dict:
+def chosen_configs(variant: ir.Variant, source: str, head_dim: int, *, interpreter: bool) -> dict:
     """{direction: config}. On a GPU: the first candidate that keep() allows (what runs
     untuned, ATTNCC_TUNE=0; autotuning may pick another), or ATTNCC_CONFIG's pin.
     Under the interpreter: what tuning.config_for picks there."""
@@ -102,7 +103,7 @@ def chosen_configs(variant: ir.Variant, head_dim: int, *, interpreter: bool) -> 
     kernel = SimpleNamespace(variant=variant, pinned_config=None)
     problem = SimpleNamespace(dim=head_dim, group=1, len_q=1, len_k=1)
     out = {}
-    for d in kernel_directions():
+    for d in kernel_directions(source):
         if interpreter or os.environ.get("ATTNCC_CONFIG"):
             with _env("TRITON_INTERPRET", "1" if interpreter else None):
                 out[d] = tuning.config_for(kernel, problem, torch.float16, d)
@@ -129,9 +130,9 @@ def compile_command(args) -> int:
     print(f"module    {path} ({'written' if written else 'unchanged'}; imports only torch and triton)")
     print(f"strategy  {gen.strategy}")
     pinned = os.environ.get("ATTNCC_CONFIG")
-    gpu = chosen_configs(variant, ASSUMED_HEAD_DIM, interpreter=False)
-    wide = chosen_configs(variant, 256, interpreter=False)
-    interp = chosen_configs(variant, ASSUMED_HEAD_DIM, interpreter=True)
+    gpu = chosen_configs(variant, gen.source, ASSUMED_HEAD_DIM, interpreter=False)
+    wide = chosen_configs(variant, gen.source, 256, interpreter=False)
+    interp = chosen_configs(variant, gen.source, ASSUMED_HEAD_DIM, interpreter=True)
     from . import tuning
     if pinned:
         note = " (pinned by ATTNCC_CONFIG)"

@@ -119,15 +119,15 @@ def load_generated(variant: ir.Variant):
     return gen, _import_module(name, path)
 
 
-# ATTNCC_CONCURRENT_BWD=0 runs the two backward kernels one after the other.
-CONCURRENT_BACKWARD = os.environ.get("ATTNCC_CONCURRENT_BWD", "1") != "0"
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device):
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
+# How the backward of a table-driven variant runs: "one-launch" (dK/dV and dQ programs in
+# one grid) or "sequential" (dQ, then dK/dV), for A/B measurements. Analytic masks always
+# run sequentially. The one launch beat both the sequential kernels and the two kernels
+# side by side on two streams on every problem measured (RESULTS.md run 51: at tile
+# density 0.03 the backward ran 1.26x faster than with streams, BigBird's 1.04x).
+BACKWARD_SCHEDULES = ("one-launch", "sequential")
+TABLES_BACKWARD = os.environ.get("ATTNCC_BACKWARD", "one-launch")
+if TABLES_BACKWARD not in BACKWARD_SCHEDULES:
+    raise ValueError(f"ATTNCC_BACKWARD={TABLES_BACKWARD!r}: expected one of {BACKWARD_SCHEDULES}")
 
 
 class _Attention(torch.autograd.Function):
@@ -153,45 +153,27 @@ class _Attention(torch.autograd.Function):
         module, problem = ctx.kernel.module, call["problem"]
         common = dict(q_offset=call["q_offset"], k_offset=call["k_offset"], seed=call["seed"],
                       tables=call["tables"])
-        concurrent = CONCURRENT_BACKWARD and q.is_cuda and module.USES_TABLES
-        # Run one after the other, the dQ kernel computes delta = rowsum(dO * O) itself
-        # and dK/dV follows it (one launch fewer); run side by side, delta comes first.
-        delta = module.backward_delta(out, dout) if concurrent else module.new_delta(q)
-        # dK/dV and dQ are tuned apart: they want different tile shapes.
-        run_dkdv = lambda config: module.backward_dkdv(q, k, v, lse, delta, dout, inputs,
-                                                       config=config, **common)
-        run_dq = lambda config: module.backward_dq(q, k, v, lse, delta, dout, inputs,
-                                                   config=config, out=None if concurrent else out,
-                                                   **common)
-        # dQ's config first: tuning it fills delta, which tuning dK/dV then reads.
-        config_dq = tuning.config_for(ctx.kernel, problem, q.dtype, "dq", run_dq, call["context"])
-        if not concurrent:
-            dq, dinputs = run_dq(config_dq)
-        config_dkdv = tuning.config_for(ctx.kernel, problem, q.dtype, "dkdv", run_dkdv,
-                                        call["context"])
-        if concurrent:
-            # dK/dV on a side stream while dQ runs: they read the same tensors and write
-            # different ones, and with sparse tiles each alone leaves SMs idle (RESULTS.md
-            # runs 16-17: BigBird's backward 1.21x faster, document 1.04x; analytic
-            # masks gained nothing and GQA lost 1-3%, so only table-driven variants).
-            # Tables are built here first, so neither stream writes what the other reads.
-            for config in (config_dkdv, config_dq):
-                module.prepare_tables(q, k, inputs, q_offset=call["q_offset"],
-                                      k_offset=call["k_offset"], config=config,
-                                      tables=call["tables"])
-            # dK and dV are allocated here, on the main stream, like every tensor the side
-            # stream touches: the main stream waits for the side one before any of them
-            # can be freed, so no record_stream (and no cross-stream allocator churn).
-            dk, dv = (torch.empty(k.shape, device=k.device, dtype=q.dtype) for _ in range(2))
-            main = torch.cuda.current_stream(q.device)
-            side = _side_stream(q.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                module.backward_dkdv(q, k, v, lse, delta, dout, inputs, config=config_dkdv,
-                                     out=(dk, dv), **common)
-            dq, dinputs = run_dq(config_dq)
-            main.wait_stream(side)
+        if module.USES_TABLES and TABLES_BACKWARD == "one-launch":
+            # dK/dV and dQ as two roles of one grid, one config, both reading delta.
+            delta = module.backward_delta(out, dout)
+            run = lambda config: module.backward_one_launch(q, k, v, lse, delta, dout, inputs,
+                                                            config=config, **common)
+            config = tuning.config_for(ctx.kernel, problem, q.dtype, "bwd", run, call["context"])
+            dq, dk, dv, dinputs = run(config)
         else:
+            # dQ first, computing delta = rowsum(dO * O) on the way, then dK/dV, which
+            # reads it. They are tuned apart: they want different tile shapes.
+            delta = module.new_delta(q)
+            run_dq = lambda config: module.backward_dq(q, k, v, lse, delta, dout, inputs,
+                                                       config=config, out=out, **common)
+            run_dkdv = lambda config: module.backward_dkdv(q, k, v, lse, delta, dout, inputs,
+                                                           config=config, **common)
+            # dQ's config first: tuning it fills delta, which tuning dK/dV then reads.
+            config_dq = tuning.config_for(ctx.kernel, problem, q.dtype, "dq", run_dq,
+                                          call["context"])
+            dq, dinputs = run_dq(config_dq)
+            config_dkdv = tuning.config_for(ctx.kernel, problem, q.dtype, "dkdv", run_dkdv,
+                                            call["context"])
             dk, dv = run_dkdv(config_dkdv)
         grads = [dinputs.get(name) for name in call["input_names"]]
         return (None, dq, dk, dv, None, *grads)

@@ -88,7 +88,7 @@ def keep(config: dict, variant: ir.Variant, head_dim: int, direction: str) -> bo
     if _needs_tiles_within_block(variant) and not _within_block(config, variant):
         return False
     pad = max(16, 1 << (head_dim - 1).bit_length())
-    backward = direction in ("dkdv", "dq")
+    backward = direction in ("dkdv", "dq", "bwd")
     if pad >= 256:
         if backward and (config["BLOCK_M"] * config["BLOCK_N"] > 64 * 64
                          or config["num_stages"] > 1):
@@ -113,7 +113,9 @@ def candidates(direction: str) -> list:
         shapes = [(128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2),
                   (128, 128, 8, 2), (64, 64, 4, 4), (64, 128, 4, 3), (32, 32, 4, 2), (16, 16, 4, 2),
                   (16, 16, 4, 1)]
-    elif direction == "dkdv":  # the key tile stays on chip; query tiles stream past it
+    elif direction in ("dkdv", "bwd"):  # the key tile stays on chip; query tiles stream past it
+        # "bwd": dK/dV and dQ in one launch (table-driven variants), one config for both;
+        # dK/dV is the larger share of the work, so its candidates.
         shapes = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3),
                   (64, 64, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 32, 4, 1), (16, 16, 4, 2),
                   (16, 16, 4, 1)]

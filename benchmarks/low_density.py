@@ -28,13 +28,15 @@ import attncc  # noqa: E402
 from attncc import tuning  # noqa: E402
 from density_curve import BLOCK, DENSE_SPEC, model_ms, random_layout, sparse_spec  # noqa: E402
 
-KERNELS = ("fwd", "dkdv", "dq")
+KERNELS = ("fwd", "dkdv", "dq", "bwd")  # bwd: dK/dV and dQ in one launch (layouts only)
 EXTRA: dict = {}  # kernel -> configs timed after the candidates (--extra)
 
 
 def launcher(module, kernel, q, k, v, out, lse, delta, do, inputs, config):
     if kernel == "fwd":
         return lambda: module.forward(q, k, v, inputs, config=config)
+    if kernel == "bwd":
+        return lambda: module.backward_one_launch(q, k, v, lse, delta, do, inputs, config=config)[:3]
     if kernel == "dq":
         return lambda: module.backward_dq(q, k, v, lse, delta, do, inputs, config=config)[:1]
     return lambda: module.backward_dkdv(q, k, v, lse, delta, do, inputs, config=config)
@@ -49,8 +51,8 @@ def sweep(kern, kernel, tensors, inputs, label, at_most=None):
     delta = m.backward_delta(out, do)
     rows, want = [], None
     configs = tuning.kept_candidates(kern.variant, q.shape[-1], kernel)[:at_most]
-    if at_most is None:
-        configs += EXTRA.get(kernel, [])
+    if kern.variant.name != "dense":
+        configs += [c for c in EXTRA.get(kernel, []) if c not in configs]
     for config in configs:
         name = tuning._label(config)
         run = launcher(m, kernel, q, k, v, out, lse, delta, do, inputs, config)
@@ -74,7 +76,11 @@ def main():
     ap.add_argument("--densities", default="0.03,0.06")
     ap.add_argument("--extra", default="",
                     help="configs to time after the candidates, e.g. 'fwd:64x64w4s2,64x32w4s1;dq:64x64w4s1'")
+    ap.add_argument("--kernels", default=",".join(KERNELS))
+    ap.add_argument("--at-most", type=int, default=None,
+                    help="time only the first N kept candidates (and the --extra ones)")
     args = ap.parse_args()
+    kernels = args.kernels.split(",")
     for entry in filter(None, args.extra.split(";")):
         kernel, _, listed = entry.partition(":")
         EXTRA[kernel] = [dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
@@ -88,17 +94,18 @@ def main():
                "triton": triton.__version__, "seq": S, "block": BLOCK, "rows": {}}
     dense = attncc.compile(DENSE_SPEC)
     best_dense = {}
-    for kernel in KERNELS:
+    for kernel in KERNELS[:3]:
         rows = sweep(dense, kernel, tensors, {}, "dense", at_most=4)  # its winners are in these
         results["rows"][f"dense-{kernel}"] = rows
         best_dense[kernel] = min(rows)[0]
+    best_dense["bwd"] = best_dense["dkdv"] + best_dense["dq"]  # dense runs them apart
     sparse = attncc.compile(sparse_spec(BLOCK))
     table = []
     for d in (float(x) for x in args.densities.split(",")):
         layout = random_layout(H, nb, d, gen).cuda()
         actual = layout.float().mean().item()
-        for kernel in KERNELS:
-            rows = sweep(sparse, kernel, tensors, {"blocks": layout}, f"d={d:g}")
+        for kernel in kernels:
+            rows = sweep(sparse, kernel, tensors, {"blocks": layout}, f"d={d:g}", args.at_most)
             results["rows"][f"{d}-{kernel}"] = rows
             tuned = min(rows[:tuning.TUNE_AT_MOST])
             best = min(rows)

@@ -213,7 +213,7 @@ def test_backward_is_deterministic():
 ])
 def test_delta_computed_in_the_dq_kernel_equals_the_separate_pass(spec):
     # Sequential backwards let the dQ kernel compute delta = rowsum(dO * O) and store
-    # it for dK/dV; the concurrent one (GPU, table-driven variants) runs the separate
+    # it for dK/dV; the one-launch backward (table-driven variants) runs the separate
     # pass first. Both must give the same gradients, and every delta row must be written.
     v = attncc.parse(spec)
     kernel = attncc.compile(v)
@@ -237,6 +237,37 @@ def test_delta_computed_in_the_dq_kernel_equals_the_separate_pass(spec):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
     assert not torch.equal(dk, m.backward_dkdv(q, k, w, lse, in_dq_delta * 0.5, do, inputs,
                                                config=config)[0])  # delta matters to dK
+
+
+@pytest.mark.parametrize("spec, H, Hkv", [
+    ("attention l { input on: bool[h, qb, kb] layout on[h, qb, kb] block 16 mask q >= k }", 3, 3),
+    ("attention g { heads 4 / 2 input on: bool[qb, kb] layout on[qb, kb] block 16 "
+     "learnable input bias: f32[h] score s + bias[h] dropout 0.2 }", 4, 2),
+])
+def test_one_launch_backward_equals_the_two_kernels(spec, H, Hkv):
+    # Table-driven variants run dK/dV and dQ as two roles of one grid (attn_bwd). Each
+    # program does what the kernel of its role does, so the results must match the two
+    # kernels' (learnable inputs' gradients and GQA's query heads per kv head included),
+    # and every element must be written (the outputs start uninitialised).
+    v = attncc.parse(spec)
+    kernel = attncc.compile(v)
+    m = kernel.module
+    assert m.USES_TABLES
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, H, 45, 32, generator=gen).to(DEVICE)
+    k, w = (torch.randn(2, Hkv, 51, 32, generator=gen).to(DEVICE) for _ in range(2))
+    inputs = make_inputs(v, 2, H, 45, 51, gen)
+    out, lse = kernel(q, k, w, return_lse=True, dropout_seed=3, **inputs)
+    do = torch.randn(out.shape, generator=gen).to(DEVICE)
+    config = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    delta = m.backward_delta(out, do)
+    dq, dk, dv, dinputs = m.backward_one_launch(q, k, w, lse, delta, do, inputs, seed=3,
+                                                config=config)
+    dk2, dv2 = m.backward_dkdv(q, k, w, lse, delta, do, inputs, seed=3, config=config)
+    dq2, dinputs2 = m.backward_dq(q, k, w, lse, delta, do, inputs, seed=3, config=config)
+    for a, b in ((dq, dq2), (dk, dk2), (dv, dv2), *zip(dinputs.values(), dinputs2.values())):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert set(dinputs) == {d.name for d in v.learnable_inputs}
 
 
 def test_dropout_is_reproducible_from_its_seed():

@@ -470,23 +470,3 @@ def test_density_curve_needs_a_gpu(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert dc.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
-
-
-def test_prepare_tables_builds_what_the_backward_kernels_will_read():
-    # The concurrent backward builds both kernels' tables on the main stream first
-    # (runtime._Attention.backward); a later launch with that config finds them cached.
-    kernel = attncc.compile(PER_HEAD)
-    module = kernel.module
-    module._TABLE_CACHE.clear()
-    q, k, v = _qkv()
-    blocks = torch.ones(3, 3, 3, dtype=torch.bool, device=DEVICE)
-    config = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    module.prepare_tables(q, k, {"blocks": blocks}, config=config)
-    assert len(module._TABLE_CACHE) == 1
-    module.forward(q, k, v, {"blocks": blocks}, config=config)
-    assert len(module._TABLE_CACHE) == 1, "the launch found the prepared tables"
-    store = {}
-    module.prepare_tables(q, k, {"blocks": blocks}, config=config, tables=store)
-    assert list(store) == [(16, 16)]
-    assert attncc.compile("attention c { mask q >= k }").module.prepare_tables(
-        q, k, {}, config=config) is None

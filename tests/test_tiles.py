@@ -281,7 +281,7 @@ def segment_ranges(plan: bounds.LoopPlan, solve_for: str, p: Problem, bm: int, b
 
 def template_ranges(source: str, solve_for: str, p: Problem, bm: int, bn: int):
     """The same, by running the rendered kernel's own segment lines on torch tensors."""
-    kernel = "def attn_fwd(" if solve_for == "k" else "def attn_bwd_dkdv("
+    kernel = "def attn_fwd(" if solve_for == "k" else "def _dkdv_program("
     body = source[source.index(kernel):]
     lines = body.splitlines()
     first = next(i for i, l in enumerate(lines) if l.strip().startswith("# segment 1:"))
