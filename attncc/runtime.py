@@ -137,7 +137,7 @@ class _Attention(torch.autograd.Function):
         run = lambda config: kernel.module.forward(
             q, k, v, inputs, q_offset=call["q_offset"], k_offset=call["k_offset"],
             seed=call["seed"], config=config, tables=call["tables"])
-        config = tuning.config_for(kernel, call["problem"], q.dtype, "fwd", run, call["context"])
+        config = tuning.config_for(kernel, call["problem"], q.dtype, "fwd", run, *call["tuning"])
         out, lse = run(config)
         ctx.save_for_backward(q, k, v, out, lse, *input_values)
         ctx.kernel, ctx.call = kernel, call
@@ -158,7 +158,7 @@ class _Attention(torch.autograd.Function):
             delta = module.backward_delta(out, dout)
             run = lambda config: module.backward_one_launch(q, k, v, lse, delta, dout, inputs,
                                                             config=config, **common)
-            config = tuning.config_for(ctx.kernel, problem, q.dtype, "bwd", run, call["context"])
+            config = tuning.config_for(ctx.kernel, problem, q.dtype, "bwd", run, *call["tuning"])
             dq, dk, dv, dinputs = run(config)
         else:
             # dQ first, computing delta = rowsum(dO * O) on the way, then dK/dV, which
@@ -170,10 +170,10 @@ class _Attention(torch.autograd.Function):
                                                            config=config, **common)
             # dQ's config first: tuning it fills delta, which tuning dK/dV then reads.
             config_dq = tuning.config_for(ctx.kernel, problem, q.dtype, "dq", run_dq,
-                                          call["context"])
+                                          *call["tuning"])
             dq, dinputs = run_dq(config_dq)
             config_dkdv = tuning.config_for(ctx.kernel, problem, q.dtype, "dkdv", run_dkdv,
-                                            call["context"])
+                                            *call["tuning"])
             dk, dv = run_dkdv(config_dkdv)
         grads = [dinputs.get(name) for name in call["input_names"]]
         return (None, dq, dk, dv, None, *grads)
@@ -287,7 +287,10 @@ class Kernel:
             "input_names": names, "q_offset": q_offset, "k_offset": k_offset,
             "seed": int(dropout_seed or 0), "problem": p,
             "tables": tables.store if tables is not None else None,
-            "context": self._tuning_context(p, inputs, q.device),
+            # Kept tables know their density (one sync, once): tune per density bucket.
+            # Without them the config is keyed by shape, chosen on the first layout.
+            "tuning": (self._tuning_context(p, inputs, q.device),
+                       tables.density if tables is not None else None),
         }
         out, lse = _Attention.apply(self, q, k, v, call, *values)
         return (out, lse) if return_lse else out
@@ -346,16 +349,11 @@ class TileTables:
         self._reads = {name: _state(inputs[name]) for name in kernel.module.TABLE_INPUTS}
         self._inputs = {name: inputs[name] for name in kernel.module.TABLE_INPUTS}
         self.store: dict = {}  # (BLOCK_M, BLOCK_N) -> tables; filled by the generated module
-        self._density = None
-
-    @property
-    def density(self) -> float:
-        """The fraction of tiles visited (see Kernel.density), at the layout's block."""
-        if self._density is None:
-            block = self.kernel.variant.block or 64
-            self._density = tile_density(self.kernel.module, self.problem, self._inputs,
-                                         self.device, block)
-        return self._density
+        # The fraction of tiles visited (see Kernel.density), at the layout's block: read
+        # here, outside the calls (one sync), since calls with these tables tune per
+        # density bucket.
+        self.density = tile_density(kernel.module, problem, self._inputs, device,
+                                    kernel.variant.block or 64)
 
     def check(self, kernel: Kernel, problem, inputs: dict):
         if kernel is not self.kernel:

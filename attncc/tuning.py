@@ -12,6 +12,7 @@ silently used. `ATTNCC_CONFIG` (JSON) or `attncc.compile(..., config=...)` pins 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
@@ -174,12 +175,20 @@ def _store(path, key: str, config: dict):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def config_for(kernel, problem, dtype, direction: str, run=None, context=None) -> dict:
+def density_bucket(density: float) -> str:
+    """Tile density to the nearest power of two from 1/64 to 1 ("1/32" for 0.03)."""
+    return f"1/{2 ** min(6, max(0, round(-math.log2(max(density, 2 ** -6)))))}"
+
+
+def config_for(kernel, problem, dtype, direction: str, run=None, context=None,
+               density=None) -> dict:
     """The config for this call; `run(config)` launches the direction once (for tuning).
     Every call of a kernel comes here (three times per forward + backward), so a config
     already chosen in this process is found before any candidate is filtered.
     `context()`, called only when tuning, says what the tuning ran on beyond the key
-    (a runtime layout's density), for the progress lines."""
+    (a runtime layout's density), for the progress lines. `density`: the tile density
+    of kept tables (known without a sync in the call); configs are then tuned per
+    density bucket, since few tiles per row want shorter pipelines (RESULTS.md run 38)."""
     if kernel.pinned_config:
         return kernel.pinned_config  # checked when the kernel was compiled
     pinned = _env_config()
@@ -195,6 +204,8 @@ def config_for(kernel, problem, dtype, direction: str, run=None, context=None) -
         return first_that_runs(kernel, problem, dtype, direction, kept, run)
     key = (f"{direction}-d{problem.dim}-{str(dtype).replace('torch.', '')}-g{problem.group}"
            f"-q{length_bucket(problem.len_q)}-k{length_bucket(problem.len_k)}")
+    if density is not None:
+        key += f"-density{density_bucket(density)}"
     mem_key = (kernel.key, key)
     if mem_key in _MEMORY:
         return _MEMORY[mem_key]

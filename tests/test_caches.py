@@ -310,3 +310,48 @@ def test_tuning_progress_names_the_layout_density_it_tuned_on(monkeypatch, capsy
     tuning.config_for(kernel, problem, torch.bfloat16, "fwd", lambda config: None, context)
     err = capsys.readouterr().err
     assert "(on a layout of tile density 0.250)" in err and "tuned lay" in err
+
+
+def test_kept_tables_tune_per_density_bucket(monkeypatch, capsys, tmp_path):
+    """Few tiles per row want other tiles than many (RESULTS.md run 38), and kept tables
+    know their density without a sync in the call: their calls tune per bucket."""
+    import triton
+    from types import SimpleNamespace
+    from attncc.arguments import Problem
+    assert [tuning.density_bucket(d) for d in (0.03, 0.0312, 0.04, 0.06, 0.3, 1.0, 0.0)] == \
+        ["1/32", "1/32", "1/32", "1/16", "1/4", "1/1", "1/64"]
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(runtime, "interpreting", lambda: False)
+    timings = {64: 2.0, 128: 1.0}  # 128-row tiles win at one density...
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: timings[fn()])
+    kernel = SimpleNamespace(key="k-bucket-test", pinned_config=None,
+                             variant=attncc.parse("attention lay { input on: bool[qb, kb] "
+                                                  "layout on[qb, kb] block 128 }"))
+    problem = Problem(1, 2, 2, 4096, 4096, 128, 128)
+    run = lambda config: config["BLOCK_M"]
+    dense = tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run, density=0.5)
+    timings.update({64: 1.0, 128: 2.0})  # ...64-row tiles at another
+    sparse = tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run, density=0.03)
+    assert (dense["BLOCK_M"], sparse["BLOCK_M"]) == (128, 64)
+    assert capsys.readouterr().err.count("tuned lay") == 2
+    assert tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run, density=0.035) == sparse
+    assert tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run, density=0.45) == dense
+    assert "tuned" not in capsys.readouterr().err, "same buckets: found, not tuned again"
+
+
+def test_a_call_with_kept_tables_passes_their_density_to_the_tuner(monkeypatch):
+    spec = "attention lay { input on: bool[qb, kb] layout on[qb, kb] block 16 }"
+    kernel = attncc.compile(spec)
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    on = torch.zeros(4, 4, dtype=torch.bool)
+    on[:, 0] = True
+    seen = []
+    real = tuning.config_for
+    monkeypatch.setattr(tuning, "config_for",
+                        lambda *a, **kw: (seen.append(a[6] if len(a) > 6 else kw.get("density")),
+                                          real(*a, **kw))[1])
+    tables = kernel.tile_tables(q, k, v, on=on)
+    assert tables.density == 0.25
+    kernel(q.requires_grad_(), k, v, on=on, tables=tables).sum().backward()
+    kernel(q, k, v, on=on).sum().backward()
+    assert seen == [0.25, 0.25, None, None]  # forward and one-launch backward, then no tables
