@@ -2,7 +2,7 @@
 
     python benchmarks/density_curve.py [--seq 16384] [--heads 16] [--dim 128]
                                        [--densities 0.03,0.06,0.125,0.25,0.5] [--no-flex]
-                                       [--block 128] [--sparse-config JSON]
+                                       [--block 128] [--sparse-config JSON] [--graphs]
 
 One variant, `attention sparse { input blocks: bool[h, qb, kb] layout blocks[h, qb, kb]
 block 128 }`, run on random per-head layouts of 128 x 128 tiles at each density d (every
@@ -21,7 +21,8 @@ BlockMask's shapes do not change),
 then triton.testing.do_bench medians, the same q, k, v, dO and layout for both
 backends; the backward is (forward + backward) - forward. Each entry also holds the
 kernels' own GPU time per call (torch.profiler): at low density a call can be bound by
-the host (Python, autograd, launches), and then do_bench exceeds it. Writes density_curve.json
+the host (Python, autograd, launches), and then do_bench exceeds it. --graphs adds
+times from CUDA graph replays of each call, where the host's time is gone. Writes density_curve.json
 and density_curve.png (time against density, both backends, the 1.2 * d * dense
 line) to $OUT (or ./out), and prints the table last. Needs a CUDA GPU; the helpers
 above main() run anywhere (tests/test_sparse.py tests them on the CPU).
@@ -87,13 +88,16 @@ def model_ms(dense_ms: float, density: float, n_blocks: int) -> float:
 
 
 def add_ratios(row: dict, dense: dict, n_blocks: int) -> dict:
-    """Put time / model_ms into each backend's entry of `row`, forward and backward."""
+    """Put time / model_ms into each backend's entry of `row`, forward and backward, for
+    calls (against dense calls) and, where timed, graph replays (against dense replays)."""
     for backend in ("attncc", "flex"):
         entry = row.get(backend) or {}
-        for direction in ("fwd", "bwd"):
-            t, ref = entry.get(f"{direction}_ms"), dense.get(f"{direction}_ms")
-            if t is not None and ref:
-                entry[f"{direction}_ratio"] = t / model_ms(ref, row["actual_density"], n_blocks)
+        for kind in ("", "graph_"):
+            for direction in ("fwd", "bwd"):
+                t, ref = entry.get(f"{kind}{direction}_ms"), dense.get(f"{kind}{direction}_ms")
+                if t is not None and ref:
+                    entry[f"{kind}{direction}_ratio"] = t / model_ms(ref, row["actual_density"],
+                                                                     n_blocks)
     return row
 
 
@@ -115,6 +119,17 @@ def format_table(rows: list, dense: dict) -> str:
             f"{cell(f, 'fwd_ratio', '.2f') + '/' + cell(f, 'bwd_ratio', '.2f'):>11s}")
     lines.append(f"{'dense':>8s} {1.0:7.4f} | {cell(dense, 'fwd_ms', '10.3f')} "
                  f"{cell(dense, 'bwd_ms', '8.3f')} |  (attncc, full attention; times in ms)")
+    if any("graph_fwd_ms" in (r.get("attncc") or {}) for r in rows):
+        lines += ["", "CUDA graph replays (no host time; ratios against dense replays):",
+                  f"{'density':>8s} | {'attncc fwd':>10s} {'bwd':>8s} | {'flex fwd':>9s} {'bwd':>8s} | "
+                  f"{'ratio attncc f/b':>16s} | {'flex f/b':>11s}"]
+        for r in rows + [dict(density=1.0, attncc=dense)]:
+            a, f = r.get("attncc"), r.get("flex")
+            lines.append(
+                f"{r['density']:8.3f} | {cell(a, 'graph_fwd_ms', '10.3f')} {cell(a, 'graph_bwd_ms', '8.3f')} | "
+                f"{cell(f, 'graph_fwd_ms', '9.3f')} {cell(f, 'graph_bwd_ms', '8.3f')} | "
+                f"{cell(a, 'graph_fwd_ratio', '.2f') + '/' + cell(a, 'graph_bwd_ratio', '.2f'):>16s} | "
+                f"{cell(f, 'graph_fwd_ratio', '.2f') + '/' + cell(f, 'graph_bwd_ratio', '.2f'):>11s}")
     for r in rows + [dict(density=1.0, attncc=dense)]:
         for backend in ("attncc", "flex"):
             e = r.get(backend) or {}
@@ -206,6 +221,29 @@ def time_fwd_bwd(fn, q, k, v, do) -> dict:
     return row
 
 
+def graph_fwd_bwd(fn, q, k, v, do) -> dict:
+    """Forward and backward ms from CUDA graph replays: the kernels without the host's
+    Python, as a model captured in a graph runs them; and whether the replayed gradients
+    equal an eager call's. Warm-up on a side stream, as torch.cuda.graph asks."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            torch.autograd.grad(fn(), (q, k, v), do)
+    torch.cuda.current_stream().wait_stream(side)
+    eager = torch.autograd.grad(fn(), (q, k, v), do)
+    fwd_graph, fwd_bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(fwd_graph):
+        fn()
+    with torch.cuda.graph(fwd_bwd_graph):
+        grads = torch.autograd.grad(fn(), (q, k, v), do)
+    fwd_bwd_graph.replay()
+    torch.cuda.synchronize()
+    t_f, t_fb = bench(fwd_graph.replay), bench(fwd_bwd_graph.replay)
+    return dict(graph_fwd_ms=t_f, graph_bwd_ms=t_fb - t_f,
+                graph_grads_equal_eager=all(torch.equal(a, b) for a, b in zip(grads, eager)))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=16384)
@@ -216,6 +254,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=BLOCK, help="the layout's block (a power of two)")
     ap.add_argument("--sparse-config", default=None,
                     help="pin the sparse kernel's tiles (JSON, as ATTNCC_CONFIG); dense stays tuned")
+    ap.add_argument("--graphs", action="store_true",
+                    help="also time CUDA graph replays of each call (no host time)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -258,6 +298,8 @@ def main(argv=None) -> int:
     print(f"attncc compile + tune: {meta['attncc_warmup_s']:.1f} s", flush=True)
 
     dense = time_fwd_bwd(lambda: dense_kernel(q, k, v), q, k, v, do)
+    if args.graphs:
+        dense.update(graph_fwd_bwd(lambda: dense_kernel(q, k, v), q, k, v, do))
     print(f"dense attncc: fwd {dense['fwd_ms']:.3f} ms, bwd {dense['bwd_ms']:.3f} ms", flush=True)
 
     rows = []
@@ -275,6 +317,8 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             row["attncc_first_call_s"] = time.perf_counter() - t0
             row["attncc"] = time_fwd_bwd(fn, q, k, v, do)
+            if args.graphs:
+                row["attncc"].update(graph_fwd_bwd(fn, q, k, v, do))
         except Exception as e:  # report and go on: one failure must not hide the rest
             row["attncc"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
         if flex is not None:
@@ -293,6 +337,11 @@ def main(argv=None) -> int:
                 row["flex"] = time_fwd_bwd(ffn, q, k, v, do)
             except Exception as e:
                 row["flex"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+            if args.graphs and "error" not in row["flex"]:
+                try:
+                    row["flex"].update(graph_fwd_bwd(ffn, q, k, v, do))
+                except Exception as e:  # torch.compile'd code may refuse capture: say so
+                    row["flex"]["graph_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         add_ratios(row, dense, nb)
         rows.append(row)
         print(json.dumps(row), flush=True)
