@@ -16,6 +16,7 @@ import torch
 
 import attncc
 from attncc import ir
+from attncc.codegen import generate
 from attncc.errors import CallError
 from attncc.reference import scale_value
 from attncc.tolerance import gradient_scales, max_abs_error, within_tolerance
@@ -140,7 +141,7 @@ def test_shape_sweep(spec, Lq, Lk, D, H, Hkv):
 ])
 def test_kernels_launched_longest_tiles_first_cover_every_tile(spec, reversed_kernel):
     variant = attncc.parse(spec)
-    source = attncc.codegen.generate(variant).source
+    source = generate(variant).source
     start = source.index(f"def {reversed_kernel}(")
     assert "longest first" in source[start:source.index("\n# ---", start)]
     compare(variant, B=1, H=2, Lq=70, Lk=53, D=16)
