@@ -309,7 +309,9 @@ class Kernel:
 
         The kernel caches tables itself (32 entries, keyed by the tensors they read), so
         this is for when that is not enough: many layers with layouts of their own, or
-        building the tables (and checking index lists) once, outside a training step."""
+        building the tables (and checking index lists) once, outside a training step.
+        Building them reads their density (one sync); calls given them are tuned per
+        density bucket and make no host synchronisation (CUDA graphs can capture them)."""
         p = self.check_call(q, k, v, inputs, q_offset, k_offset)
         if not self.module.USES_TABLES:
             raise CallError(f"variant '{self.variant.name}' has no tile tables to keep: its "
