@@ -5,7 +5,7 @@
 
 See README.md for the language and the Python decorator.
 """
-from .decorator import exp, isin, log, maximum, minimum, sqrt, tanh, variant, where
+from .decorator import chance, exp, isin, log, maximum, minimum, sqrt, tanh, variant, where
 from .errors import AttnccError, CallError, NoGPUError, SpecError
 from .ir import Variant
 from .parser import parse, parse_file
@@ -33,5 +33,5 @@ def compile(spec, **options):
 
 
 __all__ = ["compile", "load", "parse", "parse_file", "reference", "variant", "Variant",
-           "where", "isin", "minimum", "maximum", "exp", "log", "tanh", "sqrt",
+           "where", "isin", "chance", "minimum", "maximum", "exp", "log", "tanh", "sqrt",
            "AttnccError", "SpecError", "CallError", "NoGPUError"]

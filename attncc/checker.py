@@ -144,6 +144,8 @@ def type_of(node, child_types: list, scope: Scope) -> str:
                 raise SpecError(f"`{word}` needs conditions, not {TYPE_WORDS[t]}; "
                                 "compare it first, as in `x != 0`")
         return ir.BOOL
+    if isinstance(node, ir.Call) and node.fn == "chance":
+        return _chance_type(node, child_types, scope)
     if isinstance(node, ir.Call):
         if any(t == ir.BOOL for t in child_types):
             raise SpecError(f"{node.fn}() needs numbers, not a condition")
@@ -277,6 +279,36 @@ def check_identifier(name, what: str):
     if not isinstance(name, str) or not IDENTIFIER.match(name):
         raise SpecError(f"{what} {name!r} is not a name: use ASCII letters, digits and '_', "
                         "not starting with a digit")
+
+
+def chance_probability(node: ir.Call, params: dict) -> float:
+    """p of chance(p, ...): a number literal or a number param (name -> value)."""
+    p = node.args[0]
+    if isinstance(p, ir.Const) and p.type in (ir.INT, ir.FLOAT):
+        return p.value
+    if isinstance(p, ir.Param) and isinstance(params.get(p.name), (int, float)) \
+            and not isinstance(params.get(p.name), bool):
+        return params[p.name]
+    return None
+
+
+def _chance_type(node: ir.Call, child_types: list, scope: Scope) -> str:
+    """chance(p, key, ...): a random tile pattern. Only in a layout: it is drawn per layout
+    block, and an element mask of it would leave no tile empty or full."""
+    if scope.decl != "layout":
+        raise SpecError(f"chance() can be used only in a `layout` (a random pattern of blocks), "
+                        f"not in `{scope.decl}`; for random elements use `dropout`")
+    p = chance_probability(node, {n: d.value for n, d in scope.params.items()})
+    if p is None:
+        raise SpecError("the first argument of chance() is its probability: a number or a "
+                        "number param, known when the kernel is compiled, as in chance(0.1, ...)")
+    if not 0 <= p <= 1:
+        raise SpecError(f"chance() takes a probability between 0 and 1, got {p!r}")
+    for t in child_types[1:]:
+        if t != ir.INT:
+            raise SpecError(f"chance() draws from integer keys (a seed param, b, h, qb, kb), "
+                            f"not {TYPE_WORDS[t]}")
+    return ir.BOOL
 
 
 def check_name_free(name: str, taken: set):

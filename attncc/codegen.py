@@ -15,7 +15,7 @@ import jinja2
 
 from . import bounds, dropout, ir, intervals
 from .derivative import score_gradients
-from .elementwise import TritonEmitter, input_arg_names
+from .elementwise import TritonEmitter, chance_threshold, input_arg_names
 from .generated import Generated
 from .printer import print_variant
 from .resources import templates_dir
@@ -60,6 +60,9 @@ class TorchEmitter(TritonEmitter):
         return f"(~torch.as_tensor({self(e.operand)}))"
 
     def Call(self, e):
+        if e.fn == "chance":
+            keys = ", ".join(self(a) for a in e.args[1:])
+            return f"_h_chance({chance_threshold(e, self.params)}, {keys})"
         args = [self(a) for a in e.args]
         if e.fn in ("min", "max"):
             return f"_h_{e.fn}({args[0]}, {args[1]})"

@@ -424,6 +424,12 @@ def lower(e, variant: ir.Variant, inputs: dict):
         if isinstance(e, ir.Not):
             a = go(e.operand)
             return lambda env: (~x) if _is_tensor(x := a(env)) else (not x)
+        if isinstance(e, ir.Call) and e.fn == "chance":
+            from .random_blocks import chance
+            from .checker import chance_probability
+            p = chance_probability(e, {d.name: d.value for d in variant.params})
+            keys = [go(x) for x in e.args[1:]]
+            return lambda env: chance(p, *(f(env) for f in keys))
         if isinstance(e, ir.Call):
             args, fn = [go(x) for x in e.args], _CALLS[e.fn]
             return lambda env: fn(*(f(env) for f in args))

@@ -145,6 +145,16 @@ def where(cond, a, b):
     return Sym(ir.Where(lift(cond), lift(a), lift(b)))
 
 
+def chance(p, *keys):
+    """The language's chance(p, key, ...) in a layout: a block is on with probability p
+    (a number, or a number param), drawn from a hash of the integer keys, as in
+    attncc.chance(0.1, seed, h, qb, kb)."""
+    if not 1 <= len(keys) <= ir.CHANCE_MAX_KEYS:
+        raise SpecError(f"chance() takes a probability and 1 to {ir.CHANCE_MAX_KEYS} integer keys, "
+                        f"as in chance(0.1, seed, h, qb, kb); got {len(keys)} keys")
+    return _call("chance", p, *keys)
+
+
 def minimum(a, b):
     return _call("min", a, b)
 

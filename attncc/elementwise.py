@@ -8,6 +8,13 @@ can; see runtime.check_input_ranges), so a read can never fault.
 from __future__ import annotations
 
 from . import ir
+from .random_blocks import threshold
+from .checker import chance_probability
+
+
+def chance_threshold(e: ir.Call, params: dict) -> int:
+    """The integer a chance(p, ...) hash is compared with (attncc/random_blocks.py)."""
+    return threshold(chance_probability(e, params))
 
 VAR_CODE = {"q": "q_pos", "k": "k_pos", "b": "off_b", "h": "off_h", "s": "s",
             "dim": "HEAD_DIM", "len_q": "len_q", "len_k": "len_k"}
@@ -82,6 +89,14 @@ class TritonEmitter:
         return f"({self(e.operand)} == 0)"
 
     def Call(self, e):
+        if e.fn == "chance":
+            # Keys may be compile-time ints (a seed param): adding a 0-d int32 tensor makes
+            # each a tensor, which .to(tl.uint32) needs.
+            keys = [f"(({self(a)}) + tl.zeros((), tl.int32))" for a in e.args[1:]]
+            h = f"_chance_start({keys[0]})"
+            for key in keys[1:]:
+                h = f"_chance_step({h}, {key})"
+            return f"_chance_keep({h}, {chance_threshold(e, self.params)})"
         args = [self(a) for a in e.args]
         if e.fn == "abs":
             return f"tl.abs({args[0]})"

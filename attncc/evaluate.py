@@ -118,6 +118,11 @@ class _Evaluator:
         return ~self.run(e.operand)
 
     def Call(self, e):
+        if e.fn == "chance":
+            from .random_blocks import chance
+            from .checker import chance_probability
+            p = chance_probability(e, self.env["params"])
+            return chance(p, *(self.run(a) for a in e.args[1:]))
         args = [self.run(a) for a in e.args]
         if e.fn == "abs":
             return args[0].abs()

@@ -54,7 +54,11 @@ FUNCTIONS = {  # name -> (number of arguments, description)
     "tanh": (1, "hyperbolic tangent"),
     "sqrt": (1, "square root"),
     "where": (3, "where(cond, a, b): a if cond else b"),
+    "chance": (None, "chance(p, i, ...): true with probability p (a constant), drawn from a "
+                     "hash of one to five integers i, as in chance(0.1, seed, h, qb, kb); "
+                     "layouts only"),
 }
+CHANCE_MAX_KEYS = 5  # seed, b, h, qb, kb
 FLOAT_FUNCTIONS = ("exp", "log", "tanh", "sqrt")
 
 ARITH_OPS = ("+", "-", "*", "/", "//", "%")

@@ -477,7 +477,12 @@ class _Builder:
             raise self.fail(f"unknown function '{fn}': the functions are {', '.join(ir.FUNCTIONS)}"
                             f"{did_you_mean(fn, ir.FUNCTIONS)}", fn_tok)
         arity, _ = ir.FUNCTIONS[fn]
-        if len(arg_trees) != arity:
+        if arity is None:  # chance(p, key, ...): one to CHANCE_MAX_KEYS keys
+            if not 2 <= len(arg_trees) <= ir.CHANCE_MAX_KEYS + 1:
+                raise self.fail(f"{fn}() takes a probability and 1 to {ir.CHANCE_MAX_KEYS} integer "
+                                f"keys, as in chance(0.1, seed, h, qb, kb); got {len(arg_trees)} "
+                                f"argument{'s' if len(arg_trees) != 1 else ''}", t)
+        elif len(arg_trees) != arity:
             raise self.fail(f"{fn}() takes {arity} argument{'s' if arity > 1 else ''}, "
                             f"not {len(arg_trees)}", t)
         args = tuple(self.expr(a) for a in arg_trees)

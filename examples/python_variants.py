@@ -100,6 +100,13 @@ class bigbird:
         return (abs(qb - kb) <= 1) | (qb == 0) | (kb == 0) | random_blocks[qb, kb]
 
 
+@attncc.variant(params={"seed": 0}, block=128)
+class bigbird_seeded:
+    def layout(h, qb, kb, seed):
+        return ((abs(qb - kb) <= 1) | (qb == 0) | (kb == 0)
+                | attncc.chance(0.0234375, seed, h, qb, kb))  # the language's chance(...)
+
+
 @attncc.variant(dropout=0.1)
 def dropout(q, k):
     return q >= k
@@ -176,6 +183,6 @@ class nsa_topk:
 EXAMPLES = {v.name: v for v in (
     full, causal, causal_bottom_right, gqa_causal, sliding_window, prefix_lm, document,
     dilated_window, chunked_local, longformer, alibi, softcap, relative_bias, bigbird,
-    dropout, sparse_strided, sparse_fixed, sparse_heads, dilated_blocks, vertical_slash,
-    nsa_selected, nsa_topk,
+    bigbird_seeded, dropout, sparse_strided, sparse_fixed, sparse_heads, dilated_blocks,
+    vertical_slash, nsa_selected, nsa_topk,
 )}

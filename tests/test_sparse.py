@@ -499,3 +499,57 @@ def test_forward_and_backward_with_kept_tables_replay_in_a_cuda_graph():
     graph.replay()
     for a, b in zip(captured, eager):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------- chance(p, ...) in a layout
+SEEDED = """attention seeded {
+    heads 4 / 2
+    param seed: int = 5
+    layout qb == kb or chance(0.3, seed, b, h, qb, kb)
+    block 16
+}"""
+
+
+@pytest.mark.parametrize("config", [None, dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=1)],
+                         ids=["tiles-within-block", "tiles-over-several-blocks"])
+def test_chance_layout_matches_the_reference(config):
+    # Tiles larger than the block evaluate the layout per element in the kernel (the
+    # Triton copy of the hash); within the block, the host's tables decide (its torch copy).
+    compare(attncc.parse(SEEDED), B=2, Lq=70, Lk=45, D=16, config=config)
+
+
+def test_chance_draws_the_same_blocks_everywhere_with_about_p_on():
+    from attncc.random_blocks import chance
+    kernel = attncc.compile(SEEDED)
+    qb = torch.arange(300).view(-1, 1)
+    kb = torch.arange(300).view(1, -1)
+    here = chance(0.3, 5, 1, 2, qb, kb)
+    from attncc.random_blocks import threshold
+    assert torch.equal(kernel.module._h_chance(threshold(0.3), 5, 1, 2, qb, kb), here)
+    assert abs(here.float().mean().item() - 0.3) < 0.01  # 90,000 draws
+    assert not torch.equal(here, chance(0.3, 6, 1, 2, qb, kb)), "another seed, another draw"
+    assert not torch.equal(here, chance(0.3, 5, 1, 3, qb, kb)), "another head, another draw"
+    assert chance(0.0, 1, qb, kb).sum() == 0 and chance(1.0, 1, qb, kb).all()
+    # The reference evaluates the layout through the same function.
+    v = attncc.parse(SEEDED)
+    from attncc.evaluate import evaluate
+    got = evaluate(v.layout, {"params": {"seed": 5}, "b": 1, "h": 2, "qb": qb, "kb": kb})
+    assert torch.equal(got, (qb == kb) | here)
+
+
+def test_chance_density_is_what_the_kernel_reports():
+    kernel = attncc.compile(SEEDED.replace("block 16", "block 32"))
+    q = torch.randn(1, 4, 32 * 40, 16, device=DEVICE)
+    k = v = torch.randn(1, 2, 32 * 40, 16, device=DEVICE)
+    # 40 x 40 blocks per head: the diagonal plus 30% of the rest.
+    assert abs(kernel.density(q, k, v) - (1 / 40 + 0.3 * 39 / 40)) < 0.03
+
+
+def test_python_chance_builds_the_same_ir_as_the_text():
+    @attncc.variant(heads=(4, 2), params={"seed": 5}, block=16)
+    class seeded:
+        def layout(b, h, qb, kb, seed):
+            return (qb == kb) | attncc.chance(0.3, seed, b, h, qb, kb)
+    assert seeded == attncc.parse(SEEDED)
+    with pytest.raises(attncc.SpecError, match="1 to 5 integer keys"):
+        attncc.chance(0.3)
