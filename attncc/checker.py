@@ -10,6 +10,7 @@ import re
 
 from . import ir
 from .errors import SpecError, did_you_mean
+from .random_blocks import probability
 
 # A name as the grammar's NAME token spells it; the decorator's names must match it too,
 # since names end up in generated code and module names.
@@ -281,24 +282,13 @@ def check_identifier(name, what: str):
                         "not starting with a digit")
 
 
-def chance_probability(node: ir.Call, params: dict) -> float:
-    """p of chance(p, ...): a number literal or a number param (name -> value)."""
-    p = node.args[0]
-    if isinstance(p, ir.Const) and p.type in (ir.INT, ir.FLOAT):
-        return p.value
-    if isinstance(p, ir.Param) and isinstance(params.get(p.name), (int, float)) \
-            and not isinstance(params.get(p.name), bool):
-        return params[p.name]
-    return None
-
-
 def _chance_type(node: ir.Call, child_types: list, scope: Scope) -> str:
     """chance(p, key, ...): a random tile pattern. Only in a layout: it is drawn per layout
     block, and an element mask of it would leave no tile empty or full."""
     if scope.decl != "layout":
         raise SpecError(f"chance() can be used only in a `layout` (a random pattern of blocks), "
                         f"not in `{scope.decl}`; for random elements use `dropout`")
-    p = chance_probability(node, {n: d.value for n, d in scope.params.items()})
+    p = probability(node, {n: d.value for n, d in scope.params.items()})
     if p is None:
         raise SpecError("the first argument of chance() is its probability: a number or a "
                         "number param, known when the kernel is compiled, as in chance(0.1, ...)")

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import torch
 
-from . import ir
+from . import ir, random_blocks
 from .arguments import Problem
 from .errors import AttnccError
 from .runtime import write_if_changed
@@ -425,11 +425,9 @@ def lower(e, variant: ir.Variant, inputs: dict):
             a = go(e.operand)
             return lambda env: (~x) if _is_tensor(x := a(env)) else (not x)
         if isinstance(e, ir.Call) and e.fn == "chance":
-            from .random_blocks import chance
-            from .checker import chance_probability
-            p = chance_probability(e, {d.name: d.value for d in variant.params})
+            p = random_blocks.probability(e, {d.name: d.value for d in variant.params})
             keys = [go(x) for x in e.args[1:]]
-            return lambda env: chance(p, *(f(env) for f in keys))
+            return lambda env: random_blocks.chance(p, *(f(env) for f in keys))
         if isinstance(e, ir.Call):
             args, fn = [go(x) for x in e.args], _CALLS[e.fn]
             return lambda env: fn(*(f(env) for f in args))

@@ -8,13 +8,12 @@ can; see runtime.check_input_ranges), so a read can never fault.
 from __future__ import annotations
 
 from . import ir
-from .random_blocks import threshold
-from .checker import chance_probability
+from .random_blocks import probability, threshold
 
 
 def chance_threshold(e: ir.Call, params: dict) -> int:
     """The integer a chance(p, ...) hash is compared with (attncc/random_blocks.py)."""
-    return threshold(chance_probability(e, params))
+    return threshold(probability(e, params))
 
 VAR_CODE = {"q": "q_pos", "k": "k_pos", "b": "off_b", "h": "off_h", "s": "s",
             "dim": "HEAD_DIM", "len_q": "len_q", "len_k": "len_k"}

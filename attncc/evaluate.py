@@ -10,6 +10,7 @@ import torch
 
 from . import ir
 from .errors import CallError
+from .random_blocks import chance, probability
 
 
 def check_index_list(name: str, tensor: torch.Tensor, n_tiles: int):
@@ -119,10 +120,7 @@ class _Evaluator:
 
     def Call(self, e):
         if e.fn == "chance":
-            from .random_blocks import chance
-            from .checker import chance_probability
-            p = chance_probability(e, self.env["params"])
-            return chance(p, *(self.run(a) for a in e.args[1:]))
+            return chance(probability(e, self.env["params"]), *(self.run(a) for a in e.args[1:]))
         args = [self.run(a) for a in e.args]
         if e.fn == "abs":
             return args[0].abs()

@@ -11,10 +11,23 @@ from __future__ import annotations
 
 import torch
 
+from . import ir
 from .dropout import MASK32, fmix32
 
 START = 0x2545F491  # below 2**31, like dropout's multipliers, so Triton keeps it uint32
 BITS = 24
+
+
+def probability(call: ir.Call, params: dict):
+    """p of chance(p, ...): a number literal or a number param (params: name -> value);
+    None for anything else, which the checker refuses."""
+    p = call.args[0]
+    if isinstance(p, ir.Const) and p.type in (ir.INT, ir.FLOAT):
+        return p.value
+    value = params.get(p.name) if isinstance(p, ir.Param) else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    return None
 
 
 def threshold(p: float) -> int:
