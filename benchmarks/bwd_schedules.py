@@ -1,11 +1,12 @@
 """A/B of the backward's schedules for table-driven variants, same process, same inputs.
 
     python benchmarks/bwd_schedules.py [--len 16384] [--problems bigbird,document,d0.03,d0.06]
-                                       [--schedules one-launch,streams,sequential]
+                                       [--schedules one-launch,sequential]
 
 Schedules (attncc.runtime.TABLES_BACKWARD): "one-launch" (dK/dV and dQ programs in one
-grid, after the delta pass), "streams" (the dK/dV kernel on a side stream beside dQ)
-and "sequential" (dQ computing delta, then dK/dV). Problems: the ANCHORS variants
+grid, after the delta pass) and "sequential" (dQ computing delta, then dK/dV). Run 51
+(RESULTS.md) also timed "streams", the dK/dV kernel on a side stream beside dQ, which
+the one launch replaced; that schedule is gone from the runtime. Problems: the ANCHORS variants
 bigbird and document (gpu_suite.anchor_problem), and `dX` for the density curve's
 random per-head 128-block layout at density X (benchmarks/density_curve.py). Each
 schedule is tuned on its own first use. Times, as do_bench medians: the backward alone
@@ -48,10 +49,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--len", type=int, default=16384)
     ap.add_argument("--problems", default="bigbird,document,d0.03,d0.06")
-    ap.add_argument("--schedules", default="one-launch,streams,sequential")
+    ap.add_argument("--schedules", default=",".join(runtime.BACKWARD_SCHEDULES))
     args = ap.parse_args()
     L, D = args.len, 128
     schedules = args.schedules.split(",")
+    unknown = set(schedules) - set(runtime.BACKWARD_SCHEDULES)
+    if unknown:
+        ap.error(f"unknown schedules {sorted(unknown)}; the runtime has {runtime.BACKWARD_SCHEDULES}")
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "len": L, "dim": D}
     print(meta, flush=True)
