@@ -3,7 +3,8 @@
 A hypothesis strategy builds random Variants from the pieces real variants are made of:
 masks from affine comparisons of q, k, len_q and len_k (small integer coefficients and
 constants), `%` and `//` by small constants and document-id reads, joined by and/or/not;
-score modifications (scaling, softcap, ALiBi, a leaky `where`); a block layout; GQA
+score modifications (scaling, softcap, ALiBi, a leaky `where`); a block layout, some
+with random blocks from `chance(p, seed, h, qb, kb)`; GQA
 groups of 1, 2 and 4; params; dropout. Each is compiled and run on random shapes (len_q
 != len_k, lengths 1 to 70 that are not multiples of 16, head dims 16/32/48/80), and the
 forward (out, lse) and backward (dq, dk, dv) are held to `attncc.tolerance`'s rule
@@ -172,6 +173,10 @@ def variants(draw):
         n = draw(st.integers(0, 2))
         layout = ir.Or(ir.Cmp("<=", ir.Call("abs", (ir.BinOp("-", qb, kb),)), c_int(n)),
                        ir.Cmp("==", kb, c_int(0)))
+        if draw(st.booleans()):  # random blocks from a seed
+            p = draw(st.sampled_from([0.1, 0.3, 0.5]))
+            seed = c_int(draw(st.integers(0, 1000)))
+            layout = ir.Or(layout, ir.Call("chance", (c_float(p), seed, H, qb, kb)))
         block = draw(st.sampled_from([16, 32]))
 
     heads = None
@@ -287,7 +292,7 @@ def python_function(decl: str, e):
     src = f"def {decl}({', '.join(names)}):\n    return {python_source(e)}\n"
     namespace = {"abs": abs, "tanh": attncc.tanh, "exp": attncc.exp, "log": attncc.log,
                  "sqrt": attncc.sqrt, "where": attncc.where, "minimum": attncc.minimum,
-                 "maximum": attncc.maximum}
+                 "maximum": attncc.maximum, "chance": attncc.chance}
     exec(compile(src, f"<fuzz {decl}>", "exec"), namespace)
     return namespace[decl]
 
@@ -321,6 +326,7 @@ def test_the_strategy_covers_what_it_promises():
         seen.update(type(n).__name__ for n in nodes)
         seen.update(f"op{n.op}" for n in nodes if isinstance(n, (ir.BinOp, ir.Cmp)))
         seen.update(f"var_{n.name}" for n in nodes if isinstance(n, ir.Var))
+        seen.update(f"fn_{n.fn}" for n in nodes if isinstance(n, ir.Call))
         seen.update(["layout"] if v.layout is not None else [])
         seen.update([f"group{v.heads.group}"] if v.heads else [])
         seen.update(["dropout"] if v.dropout else [])
@@ -331,5 +337,5 @@ def test_the_strategy_covers_what_it_promises():
     promised = {"And", "Or", "Not", "Cmp", "Load", "Param", "Where", "Call", "Neg",
                 "op%", "op//", "op*", "op==", "op<", "op>=", "op!=",
                 "var_q", "var_k", "var_len_q", "var_len_k", "var_s", "var_h",
-                "layout", "group1", "group2", "group4", "dropout", "params", "scale"}
+                "layout", "fn_chance", "group1", "group2", "group4", "dropout", "params", "scale"}
     assert promised <= seen, sorted(promised - seen)
