@@ -4,8 +4,8 @@ A hypothesis strategy builds random Variants from the pieces real variants are m
 masks from affine comparisons of q, k, len_q and len_k (small integer coefficients and
 constants), `%` and `//` by small constants and document-id reads, joined by and/or/not;
 score modifications (scaling, softcap, ALiBi, a leaky `where`); a block layout, some
-with random blocks from `chance(p, seed, h, qb, kb)`; GQA
-groups of 1, 2 and 4; params; dropout. Each is compiled and run on random shapes (len_q
+with random blocks from `chance(p, seed, h, qb, kb)`; GQA groups of 1, 2 and 4; params;
+dropout. Each is compiled and run on random shapes (len_q
 != len_k, lengths 1 to 70 that are not multiples of 16, head dims 16/32/48/80), and the
 forward (out, lse) and backward (dq, dk, dv) are held to `attncc.tolerance`'s rule
 against `attncc.reference` in float64 (float32 under the interpreter).
