@@ -289,15 +289,18 @@ class Kernel:
             "tables": tables.store if tables is not None else None,
             # Kept tables know their density (one sync, once): tune per density bucket.
             # Without them the config is keyed by shape, chosen on the first layout.
-            "tuning": (self._tuning_context(p, inputs, q.device),
+            "tuning": (self._tuning_context(p, inputs, q.device, tables),
                        tables.density if tables is not None else None),
         }
         out, lse = _Attention.apply(self, q, k, v, call, *values)
         return (out, lse) if return_lse else out
 
-    def _tuning_context(self, p, inputs: dict, device):
+    def _tuning_context(self, p, inputs: dict, device, tables=None):
         """For the tuner's progress lines: the density of the layout a layout variant is
-        tuned on, since its config then serves other layouts of the same shape."""
+        tuned on, since its config then serves other layouts of the same shape (kept
+        tables: other layouts of the same density bucket; they know their density)."""
+        if tables is not None:
+            return lambda: f"on kept tables of tile density {tables.density:.3f}"
         if self.variant.block is None or not self.module.USES_TABLES:
             return None
         return lambda: (f"on a layout of tile density "

@@ -347,11 +347,19 @@ def test_a_call_with_kept_tables_passes_their_density_to_the_tuner(monkeypatch):
     on[:, 0] = True
     seen = []
     real = tuning.config_for
-    monkeypatch.setattr(tuning, "config_for",
-                        lambda *a, **kw: (seen.append(a[6] if len(a) > 6 else kw.get("density")),
-                                          real(*a, **kw))[1])
+    contexts = []
+
+    def spy(*a, **kw):
+        seen.append(a[6] if len(a) > 6 else kw.get("density"))
+        contexts.append(a[5]() if len(a) > 5 and a[5] else None)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(tuning, "config_for", spy)
     tables = kernel.tile_tables(q, k, v, on=on)
     assert tables.density == 0.25
     kernel(q.requires_grad_(), k, v, on=on, tables=tables).sum().backward()
     kernel(q, k, v, on=on).sum().backward()
     assert seen == [0.25, 0.25, None, None]  # forward and one-launch backward, then no tables
+    # The progress lines name the density tuned on: the kept tables' own, or the layout's.
+    assert contexts == ["on kept tables of tile density 0.250"] * 2 + \
+        ["on a layout of tile density 0.250"] * 2
