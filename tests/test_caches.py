@@ -363,3 +363,11 @@ def test_a_call_with_kept_tables_passes_their_density_to_the_tuner(monkeypatch):
     # The progress lines name the density tuned on: the kept tables' own, or the layout's.
     assert contexts == ["on kept tables of tile density 0.250"] * 2 + \
         ["on a layout of tile density 0.250"] * 2
+
+
+def test_an_unknown_backward_schedule_is_refused_by_name():
+    env = dict(os.environ, ATTNCC_BACKWARD="streams")
+    done = subprocess.run([sys.executable, "-c", "import attncc.runtime"], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "ATTNCC_BACKWARD='streams': expected one of ('one-launch', 'sequential')" in done.stderr
