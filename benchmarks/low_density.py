@@ -2,7 +2,7 @@
 when a program visits only a few tiles.
 
     python benchmarks/low_density.py [--seq 16384] [--densities 0.03,0.06] [--extra 'fwd:64x64w4s2;...']
-                                     [--edits prefetch1,prefetch2]
+                                     [--edits prefetch1,fused_delta,...]
 
 The density curve's layout (benchmarks/density_curve.py: random per-head 128-blocks,
 the same number per row, diagonal included), S = 16384, H = 16, D = 128, bf16. For
@@ -11,10 +11,13 @@ functions, no autograd or tuner; do_bench median, same inputs) at every candidat
 config that keep() allows, beside dense attention's time for the same kernel at its
 best config. The line each kernel should stay under is the density curve's:
 1.2 * d * dense + dense / blocks. Each output is checked against the first config's.
---edits times text edits of the generated table loops beside the unedited module, in
-the same process (each checked against the unedited output): prefetchN loads the tile
-index N iterations ahead, so a K/V load's address never waits on the index load of its
-own iteration. Prints a table last; writes JSON to $OUT/low_density.json.
+--edits times text edits of the generated module beside the unedited one, in the same
+process (each checked against the unedited output): prefetch1/prefetch2 load the tile
+index one or two iterations ahead; fused_delta computes delta = rowsum(dO * O) inside
+the one-launch backward (kernel `bwd+delta`, against the delta kernel + one launch);
+persistent/persistent_flat run the forward as a persistent kernel. RESULTS.md runs
+64-67 measured all of them; none was adopted. Prints a table last; writes JSON to
+$OUT/low_density.json.
 """
 from __future__ import annotations
 
