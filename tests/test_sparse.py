@@ -472,6 +472,35 @@ def test_density_curve_needs_a_gpu(capsys, monkeypatch):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+# ------------------------------------------------------------ benchmarks/low_density.py
+def test_low_density_edits_apply_to_the_template_and_keep_the_results(monkeypatch):
+    # The edits are text substitutions of the generated module: each must still find
+    # its text in what the template renders, and compute what the unedited module does
+    # (on the GPU the benchmark times them; here they run under the interpreter).
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import low_density as ld
+    from density_curve import random_layout, sparse_spec
+    kernel = attncc.compile(sparse_spec(16))
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, do = (torch.randn(1, 2, 70, 16, generator=gen).to(DEVICE) for _ in range(4))
+    inputs = {"blocks": random_layout(2, 5, 0.4, gen).to(DEVICE)}
+    config = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    out, lse = kernel.module.forward(q, k, v, inputs, config=config)
+
+    def results(module):
+        if getattr(module, "PERSISTENT_PROGRAMS", None):
+            module.PERSISTENT_PROGRAMS = 3  # fewer programs than (head, query tile) items
+        got = list(ld.launcher(module, "fwd", q, k, v, out, lse, None, do, inputs, config)())
+        return got + list(ld.launcher(module, "bwd+delta", q, k, v, out, lse, None, do, inputs,
+                                      config)())
+
+    want = results(kernel.module)
+    for name in ld.EDITS:
+        got = results(ld.edited_module(kernel.module, name))
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), name
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on one)")
 def test_forward_and_backward_with_kept_tables_replay_in_a_cuda_graph():
     # At low density a call is bound by the host; a model captured in a CUDA graph loses
