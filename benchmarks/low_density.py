@@ -85,8 +85,7 @@ FUSED_DELTA = [
     ("        tl.store(DELTA + pid_bh.to(tl.int64) * len_q + offs_m, delta, mask=m_valid)\n", ""),
     ("_dq_program(tile_q, pid_bh, Q, K, V, DO, DQ, LSE, DELTA, DO,",
      "_dq_program(tile_q, pid_bh, Q, K, V, DO, DQ, LSE, DELTA, DELTA,"),
-    ("                    False)\n{%- endif %}".replace("{%- endif %}", ""),
-     "                    True)\n"),
+    ("                    False)\n", "                    True)\n"),  # DELTA_FROM_O
 ]
 
 
