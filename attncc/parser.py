@@ -19,8 +19,10 @@ from .errors import SpecError, did_you_mean
 from .resources import grammar_path
 
 # A variant is a few lines. The limits keep hostile input from taking long to parse
-# (lark takes ~30 us a token) or recursing past Python's stack in the passes.
+# (lark takes 50-120 us a token on a CI core, so 64 KB of `s,s,s...` would take
+# seconds) or recursing past Python's stack in the passes.
 MAX_SOURCE_BYTES = 1 << 16
+MAX_TOKENS = 4096  # the largest example has 66
 MAX_DEPTH = checker.MAX_DEPTH
 MAX_INT = 2 ** 63 - 1  # integer literals must fit in 64 bits
 
@@ -86,7 +88,7 @@ def parse(text: str, path: str = "<spec>") -> ir.Variant:
     lines = text.split("\n")
     if all(l.strip().startswith("#") or not l.strip() for l in lines):
         raise SpecError("the spec is empty: write `attention NAME { ... }`", path=path)
-    _check_brackets(text, lines, path)
+    _check_size(text, lines, path)
     try:
         tree = _lark().parse(text)
     except lark.exceptions.UnexpectedInput as e:
@@ -99,22 +101,38 @@ def parse(text: str, path: str = "<spec>") -> ir.Variant:
     return builder.variant(tree)
 
 
-def _check_brackets(text, lines, path):
-    """Refuse brackets nested past MAX_DEPTH before lark builds a tree that deep."""
-    depth, line, line_start, in_comment = 0, 1, 0, False
+def _check_size(text, lines, path):
+    """Refuse brackets nested past MAX_DEPTH, or more than MAX_TOKENS tokens, before
+    lark spends long on the text or builds a tree that deep. One pass, no recursion."""
+    depth, tokens, line, line_start, in_comment, in_word = 0, 0, 1, 0, False, False
+
+    def refuse(message, i):
+        return SpecError(message, path=path, line=line, column=i - line_start + 1,
+                         source_line=lines[line - 1])
+
     for i, ch in enumerate(text):
         if ch == "\n":
-            line, line_start, in_comment = line + 1, i + 1, False
-        elif in_comment:
+            line, line_start, in_comment, in_word = line + 1, i + 1, False, False
             continue
-        elif ch == "#":
-            in_comment = True
-        elif ch in "([":
+        if in_comment:
+            continue
+        if ch == "#":
+            in_comment, in_word = True, False
+            continue
+        word_char = ch.isalnum() or ch in "_."
+        # A run of name, number or '.' characters is one token; every other visible
+        # character counts as one (so `<=` counts two: an upper bound is enough).
+        if not ch.isspace() and not (word_char and in_word):
+            tokens += 1
+            if tokens > MAX_TOKENS:
+                raise refuse(f"the spec has more than {MAX_TOKENS} tokens, the limit for a "
+                             "variant spec; a variant is a few declarations of short "
+                             "expressions", i)
+        in_word = word_char
+        if ch in "([":
             depth += 1
             if depth > MAX_DEPTH:
-                raise SpecError(f"brackets are nested more than {MAX_DEPTH} levels deep",
-                                path=path, line=line, column=i - line_start + 1,
-                                source_line=lines[line - 1])
+                raise refuse(f"brackets are nested more than {MAX_DEPTH} levels deep", i)
         elif ch in ")]":
             depth = max(0, depth - 1)
 

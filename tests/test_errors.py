@@ -141,6 +141,17 @@ def _generated() -> dict:
                                         + b"mask q >= zz"),
         "10000_axes": spec(b"input t: f32[" + b"h, " * 10000 + b"h]\n    score s + t[h]"),
         "20000_arguments": spec(b"score max(" + b"s, " * 20000 + b"s)"),
+        "32000_arguments_unspaced": spec(b"score max(" + b"s," * 32000 + b"s)"),
+        # Under the token limit, so the depth check (not the token count) refuses them.
+        "sum_of_1500_terms": spec(b"score s" + b" + s" * 1500),
+        "and_of_500_terms": spec(b"mask q >= k" + b" and q >= k" * 500),
+        "chain_of_1500_comparisons": spec(b"mask q" + b" < q" * 1500),
+        "minus_3000_deep": spec(b"score " + b"-" * 3000 + b"s"),
+        "600_params_then_a_typo": spec(b"".join(b"param p%d: int = 1\n" % i for i in range(600))
+                                       + b"mask q >= zz"),
+        "1500_axes": spec(b"input t: f32[" + b"h, " * 1500 + b"h]\n    score s + t[h]"),
+        "1500_arguments": spec(b"score max(" + b"s, " * 1500 + b"s)"),
+        "not_3000_deep": spec(b"mask " + b"not " * 3000 + b"q >= k"),
         "30000_stray_tokens": spec(b"mask " + b"q " * 30000),
         "nul_bytes_only": b"\x00" * (1 << 15),
     }
@@ -175,6 +186,21 @@ def test_hostile_file_through_the_command(name, monkeypatch, capsys):
     assert cli_main(["show", f"{name}.attn"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(f"{name}.attn:") and "\x1b" not in err
+
+
+def test_spec_at_the_token_limit_parses_and_one_more_token_is_refused_there():
+    # `attention a {`, `mask q > k` and `}` are 8 tokens, each `param pN: int = 1` 6,
+    # each ` and true` 2; comments do not count.
+    params = (parser.MAX_TOKENS - 8) // 6
+    padding = parser.MAX_TOKENS - 8 - 6 * params
+    body = b"".join(b"    param p%d: int = 1\n" % i for i in range(params))
+    comment = b"    # " + b"x " * 5000 + b"\n"
+    at_limit = (b"attention a {\n" + comment + body
+                + b"    mask q > k" + b" and true" * (padding // 2) + b"\n}\n")
+    assert padding % 2 == 0 and len(parse_bytes(at_limit).params) == params
+    with pytest.raises(attncc.SpecError, match=f"more than {parser.MAX_TOKENS} tokens") as info:
+        parse_bytes(at_limit.replace(b"\n}", b" and true\n}"))
+    assert f":{params + 3}:" in str(info.value)  # the mask's line, after the comment
 
 
 def test_endless_file_is_refused_without_reading_it_all():
