@@ -23,6 +23,7 @@ from . import ir
 # Candidates timed per key: compiles dominate cold-start time. ATTNCC_TUNE_CANDIDATES
 # raises it (to search more widely once; the winner is cached either way).
 TUNE_AT_MOST = int(os.environ.get("ATTNCC_TUNE_CANDIDATES", "4"))
+TUNE_WARMUP_MS, TUNE_REP_MS = 25, 100  # per candidate; do_bench's own defaults
 _MEMORY: dict = {}  # tuning key -> config, for this process
 _LOCK = threading.Lock()
 
@@ -257,7 +258,11 @@ def tune(name: str, key: str, configs: list, run, context: str = "") -> dict:
     for i, config in enumerate(configs):
         label = _label(config)
         try:
-            ms = triton.testing.do_bench(lambda: run(config), warmup=5, rep=20, return_mode="median")
+            # do_bench's default windows, as the benchmarks use: 20 ms windows favoured
+            # 64x32 forward tiles over what longer ones and steady calls measured, and
+            # picked them at d = 0.125, 9% slower there (RESULTS.md runs 72-74).
+            ms = triton.testing.do_bench(lambda: run(config), warmup=TUNE_WARMUP_MS,
+                                         rep=TUNE_REP_MS, return_mode="median")
         except Exception as e:  # out of resources, compile failure: skip, and say so
             print(f"attncc: tuning {name} {key}: [{i + 1}/{len(configs)}] {label} failed "
                   f"({type(e).__name__}: {str(e).splitlines()[0][:100]})", file=sys.stderr)
