@@ -142,16 +142,17 @@ def _generated() -> dict:
         "10000_axes": spec(b"input t: f32[" + b"h, " * 10000 + b"h]\n    score s + t[h]"),
         "20000_arguments": spec(b"score max(" + b"s, " * 20000 + b"s)"),
         "32000_arguments_unspaced": spec(b"score max(" + b"s," * 32000 + b"s)"),
-        # Under the token limit, so the depth check (not the token count) refuses them.
+        # Under the token limit, so the check each one aims at (depth, arity, axes, an
+        # unknown name among many) refuses it, not the token count.
         "sum_of_1500_terms": spec(b"score s" + b" + s" * 1500),
         "and_of_500_terms": spec(b"mask q >= k" + b" and q >= k" * 500),
         "chain_of_1500_comparisons": spec(b"mask q" + b" < q" * 1500),
         "minus_3000_deep": spec(b"score " + b"-" * 3000 + b"s"),
+        "not_3000_deep": spec(b"mask " + b"not " * 3000 + b"q >= k"),
         "600_params_then_a_typo": spec(b"".join(b"param p%d: int = 1\n" % i for i in range(600))
                                        + b"mask q >= zz"),
         "1500_axes": spec(b"input t: f32[" + b"h, " * 1500 + b"h]\n    score s + t[h]"),
         "1500_arguments": spec(b"score max(" + b"s, " * 1500 + b"s)"),
-        "not_3000_deep": spec(b"mask " + b"not " * 3000 + b"q >= k"),
         "30000_stray_tokens": spec(b"mask " + b"q " * 30000),
         "nul_bytes_only": b"\x00" * (1 << 15),
     }
