@@ -189,6 +189,18 @@ def test_hostile_file_through_the_command(name, monkeypatch, capsys):
     assert out == "" and err.startswith(f"{name}.attn:") and "\x1b" not in err
 
 
+@pytest.mark.parametrize("name, message", [
+    ("sum_of_1500_terms", "levels deep"), ("and_of_500_terms", "levels deep"),
+    ("chain_of_1500_comparisons", "levels deep"), ("minus_3000_deep", "levels deep"),
+    ("not_3000_deep", "levels deep"), ("600_params_then_a_typo", "unknown name 'zz'"),
+    ("1500_axes", "has 1501 axes"), ("1500_arguments", "not 1501"),
+    ("20000_arguments", "tokens"), ("32000_arguments_unspaced", "tokens"),
+])
+def test_hostile_spec_is_refused_by_the_check_it_aims_at(name, message):
+    with pytest.raises(attncc.SpecError, match=message):
+        parse_bytes(GENERATED[name], path=f"{name}.attn")
+
+
 def test_spec_at_the_token_limit_parses_and_one_more_token_is_refused_there():
     # `attention a {`, `mask q > k` and `}` are 8 tokens, each `param pN: int = 1` 6,
     # each ` and true` 2; comments do not count.
