@@ -1,5 +1,7 @@
-"""Why a CUDA graph replay of the dense backward runs slower than the call (RESULTS.md
-run 56: 14.3 ms replayed against 12.6 ms called): each kernel's GPU time both ways.
+"""Whether a CUDA graph replay runs slower than the call: each kernel's GPU time both ways.
+
+Run 56 had the dense backward 14% slower replayed; runs 76-77 (RESULTS.md) found the
+SM clock drifting under dense attention's power draw instead, hence the timing order.
 
     python benchmarks/graph_replay.py [--seq 16384] [--spec 'attention dense { }']
 
