@@ -3,13 +3,20 @@
 Editable installs read grammar/ and templates/ from the checkout, so they cannot show
 that a wheel carries them. This test builds and installs a wheel (no editable mode),
 then runs from a directory outside the repository, where the checkout is not on the path.
-torch and the other dependencies come from the system site-packages, so nothing is
-downloaded.
+
+The test is hermetic: it needs only what the README's test command installs. torch, the
+other dependencies and the build backend (setuptools, which the `test` extra pins to a
+version that builds wheels on its own) come from the environment running the tests, so
+nothing is downloaded. That environment is often itself a virtualenv, so the new venv
+cannot take them with `--system-site-packages`: that flag shows the *base* interpreter's
+packages, which may lack torch, or carry a setuptools too old to build a wheel without
+the `wheel` package (issue 16).
 """
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
 from pathlib import Path
 
@@ -34,10 +41,17 @@ def venv(tmp_path_factory):
     source = base / "src"
     shutil.copytree(ROOT, source, ignore=JUNK)
     env_dir = base / "venv"
-    # --without-pip: the venv then uses the system's pip and setuptools rather than the
-    # older setuptools that ensurepip bundles (which lacks bdist_wheel).
-    run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(env_dir)])
+    # --without-pip: pip and setuptools come from the running environment (below), not
+    # from ensurepip's bundle, whose setuptools may be too old to build a wheel.
+    run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)])
     python = env_dir / ("Scripts" if os.name == "nt" else "bin") / "python"
+    # The running environment's packages go *after* the venv's own site-packages on the
+    # path (a .pth line appends), so the attncc installed below wins over the checkout's
+    # editable install, whose import hook is not loaded: only the paths are added.
+    venv_site = run([str(python), "-c",
+                     "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
+    outer = dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))
+    Path(venv_site, "_running_environment.pth").write_text("\n".join(outer) + "\n")
     run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
          "--no-index", str(source)], cwd=base)
     shutil.rmtree(source)  # the installed package must not need its source tree
