@@ -54,8 +54,18 @@ def write_if_changed(path: Path, text: str) -> bool:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(text)
+        # mkstemp makes the file 0600; these files are meant to be read and shipped, so
+        # they get the mode any new file gets (0644 under the usual umask 022).
+        if hasattr(os, "fchmod"):  # POSIX; Windows has no such modes
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
     os.replace(tmp, path)
     return True
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
+    os.umask(mask)
+    return mask
 
 
 def _import_module(name: str, path: Path):
