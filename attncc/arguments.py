@@ -79,6 +79,7 @@ def bind(variant: ir.Variant, q, k, v, inputs: dict, *, q_offset: int = 0,
     A call whose tensors fit the other layout (the declared heads, or an input on the
     heads or position axes, tell them apart) is refused with a hint to pass it."""
     check_layout(layout)
+    check_input_names(variant, inputs)  # wrong whatever the layout: said first
     try:
         return _bind(variant, q, k, v, inputs, q_offset, k_offset, exact_float_inputs, layout)
     except CallError as err:
@@ -124,11 +125,12 @@ def _bind(variant, q, k, v, inputs, q_offset, k_offset, exact_float_inputs, layo
     if variant.heads is not None:
         if (Hq, Hkv) != (variant.heads.q, variant.heads.kv):
             raise CallError(f"the variant declares heads {variant.heads.q} / {variant.heads.kv}, "
-                            f"but q {_shape(q)} has {Hq} heads and k, v have {Hkv}, {read}")
+                            f"but q has {Hq} heads and k, v have {Hkv} (q {_shape(q)}, k "
+                            f"{_shape(k)}, {read})")
     elif Hkv == 0 or Hq % Hkv:
-        raise CallError(f"q {_shape(q)} has {Hq} heads, which is not a multiple of the {Hkv} "
-                        f"heads of k and v, {read}; each key/value head must serve a whole "
-                        "group of query heads")
+        raise CallError(f"q has {Hq} heads, which is not a multiple of the {Hkv} heads of k and v "
+                        f"(q {_shape(q)}, k {_shape(k)}, {read}); each key/value head must serve "
+                        "a whole group of query heads")
     for name, off in (("q_offset", q_offset), ("k_offset", k_offset)):
         if not isinstance(off, int) or isinstance(off, bool) or off < 0:
             raise CallError(f"{name} must be a non-negative int, got {off!r}")
@@ -183,11 +185,8 @@ SDPA_KEYWORDS = {
 }
 
 
-def check_inputs(variant: ir.Variant, p: Problem, inputs: dict, *, device,
-                 exact_float_inputs: bool = True):
-    """Check the variant's runtime inputs. The reference passes exact_float_inputs=False:
-    it computes in the dtype of q, so float inputs of any precision (float64 for
-    gradient checks) are fine there."""
+def check_input_names(variant: ir.Variant, inputs: dict):
+    """Every declared input given, nothing else: SDPA's keywords say what to do instead."""
     declared = {i.name: i for i in variant.inputs}
     extra = sorted(set(inputs) - set(declared))
     for name in extra:
@@ -204,6 +203,14 @@ def check_inputs(variant: ir.Variant, p: Problem, inputs: dict, *, device,
         raise CallError(f"missing input '{decl.name}': the variant declares "
                         f"`input {decl.name}: {decl.dtype}[{', '.join(map(str, decl.axes))}]`; "
                         f"pass it as {decl.name}=tensor")
+
+
+def check_inputs(variant: ir.Variant, p: Problem, inputs: dict, *, device,
+                 exact_float_inputs: bool = True):
+    """Check the variant's runtime inputs. The reference passes exact_float_inputs=False:
+    it computes in the dtype of q, so float inputs of any precision (float64 for
+    gradient checks) are fine there. Their names were checked first (check_input_names)."""
+    declared = {i.name: i for i in variant.inputs}
     for name, decl in declared.items():
         t = inputs[name]
         if not isinstance(t, torch.Tensor):
