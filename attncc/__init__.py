@@ -15,11 +15,15 @@ __version__ = "0.1.0"
 
 
 def load(spec) -> Variant:
-    """A Variant from a Variant, a path to a .attn file, or the text of one."""
+    """A Variant from a Variant, a path to a .attn file, the text of one, or `file.py:name`
+    (a variant made with @attncc.variant in that Python file, which is imported)."""
     import os
     if isinstance(spec, Variant):
         return spec
     if isinstance(spec, os.PathLike) or (isinstance(spec, str) and "{" not in spec):
+        from .variant_files import is_python_spec, load_python_variant
+        if is_python_spec(str(os.fspath(spec))):
+            return load_python_variant(str(os.fspath(spec)))
         return parse_file(spec)
     if isinstance(spec, str):
         return parse(spec)
