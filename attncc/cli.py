@@ -33,7 +33,7 @@ def _heads(text: str):
 
 SPEC_HELP = ("the variant: a .attn file, spec text in quotes, or FILE.py:NAME for a variant "
              "made with @attncc.variant in a Python file (FILE.py alone when it defines one)")
-HEADS_HELP = "query heads, or query/key-value heads for GQA (e.g. 8/2)"
+HEADS_HELP = "HQ, or HQ/HKV query and key/value heads for GQA, such as 8/2"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--len", type=_lengths, default=None, help="sequence lengths (default: small awkward ones)")
     check.add_argument("--dim", type=int, default=None, help="head dim (default: 64 on a GPU, "
                        "32 under the interpreter)")
-    check.add_argument("--heads", type=_heads, default=None, help=HEADS_HELP + " (default: the "
-                       "declared heads, else 3)")
+    check.add_argument("--heads", type=_heads, default=None, help=HEADS_HELP + "; default: the "
+                       "declared heads, else 3")
     check.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
                        help="dtype of q, k, v (default: bfloat16 on a GPU, float32 under the "
                        "interpreter, which cannot run bfloat16)")
@@ -75,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--len", type=_lengths, default=[4096, 16384], help="sequence lengths; "
                        "each runs with batch 16384 // len")
     bench.add_argument("--dim", type=int, default=128, help="head dim")
-    bench.add_argument("--heads", type=_heads, default=None, help=HEADS_HELP + " (default: the "
-                       "declared heads, else 16)")
+    bench.add_argument("--heads", type=_heads, default=None, help=HEADS_HELP + "; default: the "
+                       "declared heads, else 16")
     bench.add_argument("--json", metavar="FILE", help="write every timing to FILE as JSON")
     bench.add_argument("--plot", metavar="PNG", help="draw TFLOP/s per backend (needs "
                        "attncc[plot])")

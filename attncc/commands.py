@@ -121,8 +121,8 @@ def compile_command(args) -> int:
     variant = _load(args.spec)
     if args.len is not None and not 1 <= args.len <= MAX_COMPILE_ESTIMATE_LEN:
         raise AttnccError(f"--len {args.len}: the tile estimate evaluates the dense mask, so it "
-                          f"takes lengths 1 to {MAX_COMPILE_ESTIMATE_LEN}; for longer sequences, "
-                          f"`attncc show --plot` and kernel.density(...) measure tiles")
+                          f"takes lengths 1 to {MAX_COMPILE_ESTIMATE_LEN}; at longer ones, "
+                          "kernel.density(q, k, v, ...) measures it from the tile tables")
     gen = generate(variant)
     out_dir = Path(args.out)
     created = not out_dir.exists()  # -o makes a missing directory, parents included

@@ -13,8 +13,8 @@ import hashlib
 import importlib.util
 import json
 import os
+import secrets
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -51,21 +51,23 @@ def write_if_changed(path: Path, text: str) -> bool:
     except OSError:
         pass  # missing or unreadable: write it
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    fd, tmp = _new_temp_file(path)
     with os.fdopen(fd, "w") as f:
         f.write(text)
-        # mkstemp makes the file 0600; these files are meant to be read and shipped, so
-        # they get the mode any new file gets (0644 under the usual umask 022).
-        if hasattr(os, "fchmod"):  # POSIX; Windows has no such modes
-            os.fchmod(f.fileno(), 0o666 & ~_umask())
     os.replace(tmp, path)
     return True
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
-    os.umask(mask)
-    return mask
+def _new_temp_file(path: Path):
+    """(fd, name) of a new file beside `path`. Unlike mkstemp's (mode 0600), it gets the
+    mode any new file gets, 0666 less the umask (0644 under the usual 022): generated
+    modules are meant to be read and shipped."""
+    while True:
+        tmp = path.with_name(f"{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:  # another writer's name, one chance in 2**48: draw again
+            continue
 
 
 def _import_module(name: str, path: Path):
