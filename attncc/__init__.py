@@ -15,21 +15,50 @@ __version__ = "0.1.0"
 
 
 def load(spec) -> Variant:
-    """A Variant from a Variant, a path to a .attn file, or the text of one."""
+    """A Variant from a Variant, a path to a .attn file, the text of one, or `file.py:name`
+    (a variant made with @attncc.variant in that Python file, which is imported)."""
     import os
     if isinstance(spec, Variant):
         return spec
     if isinstance(spec, os.PathLike) or (isinstance(spec, str) and "{" not in spec):
+        from .variant_files import is_python_spec, load_python_variant
+        if is_python_spec(str(os.fspath(spec))):
+            return load_python_variant(str(os.fspath(spec)))
         return parse_file(spec)
     if isinstance(spec, str):
         return parse(spec)
     raise TypeError(f"expected a Variant, a path or spec text, got {type(spec).__name__}")
 
 
-def compile(spec, **options):
-    """Compile a variant into a differentiable kernel: kernel(q, k, v, **inputs)."""
+def compile(spec, *, config: dict | None = None, **unknown):
+    """Compile a variant into a differentiable kernel: kernel(q, k, v, **inputs).
+
+    `config` pins the kernels' tiles: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4,
+    "num_stages": 2}. Everything else about the attention is part of the variant."""
+    if unknown:
+        raise TypeError(_compile_option_hint(*next(iter(unknown.items()))))
     from .runtime import compile_variant
-    return compile_variant(load(spec), **options)
+    return compile_variant(load(spec), config=config)
+
+
+_CONFIG_EXAMPLE = '{"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}'
+
+
+def _compile_option_hint(name: str, value) -> str:
+    """Why attncc.compile() takes no `name=`, and what to write instead."""
+    if name == "block":
+        block = value if isinstance(value, int) and not isinstance(value, bool) else 64
+        return (f"attncc.compile() takes no block=: a layout's block is part of the variant; "
+                f"declare `block {block}` in the spec (block= in @attncc.variant). Kernel "
+                f"tile sizes are pinned with config={_CONFIG_EXAMPLE}")
+    if name in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"):
+        return (f"attncc.compile() takes no {name}=: pin the tiles together, as "
+                f"config={_CONFIG_EXAMPLE}")
+    if name in ("heads", "scale", "dropout", "mask", "score", "layout", "params", "inputs"):
+        return (f"attncc.compile() takes no {name}=: it is part of the variant; declare it in "
+                f"the spec (or in @attncc.variant)")
+    return (f"attncc.compile() got an unexpected keyword argument '{name}'; it takes a spec "
+            f"(a path, spec text or Variant) and config={_CONFIG_EXAMPLE} to pin tiles")
 
 
 __all__ = ["compile", "load", "parse", "parse_file", "reference", "variant", "Variant",

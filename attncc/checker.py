@@ -250,7 +250,8 @@ def check_dropout(p):
 
 # Keyword arguments of a kernel call (and of attncc.reference): an input of one of these
 # names could not be passed, since inputs are keyword arguments too.
-CALL_KEYWORDS = ("v", "return_lse", "dropout_seed", "training", "q_offset", "k_offset", "tables")
+CALL_KEYWORDS = ("v", "return_lse", "dropout_seed", "training", "q_offset", "k_offset", "tables",
+                 "layout")
 
 
 def check_input(inp: ir.InputDecl):

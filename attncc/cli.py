@@ -6,6 +6,8 @@ message on stderr, never a traceback).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
 
 from .errors import AttnccError, SpecError
@@ -29,55 +31,96 @@ def _heads(text: str):
         raise argparse.ArgumentTypeError(f"expected HQ or HQ/HKV, got {text!r}")
 
 
+SPEC_HELP = ("the variant: a .attn file, spec text in quotes, or FILE.py:NAME for a variant "
+             "made with @attncc.variant in a Python file (FILE.py alone when it defines one)")
+HEADS_HELP = "HQ, or HQ/HKV query and key/value heads for GQA, such as 8/2"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
     p = argparse.ArgumentParser(prog="attncc", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"attncc {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     show = sub.add_parser("show", help="print the variant's IR in the language")
-    show.add_argument("spec")
-    show.add_argument("--plot", metavar="PNG", help="draw the mask and its tile classes")
+    show.add_argument("spec", help=SPEC_HELP)
+    show.add_argument("--plot", metavar="PNG", help="draw the mask and its tile classes (needs "
+                      "attncc[plot])")
     show.add_argument("--len", type=int, default=512, help="sequence length for --plot")
     show.add_argument("--len-k", type=int, default=None, help="key length for --plot (default --len)")
     show.add_argument("--tile", type=int, default=64, help="tile size for --plot")
 
     comp = sub.add_parser("compile", help="write the generated Triton module")
-    comp.add_argument("spec")
-    comp.add_argument("-o", "--out", default=".", help="directory to write into")
-    comp.add_argument("--len", type=int, default=None, help="report the fraction of tiles visited at this length")
+    comp.add_argument("spec", help=SPEC_HELP)
+    comp.add_argument("-o", "--out", default=".", help="directory to write NAME.py into "
+                      "(created if missing; default: the current directory)")
+    comp.add_argument("--len", type=int, default=None, help="report the fraction of tiles "
+                      "visited at this length (at most 8192)")
 
     check = sub.add_parser("check", help="compare the kernels with the reference on random inputs")
-    check.add_argument("spec")
+    check.add_argument("spec", help=SPEC_HELP)
     check.add_argument("--len", type=_lengths, default=None, help="sequence lengths (default: small awkward ones)")
-    check.add_argument("--dim", type=int, default=None)
-    check.add_argument("--heads", type=_heads, default=None)
-    check.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"])
-    check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--dim", type=int, default=None, help="head dim (default: 64 on a GPU, "
+                       "32 under the interpreter)")
+    check.add_argument("--heads", type=_heads, default=None, help=HEADS_HELP + "; default: the "
+                       "declared heads, else 3")
+    check.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
+                       help="dtype of q, k, v (default: bfloat16 on a GPU, float32 under the "
+                       "interpreter, which cannot run bfloat16)")
+    check.add_argument("--seed", type=int, default=0, help="seed of the random inputs (each "
+                       "length adds its index)")
 
     bench = sub.add_parser("bench", help="time forward and backward against SDPA and FlexAttention (GPU)")
-    bench.add_argument("spec")
-    bench.add_argument("--len", type=_lengths, default=[4096, 16384])
-    bench.add_argument("--dim", type=int, default=128)
-    bench.add_argument("--heads", type=_heads, default=None)
-    bench.add_argument("--json", metavar="FILE")
-    bench.add_argument("--plot", metavar="PNG")
+    bench.add_argument("spec", help=SPEC_HELP)
+    bench.add_argument("--len", type=_lengths, default=[4096, 16384], help="sequence lengths; "
+                       "each runs with batch 16384 // len")
+    bench.add_argument("--dim", type=int, default=128, help="head dim")
+    bench.add_argument("--heads", type=_heads, default=None, help=HEADS_HELP + "; default: the "
+                       "declared heads, else 16")
+    bench.add_argument("--json", metavar="FILE", help="write every timing to FILE as JSON")
+    bench.add_argument("--plot", metavar="PNG", help="draw TFLOP/s per backend (needs "
+                       "attncc[plot])")
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    with _progress_on_stderr():
+        try:
+            return COMMANDS[args.command](args)
+        except SpecError as err:
+            print(str(err), file=sys.stderr)
+            return 2
+        except AttnccError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+
+
+@contextlib.contextmanager
+def _progress_on_stderr():
+    """Show attncc's progress lines (tuning) on stderr while a command runs. The library
+    only logs them (logger "attncc.tuning", level INFO), so they stay quiet in programs
+    that configure no logging."""
+    logger = logging.getLogger("attncc")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("attncc: %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
     try:
-        return COMMANDS[args.command](args)
-    except SpecError as err:
-        print(str(err), file=sys.stderr)
-        return 2
-    except AttnccError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def cmd_show(args) -> int:
     from . import load
     variant = load(args.spec)
+    if args.plot:
+        from .extras import require_plotting
+        require_plotting()
     print(variant, end="")
     if args.plot:
         from .plot import plot_variant

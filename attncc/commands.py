@@ -14,7 +14,6 @@ import contextlib
 import json
 import math
 import os
-import sys
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +22,7 @@ import torch
 
 from . import ir, random_blocks
 from .arguments import Problem
-from .errors import AttnccError
+from .errors import AttnccError, NoGPUError
 from .runtime import write_if_changed
 from .samples import sample_inputs
 from .tolerance import gradient_scales, max_abs_error, slack, within_tolerance
@@ -120,14 +119,21 @@ def _configs_text(configs: dict) -> str:
 def compile_command(args) -> int:
     from .codegen import generate
     variant = _load(args.spec)
+    if args.len is not None and not 1 <= args.len <= MAX_COMPILE_ESTIMATE_LEN:
+        raise AttnccError(f"--len {args.len}: the tile estimate evaluates the dense mask, so it "
+                          f"takes lengths 1 to {MAX_COMPILE_ESTIMATE_LEN}; at longer ones, "
+                          "kernel.density(q, k, v, ...) measures it from the tile tables")
     gen = generate(variant)
-    path = Path(args.out) / f"{variant.name}.py"
+    out_dir = Path(args.out)
+    created = not out_dir.exists()  # -o makes a missing directory, parents included
+    path = out_dir / f"{variant.name}.py"
     try:
         written = write_if_changed(path, gen.source)
     except OSError as err:
         raise AttnccError(f"cannot write {path}: {err.strerror or err}") from None
     print(f"variant   {variant.name}")
-    print(f"module    {path} ({'written' if written else 'unchanged'}; imports only torch and triton)")
+    state = ("written" if written else "unchanged") + (f", created {out_dir}" if created else "")
+    print(f"module    {path} ({state}; imports only torch and triton)")
     print(f"strategy  {gen.strategy}")
     pinned = os.environ.get("ATTNCC_CONFIG")
     gpu = chosen_configs(variant, gen.source, ASSUMED_HEAD_DIM, interpreter=False)
@@ -146,12 +152,6 @@ def compile_command(args) -> int:
     print(f"          interpreter: {_configs_text(interp)}")
     if args.len is not None:
         n = args.len
-        if n < 1:
-            raise AttnccError(f"--len must be positive, got {n}")
-        if n > MAX_COMPILE_ESTIMATE_LEN:
-            print(f"visited   the tile estimate needs --len <= {MAX_COMPILE_ESTIMATE_LEN} "
-                  f"(it evaluates the dense mask); got {n}")
-            return 0
         hq, hkv = default_heads(variant, 1)
         p = Problem(batch=1, heads_q=hq, heads_kv=hkv, len_q=n, len_k=n, dim=ASSUMED_HEAD_DIM,
                     dim_v=ASSUMED_HEAD_DIM)
@@ -263,6 +263,52 @@ def check_shape(variant, kernel, *, batch, heads, len_q, len_k, dim, dtype, devi
     return rows
 
 
+def non_finite_score(variant: ir.Variant, p: Problem, inputs: dict, *, seed: int = 0):
+    """Where the score is NaN or infinite on an allowed pair, and which operation made it
+    so (a division by zero, the log of a negative number...), as a sentence; None when
+    the score is finite wherever pairs attend. `check` prints it beside a failure, whose
+    errors are otherwise only NaN. The scaled scores `s` are drawn at random."""
+    from .evaluate import evaluate
+    from .printer import print_expr
+    from .reference import allowed_pairs, index_env
+    if variant.score is None:
+        return None
+    full = (p.batch, p.heads_q, p.len_q, p.len_k)
+    env = index_env(variant, p, inputs, "cpu", torch.float64)
+    env["s"] = torch.randn(full, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    value = lambda e: evaluate(e, env).expand(full)
+    bad = ~torch.isfinite(value(variant.score)) & allowed_pairs(variant, p, inputs, "cpu").expand(full)
+    if not bad.any():
+        return None
+    at = tuple(int(i) for i in bad.nonzero()[0])
+    # Follow non-finite values down the tree to the operation that made the first one.
+    node = variant.score
+    while True:
+        if isinstance(node, ir.Where):
+            taken = node.then if bool(value(node.cond)[at]) else node.other
+            inner = [taken] if not torch.isfinite(value(taken)[at]) else []
+        else:
+            inner = [c for c in ir.children(node) if not isinstance(c, (ir.Cmp, ir.And, ir.Or, ir.Not))
+                     and not torch.isfinite(value(c)[at].double())]
+        if not inner:
+            break
+        node = inner[0]
+    args = [float(value(c)[at]) for c in ir.children(node)]
+    text = f"`{print_expr(node)}`"
+    if isinstance(node, ir.BinOp) and node.op in ("/", "//", "%") and args[1] == 0:
+        cause = f"division by zero in {text} (`{print_expr(node.rhs)}` is 0)"
+    elif isinstance(node, ir.Call) and node.fn in ("log", "sqrt") and args[0] <= 0:
+        cause = f"{node.fn} of {args[0]:g} in {text}"
+    elif isinstance(node, ir.Load):
+        cause = f"input '{node.tensor}' holds {float(value(node)[at])} where {text} reads it"
+    else:
+        cause = f"{text} is {float(value(node)[at])}"
+    b, h, q, k = at
+    return (f"the score is not finite at allowed pairs ({int(bad.sum())} of them here), first at "
+            f"b={b}, h={h}, q={q + p.q_offset}, k={k + p.k_offset}: {cause}. Guard it (as in "
+            "where(q == k, 0.0, ...)) or mask those pairs out")
+
+
 def _fmt_err(x: float) -> str:
     return "nan" if math.isnan(x) else ("inf" if math.isinf(x) else f"{x:.2e}")
 
@@ -313,7 +359,7 @@ def check_command(args) -> int:
     print(f"{variant.name}: {kernel.strategy}")
     print(f"rule: kernel err <= 2 * eager err + {slack(dtype):g} x scale (max abs error against float64 "
           f"attncc.reference; eager = attncc.reference in {str(dtype).replace('torch.', '')})")
-    failed = 0
+    failed, diagnosed = 0, False
     for i, (len_q, len_k) in enumerate(shapes):
         print(f"\nbatch {batch}, heads {heads[0]}/{heads[1]}, len_q {len_q}, len_k {len_k}, dim {dim}, "
               f"{str(dtype).replace('torch.', '')} ({where})")
@@ -321,6 +367,12 @@ def check_command(args) -> int:
                            dim=dim, dtype=dtype, device=device, seed=args.seed + i)
         print(format_table(rows))
         failed += sum(not ok for *_, ok in rows)
+        if failed and not diagnosed:
+            diagnosed = True
+            p = Problem(batch, heads[0], heads[1], len_q, len_k, dim, dim)
+            hint = non_finite_score(variant, p, sample_inputs(variant, p, seed=args.seed + i))
+            if hint:
+                print(f"  cause: {hint}")
     if failed:
         print(f"\nFAIL: {failed} tensor comparison{'s' if failed != 1 else ''} out of tolerance")
     else:
@@ -657,11 +709,13 @@ def plot_bench(path, variant_name: str, runs: list):
 
 
 def bench_command(args) -> int:
+    variant = _load(args.spec)  # a bad spec is named first, on any machine
+    if args.plot:
+        from .extras import require_plotting
+        require_plotting()
     if not torch.cuda.is_available():
-        print("attncc bench needs a CUDA GPU; none was found", file=sys.stderr)
-        return 2
+        raise NoGPUError("attncc bench needs a CUDA GPU; none was found")
     import attncc
-    variant = _load(args.spec)
     if args.heads is not None:
         heads = args.heads
         if variant.heads is not None and heads != (variant.heads.q, variant.heads.kv):

@@ -90,9 +90,39 @@ class Sym:
                         "`a if c else b`, attncc.minimum/maximum instead of min/max, and "
                         "`0 <= x` `x < w` as two comparisons instead of a chain")
 
+    def __float__(self):
+        raise SpecError(NOT_A_NUMBER)
+
+    __int__ = __index__ = __float__
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise SpecError(_torch_hint(func))
+
     def __repr__(self):
         from .printer import print_expr
         return f"Sym({print_expr(self.node)})"
+
+
+FUNCTIONS = ", ".join(f"attncc.{f}" for f in ("where", "minimum", "maximum", "exp", "log", "tanh",
+                                                "sqrt"))
+NOT_A_NUMBER = ("a traced value is not a number while the variant is being built: math.exp, "
+                "math.log, float() and int() cannot take it; use attncc's functions "
+                f"({FUNCTIONS}), which build the expression")
+_ATTNCC_FOR_TORCH = {"where": "attncc.where(c, a, b)", "exp": "attncc.exp(x)",
+                     "log": "attncc.log(x)", "tanh": "attncc.tanh(x)", "sqrt": "attncc.sqrt(x)",
+                     "minimum": "attncc.minimum(a, b)", "min": "attncc.minimum(a, b)",
+                     "maximum": "attncc.maximum(a, b)", "max": "attncc.maximum(a, b)",
+                     "abs": "abs(x)", "isin": "attncc.isin(tile, row)"}
+
+
+def _torch_hint(func) -> str:
+    """torch.where(...) on a traced value: which attncc function to write instead."""
+    name = getattr(func, "__name__", str(func))
+    instead = _ATTNCC_FOR_TORCH.get(name)
+    fix = f"write {instead}" if instead else f"use attncc's functions ({FUNCTIONS})"
+    return (f"torch.{name} cannot take a traced value: a variant's functions build an "
+            f"expression, not tensors; {fix}")
 
 
 class TensorSym:
@@ -107,6 +137,8 @@ class TensorSym:
 
     def __bool__(self):
         raise SpecError(f"'{self.name}' is a tensor; index it, as in {self.name}[q]")
+
+    __torch_function__ = Sym.__torch_function__
 
 
 def lift(x):
@@ -214,7 +246,14 @@ def _trace(fn, decl: str, params: dict, inputs: dict):
         else:
             raise SpecError(f"{decl}(): parameter '{pname}' is not an index name, param or "
                             f"input{did_you_mean(pname, allowed)}")
-    result = fn(*args)
+    try:
+        result = fn(*args)
+    except SpecError:
+        raise
+    except Exception as err:  # numpy, a torch method, a typo: say what tracing needs
+        raise SpecError(f"calling it with symbolic values raised {type(err).__name__}: {err}; a "
+                        "variant's functions are called once to build an expression, from "
+                        f"operators and attncc's functions ({FUNCTIONS})") from None
     return lift(result)
 
 

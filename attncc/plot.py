@@ -17,6 +17,7 @@ from . import ir
 from .arguments import Problem
 from .errors import AttnccError
 from .evaluate import evaluate
+from .extras import require_plotting
 from .reference import index_env, layout_grid
 from .samples import sample_inputs
 
@@ -135,6 +136,7 @@ def plot_variant(variant: ir.Variant, path, *, len_q: int, len_k: int | None = N
 
     Returns a one-line summary: allowed pairs and EMPTY / PARTIAL / FULL tile counts.
     """
+    require_plotting()
     len_k = len_q if len_k is None else len_k
     for flag, n in (("--len", len_q), ("--len-k", len_k)):
         if n > MAX_LEN:

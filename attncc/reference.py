@@ -12,7 +12,7 @@ import torch
 
 from . import dropout as dropout_bits
 from . import ir
-from .arguments import Problem, bind
+from .arguments import Problem, as_bhsd, bind, refuse_positional
 from .errors import CallError
 from .evaluate import evaluate
 
@@ -63,20 +63,25 @@ def allowed_pairs(variant: ir.Variant, p: Problem, inputs: dict, device) -> torc
     return allowed
 
 
-def reference(variant: ir.Variant, q, k, v, *, return_lse: bool = False,
+def reference(variant: ir.Variant, q, k, v, *positional, return_lse: bool = False,
               dropout_seed: int | None = None, training: bool = True, q_offset: int = 0,
-              k_offset: int = 0, **inputs):
+              k_offset: int = 0, layout: str = "bhsd", **inputs):
     """Attention of `variant` computed densely; differentiable in q, k, v and float inputs.
 
-    Tensors are (batch, heads, seq, dim). Computes in the dtype of q (use float64 for
-    ground truth). A query that attends to no key gets output 0 and LSE -inf, and
-    zero gradients. With dropout, `dropout_seed` must be given: the same seed gives
-    the same mask as the kernels; `training=False` leaves dropout out, as the kernels do.
+    Tensors are (batch, heads, seq, dim), or (batch, seq, heads, dim) with layout="bshd"
+    (the output too; the LSE is (batch, heads, seq) in both). Computes in the dtype of q
+    (use float64 for ground truth). A query that attends to no key gets output 0 and
+    LSE -inf, and zero gradients. With dropout, `dropout_seed` must be given: the same
+    seed gives the same mask as the kernels; `training=False` leaves dropout out, as the
+    kernels do.
     """
+    if positional:
+        refuse_positional(variant, positional)
     if not training and variant.dropout:
         variant = dataclasses.replace(variant, dropout=None)
     p = bind(variant, q, k, v, inputs, q_offset=q_offset, k_offset=k_offset,
-             exact_float_inputs=False)
+             exact_float_inputs=False, layout=layout)
+    q, k, v = (as_bhsd(t, layout) for t in (q, k, v))
     if variant.dropout and dropout_seed is None:
         raise CallError(f"the variant has dropout {variant.dropout}: pass dropout_seed=int "
                         "so the reference draws the same mask as the kernel")
@@ -105,7 +110,7 @@ def reference(variant: ir.Variant, q, k, v, *, return_lse: bool = False,
                                       torch.arange(p.len_q, device=device).view(1, 1, -1, 1),
                                       torch.arange(p.len_k, device=device).view(1, 1, 1, -1))
         probs = torch.where(keep, probs / (1.0 - variant.dropout), torch.zeros_like(probs))
-    out = torch.matmul(probs, v_full)
+    out = as_bhsd(torch.matmul(probs, v_full), layout)
     if return_lse:
         return out, torch.where(row_any, lse, neg_inf).squeeze(-1)
     return out

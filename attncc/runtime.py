@@ -13,14 +13,14 @@ import hashlib
 import importlib.util
 import json
 import os
+import secrets
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from . import ir, tuning
-from .arguments import axis_extent, bind
+from .arguments import as_bhsd, axis_extent, bind, refuse_positional
 from .errors import CallError
 from .evaluate import check_index_list
 from .generated import Generated
@@ -51,11 +51,23 @@ def write_if_changed(path: Path, text: str) -> bool:
     except OSError:
         pass  # missing or unreadable: write it
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    fd, tmp = _new_temp_file(path)
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)
     return True
+
+
+def _new_temp_file(path: Path):
+    """(fd, name) of a new file beside `path`. Unlike mkstemp's (mode 0600), it gets the
+    mode any new file gets, 0666 less the umask (0644 under the usual 022): generated
+    modules are meant to be read and shipped."""
+    while True:
+        tmp = path.with_name(f"{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:  # another writer's name, one chance in 2**48: draw again
+            continue
 
 
 def _import_module(name: str, path: Path):
@@ -204,8 +216,9 @@ class Kernel:
     def __repr__(self):
         return f"<attncc kernel '{self.variant.name}': {self.strategy}>"
 
-    def check_call(self, q, k, v, inputs, q_offset, k_offset):
-        p = bind(self.variant, q, k, v, inputs, q_offset=q_offset, k_offset=k_offset)
+    def check_call(self, q, k, v, inputs, q_offset, k_offset, layout="bhsd"):
+        p = bind(self.variant, q, k, v, inputs, q_offset=q_offset, k_offset=k_offset,
+                 layout=layout)
         if q.device.type != "cuda" and not interpreting():
             raise CallError(f"q is on {q.device}, but attncc kernels run on CUDA GPUs; move the "
                             "tensors with .cuda(), or set TRITON_INTERPRET=1 to run the kernels "
@@ -213,6 +226,10 @@ class Kernel:
         if q.dtype not in SUPPORTED_DTYPES:
             raise CallError(f"q, k, v have dtype {q.dtype}; the kernels take float16, bfloat16 "
                             "or float32 (attncc.reference computes in any dtype, float64 included)")
+        if q.dtype == torch.bfloat16 and interpreting():
+            raise CallError("bfloat16 cannot run under the Triton interpreter: it computes tl.dot "
+                            "on bfloat16 wrongly, so the results would be garbage; use float16 "
+                            "or float32 on the CPU, or run on a GPU")
         if not (MIN_HEAD_DIM <= p.dim <= MAX_HEAD_DIM):
             raise CallError(f"head dim {p.dim} is not supported: the kernels take head dims "
                             f"{MIN_HEAD_DIM} to {MAX_HEAD_DIM} (q has shape {tuple(q.shape)})")
@@ -254,16 +271,23 @@ class Kernel:
             self._without_dropout._tables_owner = self
         return self._without_dropout
 
-    def __call__(self, q, k, v, *, return_lse: bool = False, dropout_seed: int | None = None,
-                 training: bool = True, q_offset: int = 0, k_offset: int = 0,
-                 tables: "TileTables | None" = None, **inputs):
+    def __call__(self, q, k, v, *positional, return_lse: bool = False,
+                 dropout_seed: int | None = None, training: bool = True, q_offset: int = 0,
+                 k_offset: int = 0, tables: "TileTables | None" = None, layout: str = "bhsd",
+                 **inputs):
+        if positional:
+            refuse_positional(self.variant, positional)
         if not isinstance(training, bool):
             raise CallError(f"training must be True or False, got {training!r}")
         if not training and self.variant.dropout:
             # Evaluation: the same attention with no dropout (as nn.Dropout in eval mode).
             return self.evaluation_kernel()(q, k, v, return_lse=return_lse, q_offset=q_offset,
-                                            k_offset=k_offset, tables=tables, **inputs)
-        p = self.check_call(q, k, v, inputs, q_offset, k_offset)
+                                            k_offset=k_offset, tables=tables, layout=layout,
+                                            **inputs)
+        p = self.check_call(q, k, v, inputs, q_offset, k_offset, layout)
+        # (batch, seq, heads, dim) is read through transposed views: the kernels take any
+        # strides, and the output (allocated like q) comes back in the caller's layout.
+        q, k, v = (as_bhsd(t, layout) for t in (q, k, v))
         if tables is not None:
             if not isinstance(tables, TileTables):
                 raise CallError(f"tables must come from kernel.tile_tables(...), got "
@@ -272,6 +296,7 @@ class Kernel:
         if p.len_q == 0 or p.len_k == 0:
             out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
             lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
+            out = as_bhsd(out, layout)
             return (out, lse) if return_lse else out
         if self.variant.dropout:
             if dropout_seed is None:
@@ -293,6 +318,7 @@ class Kernel:
                        tables.density if tables is not None else None),
         }
         out, lse = _Attention.apply(self, q, k, v, call, *values)
+        out = as_bhsd(out, layout)
         return (out, lse) if return_lse else out
 
     def _tuning_context(self, p, inputs: dict, device, tables=None):
@@ -307,7 +333,7 @@ class Kernel:
                         f"{tile_density(self.module, p, inputs, device, self.variant.block):.3f}")
 
     def tile_tables(self, q, k, v, *, q_offset: int = 0, k_offset: int = 0,
-                    **inputs) -> "TileTables":
+                    layout: str = "bhsd", **inputs) -> "TileTables":
         """Tile tables for calls shaped like this one, to keep and pass as `tables=`.
 
         The kernel caches tables itself (32 entries, keyed by the tensors they read), so
@@ -315,7 +341,7 @@ class Kernel:
         building the tables (and checking index lists) once, outside a training step.
         Building them reads their density (one sync); calls given them are tuned per
         density bucket and make no host synchronisation (CUDA graphs can capture them)."""
-        p = self.check_call(q, k, v, inputs, q_offset, k_offset)
+        p = self.check_call(q, k, v, inputs, q_offset, k_offset, layout)
         if not self.module.USES_TABLES:
             raise CallError(f"variant '{self.variant.name}' has no tile tables to keep: its "
                             f"kernels skip tiles by analytic bounds ({self.strategy}); call "
@@ -323,12 +349,12 @@ class Kernel:
         return TileTables(self, p, inputs, q.device)
 
     def density(self, q, k, v, *, block: int | None = None, q_offset: int = 0,
-                k_offset: int = 0, **inputs) -> float:
+                k_offset: int = 0, layout: str = "bhsd", **inputs) -> float:
         """The fraction of block x block tiles (default: the layout's block, else 64) that
         the kernels visit for calls shaped like this one, averaged over batch and heads.
         Tiles are classified as the tables do, so this may count a tile the kernels'
         analytic bounds would skip, never the reverse. Reads the result: one sync."""
-        p = self.check_call(q, k, v, inputs, q_offset, k_offset)
+        p = self.check_call(q, k, v, inputs, q_offset, k_offset, layout)
         return tile_density(self.module, p, inputs, q.device, block or self.variant.block or 64)
 
 

@@ -12,9 +12,9 @@ silently used. `ATTNCC_CONFIG` (JSON) or `attncc.compile(..., config=...)` pins 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
-import sys
 import threading
 import time
 
@@ -26,6 +26,9 @@ TUNE_AT_MOST = int(os.environ.get("ATTNCC_TUNE_CANDIDATES", "4"))
 TUNE_WARMUP_MS, TUNE_REP_MS = 25, 100  # per candidate; do_bench's own defaults
 _MEMORY: dict = {}  # tuning key -> config, for this process
 _LOCK = threading.Lock()
+# Progress and skipped candidates, at INFO: quiet unless the program shows attncc's logs
+# (logging.basicConfig(level=logging.INFO)); the attncc command shows them on stderr.
+log = logging.getLogger(__name__)
 
 
 def _env_config():
@@ -161,19 +164,15 @@ def _load(path) -> dict:
 
 def _store(path, key: str, config: dict):
     """Add one winner. The read-modify-write holds an exclusive lock on a file beside the
-    cache file, so processes tuning at once keep each other's entries (readers need no
-    lock: every write is an atomic replace)."""
-    import fcntl
+    cache file (filelock: fcntl on POSIX, msvcrt on Windows), so processes tuning at once
+    keep each other's entries (readers need no lock: every write is an atomic replace)."""
+    from filelock import FileLock
     from .runtime import write_if_changed
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _LOCK, open(path.with_name(path.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            data = _load(path)
-            data[key] = config
-            write_if_changed(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with _LOCK, FileLock(path.with_name(path.name + ".lock")):
+        data = _load(path)
+        data[key] = config
+        write_if_changed(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
 def density_bucket(density: float) -> str:
@@ -235,8 +234,8 @@ def first_that_runs(kernel, problem, dtype, direction: str, kept, run) -> dict:
         try:
             run(config)  # compiles it; the launch repeats the call's own work once
         except triton.runtime.errors.OutOfResources as e:
-            print(f"attncc: {kernel.variant.name} {direction}: {_label(config)} does not fit "
-                  f"({str(e).splitlines()[0][:100]}); trying the next candidate", file=sys.stderr)
+            log.info("%s %s: %s does not fit (%s); trying the next candidate",
+                     kernel.variant.name, direction, _label(config), str(e).splitlines()[0][:100])
             continue
         _MEMORY[mem_key] = config
         return config
@@ -264,17 +263,16 @@ def tune(name: str, key: str, configs: list, run, context: str = "") -> dict:
             ms = triton.testing.do_bench(lambda: run(config), warmup=TUNE_WARMUP_MS,
                                          rep=TUNE_REP_MS, return_mode="median")
         except Exception as e:  # out of resources, compile failure: skip, and say so
-            print(f"attncc: tuning {name} {key}: [{i + 1}/{len(configs)}] {label} failed "
-                  f"({type(e).__name__}: {str(e).splitlines()[0][:100]})", file=sys.stderr)
+            log.info("tuning %s %s: [%d/%d] %s failed (%s: %s)", name, key, i + 1, len(configs),
+                     label, type(e).__name__, str(e).splitlines()[0][:100])
             continue
         timings.append((ms, config))
-        print(f"attncc: tuning {name} {key}: [{i + 1}/{len(configs)}] {label} {ms:.3f} ms",
-              file=sys.stderr)
+        log.info("tuning %s %s: [%d/%d] %s %.3f ms", name, key, i + 1, len(configs), label, ms)
     if not timings:
         raise RuntimeError(f"attncc: no tile config could run {name} ({key}); "
                            "pin one with ATTNCC_CONFIG to see its error")
     ms, best = min(timings, key=lambda t: t[0])
-    print(f"attncc: tuned {name} {key} in {time.perf_counter() - start:.1f} s: "
-          f"BLOCK_M={best['BLOCK_M']} BLOCK_N={best['BLOCK_N']} warps={best['num_warps']} "
-          f"stages={best['num_stages']} ({ms:.3f} ms)", file=sys.stderr)
+    log.info("tuned %s %s in %.1f s: BLOCK_M=%d BLOCK_N=%d warps=%d stages=%d (%.3f ms)",
+             name, key, time.perf_counter() - start, best["BLOCK_M"], best["BLOCK_N"],
+             best["num_warps"], best["num_stages"], ms)
     return dict(best)

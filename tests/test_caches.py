@@ -7,6 +7,7 @@ whatever changes the code or the machine.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -260,7 +261,7 @@ def test_tuning_file_path_names_the_gpu_and_every_version(tmp_path, monkeypatch)
 
 
 # ------------------------------------------------------------------ (e) untimed choice
-def test_untuned_choice_skips_a_config_that_does_not_fit(monkeypatch, capsys):
+def test_untuned_choice_skips_a_config_that_does_not_fit(monkeypatch, caplog):
     """ATTNCC_TUNE=0 takes the first candidate that fits the GPU, says which it skipped,
     and remembers the choice (run 12: a score reading a tensor overflowed shared memory
     at 128x128 tiles)."""
@@ -279,15 +280,16 @@ def test_untuned_choice_skips_a_config_that_does_not_fit(monkeypatch, capsys):
         if config["BLOCK_M"] == 128:
             raise triton.runtime.errors.OutOfResources(360448, 232448, "shared memory")
 
-    chosen = tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run)
+    with caplog.at_level(logging.INFO, logger="attncc.tuning"):
+        chosen = tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run)
     assert chosen["BLOCK_M"] == 64 and tried[0]["BLOCK_M"] == 128
-    assert "does not fit" in capsys.readouterr().err
+    assert "does not fit" in caplog.text
     n = len(tried)
     assert tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run) == chosen
     assert len(tried) == n, "the choice is remembered, not retried"
 
 
-def test_tuning_progress_names_the_layout_density_it_tuned_on(monkeypatch, capsys, tmp_path):
+def test_tuning_progress_names_the_layout_density_it_tuned_on(monkeypatch, caplog, tmp_path):
     """A layout variant's config serves every layout of its shape, so the tuner says
     which density it was chosen at."""
     import triton
@@ -307,12 +309,12 @@ def test_tuning_progress_names_the_layout_density_it_tuned_on(monkeypatch, capsy
     monkeypatch.setattr(runtime, "interpreting", lambda: False)
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
     kernel = SimpleNamespace(key="k-density-test", pinned_config=None, variant=real.variant)
-    tuning.config_for(kernel, problem, torch.bfloat16, "fwd", lambda config: None, context)
-    err = capsys.readouterr().err
-    assert "(on a layout of tile density 0.250)" in err and "tuned lay" in err
+    with caplog.at_level(logging.INFO, logger="attncc.tuning"):
+        tuning.config_for(kernel, problem, torch.bfloat16, "fwd", lambda config: None, context)
+    assert "(on a layout of tile density 0.250)" in caplog.text and "tuned lay" in caplog.text
 
 
-def test_kept_tables_tune_per_density_bucket(monkeypatch, capsys, tmp_path):
+def test_kept_tables_tune_per_density_bucket(monkeypatch, caplog, tmp_path):
     """Few tiles per row want other tiles than many (RESULTS.md run 38), and kept tables
     know their density without a sync in the call: their calls tune per bucket."""
     import triton
@@ -329,14 +331,16 @@ def test_kept_tables_tune_per_density_bucket(monkeypatch, capsys, tmp_path):
                                                   "layout on[qb, kb] block 128 }"))
     problem = Problem(1, 2, 2, 4096, 4096, 128, 128)
     run = lambda config: config["BLOCK_M"]
+    caplog.set_level(logging.INFO, logger="attncc.tuning")
     dense = tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run, density=0.5)
     timings.update({64: 1.0, 128: 2.0})  # ...64-row tiles at another
     sparse = tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run, density=0.03)
     assert (dense["BLOCK_M"], sparse["BLOCK_M"]) == (128, 64)
-    assert capsys.readouterr().err.count("tuned lay") == 2
+    assert caplog.text.count("tuned lay") == 2
+    caplog.clear()
     assert tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run, density=0.035) == sparse
     assert tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run, density=0.45) == dense
-    assert "tuned" not in capsys.readouterr().err, "same buckets: found, not tuned again"
+    assert "tuned" not in caplog.text, "same buckets: found, not tuned again"
 
 
 def test_a_call_with_kept_tables_passes_their_density_to_the_tuner(monkeypatch):

@@ -112,9 +112,9 @@ def test_compile_reports_the_fraction_of_tiles_visited(name, n, expect, tmp_path
     assert float(frac) == pytest.approx(want_visited / want_total, abs=5e-4)
 
 
-def test_compile_len_beyond_the_dense_limit_says_so(tmp_path, capsys):
-    assert main(["compile", str(EXAMPLES / "causal.attn"), "-o", str(tmp_path), "--len", "9000"]) == 0
-    assert "needs --len <= 8192" in capsys.readouterr().out
+def test_compile_len_beyond_the_dense_limit_is_an_error(tmp_path, capsys):
+    assert main(["compile", str(EXAMPLES / "causal.attn"), "-o", str(tmp_path), "--len", "9000"]) == 2
+    assert "error: --len 9000" in capsys.readouterr().err
 
 
 def test_compile_missing_spec_exits_2_without_traceback(tmp_path):
@@ -268,7 +268,7 @@ def test_tile_visit_fraction_matches_a_naive_loop():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_bench_without_a_gpu_exits_2(capsys):
     assert main(["bench", str(EXAMPLES / "causal.attn")]) == 2
-    assert capsys.readouterr().err.strip() == "attncc bench needs a CUDA GPU; none was found"
+    assert capsys.readouterr().err.strip() == "error: attncc bench needs a CUDA GPU; none was found"
 
 
 @pytest.mark.parametrize("spec", ALL_EXAMPLES, ids=lambda p: p.stem)
