@@ -32,6 +32,13 @@ def compile(spec, **options):
     return compile_variant(load(spec), **options)
 
 
-__all__ = ["compile", "load", "parse", "parse_file", "reference", "variant", "Variant",
+def varlen(spec, **options):
+    """A kernel over packed variable-length sequences (flash-attn's cu_seqlens form):
+    vk(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **inputs)."""
+    from .packed import varlen as make
+    return make(spec, **options)
+
+
+__all__ = ["compile", "varlen", "load", "parse", "parse_file", "reference", "variant", "Variant",
            "where", "isin", "chance", "minimum", "maximum", "exp", "log", "tanh", "sqrt",
            "AttnccError", "SpecError", "CallError", "NoGPUError"]
