@@ -10,6 +10,7 @@ from .errors import AttnccError, CallError, NoGPUError, SpecError
 from .ir import Variant
 from .parser import parse, parse_file
 from .reference import reference
+from . import flash  # attncc.flash.flash_attn_func, flash_attn_varlen_func
 
 __version__ = "0.1.0"
 
