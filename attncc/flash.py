@@ -111,8 +111,16 @@ def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slope
                 softmax_scale=None if softmax_scale is None else float(softmax_scale))
 
 
-def _compiled(options: dict, packed: bool):
-    """The kernel (or varlen kernel) for these options, compiled on first use."""
+def kernel_for(*, packed: bool = False, **options):
+    """The compiled kernel (with packed=True, the varlen kernel) that calls with these
+    `variant_text` options run, compiled on first use and kept (CACHE_SIZE of them)."""
+    options = dict(dict(causal=False, window_size=(-1, -1), softcap=0.0, alibi=None,
+                        dropout_p=0.0, softmax_scale=None), **options)
+    options["window_size"] = tuple(int(w) for w in options["window_size"])
+    for name in ("softcap", "dropout_p"):
+        options[name] = float(options[name])
+    if options["softmax_scale"] is not None:
+        options["softmax_scale"] = float(options["softmax_scale"])
     key = (packed, *sorted(options.items()))
     kernel = _KERNELS.get(key)
     if kernel is None:
@@ -151,7 +159,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     _check_layout("v", v, "(batch, seqlen_k, nheads_k, headdim)", 4)
     options = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                        deterministic, return_attn_probs)
-    kernel = _compiled(options, packed=False)
+    kernel = kernel_for(packed=False, **options)
     inputs = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
     # (batch, seqlen, heads, dim) read as (batch, heads, seqlen, dim) through strides.
     result = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -184,7 +192,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _check_layout("v", v, "(total_k, nheads_k, headdim)", 3)
     options = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                        deterministic, return_attn_probs)
-    kernel = _compiled(options, packed=True)
+    kernel = kernel_for(packed=True, **options)
     inputs = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
     result = kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     return_lse=return_attn_probs, dropout_seed=dropout_seed, **inputs)

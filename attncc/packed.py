@@ -3,11 +3,11 @@
 `attncc.varlen(spec)` takes q, k, v packed as (total, heads, dim) with flash-attn's
 `cu_seqlens_q`/`cu_seqlens_k` (int32 sequence starts, then the total) and runs them as
 one batch of one long sequence, viewed as (1, heads, total, dim) without a copy. No
-kernel changes: the variant is rewritten (`varlen_variant`) so that
+kernel changes: the variant is rewritten (`varlen_variant`; see `_Rewrite`) so that
 
-  * `q`, `k` become positions within their sequence, read from per-position inputs
-    (`varlen_pos_q[q]`, `varlen_pos_k[k]`), `len_q`, `len_k` the lengths of that
-    sequence, and `b` the sequence index;
+  * `q`, `k` count from their sequence's start, `len_q`, `len_k` are that sequence's
+    lengths and `b` its index, all read from per-position int32 inputs derived from
+    cu_seqlens (`varlen_...[q]`, `varlen_...[k]`);
   * the mask gains `varlen_seq_q[q] == varlen_seq_k[k]` (the sequence of each position).
 
 The interval analysis then classifies tiles from per-block min/max summaries of these
@@ -284,7 +284,8 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, total_name: str, d
         raise CallError(f"{name} must be 1-D with one entry per sequence plus one "
                         f"(batch + 1,), got shape {tuple(cu.shape)}")
     if cu.device != device:
-        raise CallError(f"{name} is on {cu.device} but q is on {device}; move it with .to(q.device)")
+        raise CallError(f"{name} is on {cu.device} but q is on {device}; move it with "
+                        ".to(q.device)")
     if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 0:
         raise CallError(f"{max_name} must be a non-negative int, got {max_seqlen!r}")
     values = cu.tolist()
@@ -360,8 +361,10 @@ class _PackingCache:
             if entry is not None:
                 self.entries.move_to_end(key)
                 return entry[0]
-        values_q = check_cu_seqlens("cu_seqlens_q", cu_q, total_q, "q", device, max_q, "max_seqlen_q")
-        values_k = check_cu_seqlens("cu_seqlens_k", cu_k, total_k, "k", device, max_k, "max_seqlen_k")
+        values_q = check_cu_seqlens("cu_seqlens_q", cu_q, total_q, "q", device, max_q,
+                                    "max_seqlen_q")
+        values_k = check_cu_seqlens("cu_seqlens_k", cu_k, total_k, "k", device, max_k,
+                                    "max_seqlen_k")
         if len(values_q) != len(values_k):
             raise CallError(f"cu_seqlens_q has {len(values_q)} entries and cu_seqlens_k "
                             f"{len(values_k)}; both must hold one entry per sequence plus one")

@@ -256,8 +256,7 @@ def speed(args, dev, dtype, smoke):
     ours = lambda: flash_attn_varlen_func(qp, kp, vp, cu, cu, max(lens), max(lens), causal=True)
     want = ours().detach().float()
     row["attncc"] = _time(bench, *fwd_bwd(ours, (qp, kp, vp), dop))
-    vk = attncc.flash._compiled(attncc.flash._options(0.0, None, True, (-1, -1), 0.0, None,
-                                                      False, False), packed=True)
+    vk = attncc.flash.kernel_for(packed=True, causal=True)
     row["tile_density_128"] = vk.density(qp, kp, vp, cu, cu, max(lens), max(lens), block=128)
     doc = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev))
     row["dense_density_128"] = _document_causal_density(doc, 128)

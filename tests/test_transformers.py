@@ -131,11 +131,12 @@ def test_masks_it_does_not_read_are_refused_naming_the_pair():
     # Chunked attention (Llama 4) is causal within chunks of 3: attncc's causal reading
     # would let query 3 see keys 0 to 2.
     from transformers.masking_utils import chunked_causal_mask_function
-    info = hf.attncc_mask(batch_size=1, q_length=8, kv_length=8,
-                          mask_function=chunked_causal_mask_function(3, torch.zeros(1, dtype=torch.long)))
+    chunked = chunked_causal_mask_function(3, torch.zeros(1, dtype=torch.long))
+    info = hf.attncc_mask(batch_size=1, q_length=8, kv_length=8, mask_function=chunked)
     q = torch.randn(1, 2, 8, 16, device=DEVICE)
-    with pytest.raises(CallError, match=r"transformers' mask for this layer forbids query 3 to "
-                                        r"attend key 0 \(batch 0\), but attncc reads the layer as `k <= q`"):
+    with pytest.raises(CallError, match=r"transformers' mask for this layer forbids query 3 "
+                                        r"to attend key 0 \(batch 0\), but attncc reads the "
+                                        r"layer as `k <= q`"):
         hf._REGISTERED["attncc"](_Layer(), q, q, q, info)
     with pytest.raises(CallError, match=r"not as attncc's MaskInfo"):
         hf._REGISTERED["attncc"](_Layer(), q, q, q, torch.ones(1, 1, 8, 8, dtype=torch.bool))

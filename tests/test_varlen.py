@@ -103,7 +103,8 @@ def sorted_ids(gen, n, high=3):
      lambda gen, cq, ck: {"doc_q": (d := sorted_ids(gen, int(cq[-1]))), "doc_k": d,
                           "bias": torch.randn(len(RAGGED), 2, generator=gen).to(DEVICE)}),
     # A position input read at a computed index reads within the sequence.
-    ("attention shifted { input w: f32[k] mask k <= q score s + w[min(k + 1, len_k - 1)] }", None, (2, 2),
+    ("attention shifted { input w: f32[k] mask k <= q score s + w[min(k + 1, len_k - 1)] }",
+     None, (2, 2),
      lambda gen, cq, ck: {"w": torch.randn(int(ck[-1]), generator=gen).to(DEVICE)}),
     ("attention softcap_full { score 5.0 * tanh(s / 5.0) }", [3, 2, 6, 11, 1], (2, 2), None),
 ], ids=["causal", "bottom_right_gqa", "window_alibi_mqa", "documents_and_batch_input",
@@ -248,13 +249,17 @@ int32 = lambda values: torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
 
 @pytest.mark.parametrize("changes, match", [
-    (dict(cu_seqlens_q=torch.tensor([0, 4, 10], device=DEVICE)), r"cu_seqlens_q has dtype torch.int64; it must be torch.int32"),
+    (dict(cu_seqlens_q=torch.tensor([0, 4, 10], device=DEVICE)),
+     r"cu_seqlens_q has dtype torch.int64; it must be torch.int32"),
     (dict(cu_seqlens_k=int32([[0, 4, 10]])), r"cu_seqlens_k must be 1-D"),
-    (dict(cu_seqlens_q=int32([0, 7, 4, 10])), r"cu_seqlens_q must be non-decreasing .* entry 2 \(4\) is less than entry 1 \(7\)"),
+    (dict(cu_seqlens_q=int32([0, 7, 4, 10])),
+     r"cu_seqlens_q must be non-decreasing .* entry 2 \(4\) is less than entry 1 \(7\)"),
     (dict(cu_seqlens_k=int32([2, 4, 10])), r"cu_seqlens_k must start at 0, got 2"),
     (dict(cu_seqlens_q=int32([0, 4, 9])), r"cu_seqlens_q ends at 9, but q has 10 tokens"),
-    (dict(cu_seqlens_k=int32([0, 10]), max_seqlen_k=10), r"cu_seqlens_q has 3 entries and cu_seqlens_k 2"),
-    (dict(max_seqlen_q=5), r"max_seqlen_q=5 is smaller than the longest sequence \(sequence 1 has 6 tokens\)"),
+    (dict(cu_seqlens_k=int32([0, 10]), max_seqlen_k=10),
+     r"cu_seqlens_q has 3 entries and cu_seqlens_k 2"),
+    (dict(max_seqlen_q=5),
+     r"max_seqlen_q=5 is smaller than the longest sequence \(sequence 1 has 6 tokens\)"),
     (dict(max_seqlen_k=6.0), r"max_seqlen_k must be a non-negative int, got 6.0"),
     (dict(cu_seqlens_q=[0, 4, 10]), r"cu_seqlens_q must be a torch.Tensor"),
     (dict(q=torch.randn(1, 10, 2, 16)), r"q must have 3 dimensions \(total_q, heads, dim\)"),

@@ -169,15 +169,18 @@ class _Attention:
         if info is not None:
             if (info.q_length, info.kv_length) != (q_len, kv_len):
                 raise CallError(f"the model's mask was made for {info.q_length} queries and "
-                                f"{info.kv_length} keys, but the attention got {q_len} and {kv_len}")
+                                f"{info.kv_length} keys, but the attention got {q_len} and "
+                                f"{kv_len}")
             q_offset, k_offset = info.q_offset, info.kv_offset
         else:
             # No mask at all: the queries are the last ones (a KV cache), as in SDPA's path.
             q_offset, k_offset = (kv_len - q_len if causal and kv_len > q_len else 0), 0
         sequence_ids = _packed_sequence_ids(info, kwargs.get("position_ids"), batch, q_len, kv_len)
         keep = info.keep if info is not None else None
-        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-            raise CallError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+        if sliding_window is not None and (not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise CallError(f"sliding_window must be a positive int or None, got "
+                            f"{sliding_window!r}")
         p = self.variant.dropout if self.variant is not None and self.variant.dropout else dropout
         reading = (bool(causal), sliding_window, keep is not None, sequence_ids is not None)
         kernel = self._kernel(reading, softcap, scaling, dim, float(p or 0.0))
@@ -284,8 +287,9 @@ def _check_reading(info: MaskInfo, model: ir.Variant, inputs: dict, dim: int, de
         differ = expected != got
         if bool(differ.any()):
             b, _, i, j = (int(x) for x in differ.nonzero()[0])
+            verdict = "allows" if expected[b, 0, i, j] else "forbids"
             raise CallError(
-                f"transformers' mask for this layer {'allows' if expected[b, 0, i, j] else 'forbids'} "
+                f"transformers' mask for this layer {verdict} "
                 f"query {info.q_offset + start + i} to attend key {info.kv_offset + j} (batch "
                 f"{b}), but attncc reads the layer as `{model.mask and _text(model.mask)}`: the "
                 "model's mask holds a pattern attncc's integration does not read (chunked "
