@@ -25,6 +25,7 @@ and must be read as `x[b, ...]`; it is gathered per packed query position on the
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections import OrderedDict
 
 import torch
@@ -286,7 +287,8 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, total_name: str, d
     if cu.device != device:
         raise CallError(f"{name} is on {cu.device} but q is on {device}; move it with "
                         ".to(q.device)")
-    if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 0:
+    if (not isinstance(max_seqlen, numbers.Integral) or isinstance(max_seqlen, bool)
+            or max_seqlen < 0):
         raise CallError(f"{max_name} must be a non-negative int, got {max_seqlen!r}")
     values = cu.tolist()
     if values[0] != 0:
