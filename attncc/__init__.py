@@ -10,6 +10,7 @@ from .errors import AttnccError, CallError, NoGPUError, SpecError
 from .ir import Variant
 from .parser import parse, parse_file
 from .reference import reference
+from . import flash  # attncc.flash.flash_attn_func, flash_attn_varlen_func
 
 __version__ = "0.1.0"
 
@@ -61,6 +62,13 @@ def _compile_option_hint(name: str, value) -> str:
             f"(a path, spec text or Variant) and config={_CONFIG_EXAMPLE} to pin tiles")
 
 
-__all__ = ["compile", "load", "parse", "parse_file", "reference", "variant", "Variant",
+def varlen(spec, **options):
+    """A kernel over packed variable-length sequences (flash-attn's cu_seqlens form):
+    vk(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **inputs)."""
+    from .packed import varlen as make
+    return make(spec, **options)
+
+
+__all__ = ["compile", "varlen", "load", "parse", "parse_file", "reference", "variant", "Variant",
            "where", "isin", "chance", "minimum", "maximum", "exp", "log", "tanh", "sqrt",
            "AttnccError", "SpecError", "CallError", "NoGPUError"]

@@ -78,6 +78,8 @@ def test_installed_package_carries_its_grammar_and_templates(venv):
         assert any(resources.templates_dir().glob("*.jinja"))
         v = attncc.parse_file({str(example)!r})
         assert v.name == "sliding_window" and v.param("window").value == 1024
+        import attncc.flash, attncc.packed, attncc.integrations.transformers
+        assert Path(attncc.integrations.transformers.__file__).resolve().is_relative_to(site)
         print("ok", resources.grammar_path())
     """)
     # -I: isolated mode, so neither the working directory nor PYTHONPATH can put the

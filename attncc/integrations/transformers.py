@@ -1,0 +1,337 @@
+"""Hugging Face transformers: attncc kernels behind `attn_implementation="attncc"`.
+
+`register(name, variant)` adds two entries under one name: an attention function to
+transformers' `AttentionInterface`, and a mask function to its
+`AttentionMaskInterface`. The mask function materialises nothing: it hands the
+attention function a `MaskInfo` (the 2D padding mask as a per-key keep vector, the
+query and key offsets that a KV cache gives, and transformers' own mask function). The
+attention function turns the layer's arguments into one attncc variant per kind of
+layer, with no S x S mask:
+
+  * causal (`is_causal`, else the module's), with absolute positions from the offsets;
+  * `sliding_window` W: `q - k < W` when causal, `abs(q - k) <= W` when not, as
+    transformers' masks define it;
+  * padding: `keep[b, k]`, only when some key is padded;
+  * packed sequences (`position_ids` restarting inside a row, where transformers'
+    mask keeps them apart: it does so without a padding mask and a cache):
+    `seq[b, q] == seq[b, k]`;
+  * `softcap`, `scaling` and `dropout` as the model passes them;
+  * and the variant given to `register`, whose mask is conjoined with all of the above
+    and whose score is applied before the softcap.
+
+With `check_masks=True` (the default) the first layer of each kind in a forward pass
+compares that reading with the boolean mask transformers' own `sdpa_mask` builds from
+the same arguments, a block of query rows at a time, and raises a CallError naming the
+first pair where they differ: a model whose mask holds more (chunked attention,
+bidirectional image-token blocks, a custom mask function) is refused, never run with
+the wrong mask. The check costs O(batch x len_q x len_k) boolean work and one host
+synchronisation per mask per forward; turn it off once a model is known to pass
+(and under torch.compile, which cannot trace it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+
+from .. import ir
+from ..errors import CallError
+from ..parser import parse
+
+# transformers dispatches on these substrings of a name (and on "eager" itself):
+# registering under them would shadow its own implementations or their checks.
+_RESERVED = ("sdpa", "flex_attention", "flash_attention")
+_REGISTERED: dict = {}  # name -> _Attention
+KEEP, SEQ = "hf_keep", "hf_seq"  # the inputs the model's masks add to a variant
+CHECK_ELEMENTS = 1 << 24  # booleans compared per block of query rows
+
+
+MIN_VERSION = (5, 17)  # the mask interface's (q_length, q_offset) arguments; tested on 5.23 too
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("attncc.integrations.transformers needs Hugging Face transformers: "
+                          "pip install 'attncc[hf]'") from e
+    version = tuple(int(x) for x in transformers.__version__.split(".")[:2] if x.isdigit())
+    if version < MIN_VERSION:
+        raise ImportError(f"attncc.integrations.transformers needs transformers >= "
+                          f"{'.'.join(map(str, MIN_VERSION))}, found {transformers.__version__}: "
+                          "pip install -U 'attncc[hf]'")
+    return transformers
+
+
+@dataclasses.dataclass(eq=False)
+class MaskInfo:
+    """What attncc's mask function hands the attention function in place of a mask."""
+    batch_size: int
+    q_length: int
+    kv_length: int
+    q_offset: int
+    kv_offset: int
+    keep: torch.Tensor | None  # (batch, kv_offset + kv_length) bool; None: nothing padded
+    mask_function: Callable
+    attention_mask: torch.Tensor | None  # the 2D mask as transformers received it
+    use_vmap: bool
+    checked: set = dataclasses.field(default_factory=set)  # readings already compared
+    sequence_ids: dict = dataclasses.field(default_factory=dict)  # id(position_ids) -> ids
+
+
+def attncc_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+                mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
+                use_vmap: bool = False, **kwargs) -> MaskInfo:
+    """The mask function attncc registers: no mask is built, only what it describes."""
+    q_offset, kv_offset = int(q_offset), int(kv_offset)
+    keep = None
+    if attention_mask is not None:
+        # As transformers' prepare_padding_mask: indexed by absolute key position, keys
+        # past the 2D mask are padding.
+        width = kv_offset + kv_length
+        keep = attention_mask.to(torch.bool)[:, :width]
+        if keep.shape[1] < width:
+            keep = torch.nn.functional.pad(keep, (0, width - keep.shape[1]), value=False)
+        if bool(keep[:, kv_offset:].all()):
+            keep = None  # nothing padded: the kernels need no keep vector
+        else:
+            keep = keep.contiguous()
+    return MaskInfo(batch_size, q_length, kv_length, q_offset, kv_offset, keep, mask_function,
+                    attention_mask, bool(use_vmap))
+
+
+def _packed_sequence_ids(info: MaskInfo, position_ids, batch: int, q_len: int, kv_len: int):
+    """Sequence ids (batch, len) int32 when `position_ids` packs several sequences into a
+    row and the model's mask keeps them apart, else None. transformers separates packed
+    sequences only in some calls (no padding mask, no cache), so its mask function is
+    asked: may the first token of the second sequence see the last token of the first?"""
+    if (position_ids is None or info is None or info.mask_function is None or info.q_offset
+            or info.kv_offset or q_len != kv_len or position_ids.shape[-1] != q_len):
+        return None
+    key = (id(position_ids), position_ids._version)
+    if key not in info.sequence_ids:
+        position_ids = position_ids.expand(batch, -1)
+        # A new sequence starts wherever the position does not follow the previous one.
+        starts = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1
+        ids = starts.cumsum(-1).to(torch.int32)
+        packed = ids[:, -1] > 0
+        separated = False
+        if bool(packed.any()):
+            b = int(packed.nonzero()[0, 0])
+            first = int((ids[b] == 1).nonzero()[0, 0])
+            index = lambda i: torch.tensor(i, device=position_ids.device)
+            separated = not bool(info.mask_function(index(b), index(0), index(first),
+                                                    index(first - 1)))
+        info.sequence_ids[key] = ids.contiguous() if separated else None
+    return info.sequence_ids[key]
+
+
+class _Attention:
+    """The attention function registered under one name, and its compiled kernels."""
+
+    CACHE_SIZE = 32
+
+    def __init__(self, name: str, variant: ir.Variant | None, inputs, check_masks: bool):
+        self.name = name
+        self.variant = variant
+        self.inputs = inputs
+        self.check_masks = check_masks
+        self.kernels: OrderedDict = OrderedDict()
+        if variant is not None:
+            clash = {d.name for d in variant.inputs} & {KEEP, SEQ}
+            if clash:
+                raise CallError(f"variant '{variant.name}' declares {sorted(clash)[0]!r}, a name "
+                                "attncc's transformers integration uses for the model's masks; "
+                                "rename it")
+
+    def __call__(self, module, query, key, value, attention_mask, dropout: float = 0.0,
+                 scaling: float | None = None, is_causal: bool | None = None,
+                 sliding_window: int | None = None, softcap: float | None = None, **kwargs):
+        for unsupported in ("s_aux", "position_bias", "sinks"):
+            if kwargs.get(unsupported) is not None:
+                raise CallError(f"the model passes `{unsupported}` to its attention, which "
+                                f"attncc's transformers integration does not implement; use "
+                                f"another attn_implementation for this model")
+        if attention_mask is not None and not isinstance(attention_mask, MaskInfo):
+            shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else None
+            raise CallError(
+                f"attention_mask reached attn_implementation={self.name!r} as a "
+                f"{type(attention_mask).__name__} of shape {shape}, not as attncc's MaskInfo: "
+                "attncc reads the model's mask through the mask function registered with it, "
+                "so pass a 2D padding mask (batch, seq) to the model, not a prepared 4D mask")
+        info = attention_mask
+        batch, heads, q_len, dim = query.shape
+        kv_len = key.shape[2]
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        if info is not None:
+            if (info.q_length, info.kv_length) != (q_len, kv_len):
+                raise CallError(f"the model's mask was made for {info.q_length} queries and "
+                                f"{info.kv_length} keys, but the attention got {q_len} and "
+                                f"{kv_len}")
+            q_offset, k_offset = info.q_offset, info.kv_offset
+        else:
+            # No mask at all: the queries are the last ones (a KV cache), as in SDPA's path.
+            q_offset, k_offset = (kv_len - q_len if causal and kv_len > q_len else 0), 0
+        sequence_ids = _packed_sequence_ids(info, kwargs.get("position_ids"), batch, q_len, kv_len)
+        keep = info.keep if info is not None else None
+        if sliding_window is not None and (not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise CallError(f"sliding_window must be a positive int or None, got "
+                            f"{sliding_window!r}")
+        p = self.variant.dropout if self.variant is not None and self.variant.dropout else dropout
+        reading = (bool(causal), sliding_window, keep is not None, sequence_ids is not None)
+        kernel = self._kernel(reading, softcap, scaling, dim, float(p or 0.0))
+        inputs = dict(self._user_inputs(module))
+        if keep is not None:
+            inputs[KEEP] = keep
+        if sequence_ids is not None:
+            inputs[SEQ] = sequence_ids
+        if (self.check_masks and info is not None and info.mask_function is not None
+                and reading not in info.checked):
+            _check_reading(info, model_mask_variant(*reading), inputs, dim, query.device)
+            info.checked.add(reading)
+        # The model passes dropout 0 in evaluation; a registered variant's own dropout
+        # follows the module's training flag, as nn.Dropout does.
+        training = bool(getattr(module, "training", True))
+        out = kernel(query, key, value, q_offset=q_offset, k_offset=k_offset, training=training,
+                     **inputs)
+        return out.transpose(1, 2).contiguous(), None  # (batch, seq, heads, dim)
+
+    def _user_inputs(self, module) -> dict:
+        if self.inputs is None:
+            return {}
+        return self.inputs(module) if callable(self.inputs) else self.inputs
+
+    def _kernel(self, reading, softcap, scaling, dim, dropout_p):
+        key = (reading, softcap, scaling, dim, dropout_p)
+        kernel = self.kernels.get(key)
+        if kernel is None:
+            from .. import compile as compile_variant
+            kernel = compile_variant(self._variant(reading, softcap, scaling, dim, dropout_p))
+            self.kernels[key] = kernel
+            if len(self.kernels) > self.CACHE_SIZE:
+                self.kernels.popitem(last=False)
+        else:
+            self.kernels.move_to_end(key)
+        return kernel
+
+    def _variant(self, reading, softcap, scaling, dim, dropout_p) -> ir.Variant:
+        """The variant for one kind of layer: the model's masks, the registered variant's
+        mask and score, then the softcap."""
+        from ..checker import check_variant
+        model = model_mask_variant(*reading)
+        base = self.variant or ir.Variant(name="hf")
+        mask = model.mask
+        if base.mask is not None:
+            mask = base.mask if mask is None else ir.And(base.mask, mask)
+        score = base.score
+        if softcap is not None and softcap > 0:
+            cap = ir.Const(float(softcap), ir.FLOAT)
+            s = score if score is not None else ir.Var("s")
+            score = ir.BinOp("*", cap, ir.Call("tanh", (ir.BinOp("/", s, cap),)))
+        scale = base.scale
+        if scale is None and scaling is not None and not math.isclose(scaling, dim ** -0.5,
+                                                                     rel_tol=1e-12):
+            scale = ir.Const(float(scaling), ir.FLOAT)
+        variant = dataclasses.replace(
+            base, name=f"{base.name}_{model.name}", mask=mask, score=score, scale=scale,
+            inputs=base.inputs + model.inputs, dropout=dropout_p or None)
+        return check_variant(variant)
+
+
+def model_mask_variant(causal: bool, sliding_window: int | None, padded: bool,
+                       packed: bool) -> ir.Variant:
+    """The masks transformers gives a layer, as a variant (no score): see the module doc."""
+    name, inputs, mask = ["hf"], [], []
+    if causal:
+        name.append("causal")
+        mask.append("k <= q")
+    if sliding_window is not None:
+        name.append(f"window{sliding_window}")
+        mask.append(f"q - k < {sliding_window}" if causal else f"abs(q - k) <= {sliding_window}")
+    if padded:
+        name.append("padded")
+        inputs.append(f"input {KEEP}: bool[b, k]")
+        mask.append(f"{KEEP}[b, k]")
+    if packed:
+        name.append("packed")
+        inputs.append(f"input {SEQ}: i32[b, q]")
+        mask.append(f"{SEQ}[b, q] == {SEQ}[b, k]")
+    body = "\n".join(inputs + ([f"mask {' and '.join(mask)}"] if mask else []))
+    return parse(f"attention {'_'.join(name)} {{\n{body}\n}}")
+
+
+def _check_reading(info: MaskInfo, model: ir.Variant, inputs: dict, dim: int, device):
+    """Compare attncc's reading of the model's mask with transformers' own boolean mask,
+    a block of query rows at a time; raise naming the first pair that differs."""
+    from transformers.masking_utils import sdpa_mask
+
+    from ..arguments import Problem
+    from ..reference import allowed_pairs
+    B, Lq, Lk = info.batch_size, info.q_length, info.kv_length
+    rows = max(1, CHECK_ELEMENTS // max(1, B * Lk))
+    for start in range(0, Lq, rows):
+        n = min(rows, Lq - start)
+        expected = sdpa_mask(batch_size=B, q_length=n, kv_length=Lk,
+                             q_offset=info.q_offset + start, kv_offset=info.kv_offset,
+                             mask_function=info.mask_function, attention_mask=info.attention_mask,
+                             allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
+                             use_vmap=info.use_vmap, device=device)
+        expected = expected.expand(B, 1, n, Lk)
+        problem = Problem(B, 1, 1, n, Lk, dim, dim, info.q_offset + start, info.kv_offset)
+        got = allowed_pairs(model, problem, {k: v for k, v in inputs.items()
+                                             if k in (KEEP, SEQ)}, device).expand(B, 1, n, Lk)
+        differ = expected != got
+        if bool(differ.any()):
+            b, _, i, j = (int(x) for x in differ.nonzero()[0])
+            verdict = "allows" if expected[b, 0, i, j] else "forbids"
+            raise CallError(
+                f"transformers' mask for this layer {verdict} "
+                f"query {info.q_offset + start + i} to attend key {info.kv_offset + j} (batch "
+                f"{b}), but attncc reads the layer as `{model.mask and _text(model.mask)}`: the "
+                "model's mask holds a pattern attncc's integration does not read (chunked "
+                "attention, bidirectional blocks, a custom mask function). Use another "
+                "attn_implementation for this model, or register a variant whose mask "
+                "expresses the pattern")
+
+
+def _text(e) -> str:
+    from ..printer import print_expr
+    return print_expr(e)
+
+
+def register(name: str = "attncc", variant=None, *, inputs=None,
+             check_masks: bool = True) -> str:
+    """Register attncc under `name` in transformers' AttentionInterface and
+    AttentionMaskInterface, so that `attn_implementation=name` runs a model's attention
+    through attncc kernels. Returns the name.
+
+    `variant` (a Variant, spec text or path, or a compiled kernel) adds its mask and score
+    to every layer; its `inputs` are a dict of tensors, or a function of the attention
+    module returning one. `check_masks` compares attncc's reading of each mask with
+    transformers' (see the module docstring)."""
+    transformers = _transformers()
+    if not isinstance(name, str) or not name or "/" in name or ":" in name or "|" in name:
+        raise CallError(f"name must be a plain name such as 'attncc' (no '/', ':' or '|', which "
+                        f"transformers reads as hub kernels or prefixes), got {name!r}")
+    reserved = "eager" if name == "eager" else next((r for r in _RESERVED if r in name), None)
+    if reserved:
+        raise CallError(f"name {name!r} contains '{reserved}', which transformers treats as its "
+                        "own attention implementation; choose another name, such as 'attncc'")
+    if variant is not None:
+        from .. import load
+        variant = load(getattr(variant, "variant", variant))  # a compiled kernel's variant
+    attention = _Attention(name, variant, inputs, check_masks)
+    from transformers.masking_utils import AttentionMaskInterface
+    transformers.AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, attncc_mask)
+    _REGISTERED[name] = attention
+    return name
+
+
+def registered() -> list:
+    """The names registered through attncc in this process."""
+    return sorted(_REGISTERED)

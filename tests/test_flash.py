@@ -1,0 +1,252 @@
+"""attncc.flash against flash-attn's documented semantics.
+
+The truth here is `flash_semantics`, written from flash-attn's docstrings
+(flash_attn/flash_attn_interface.py) with torch ops, not from the variants attncc
+generates, so a mistranslation of an option fails: bottom-right causal when
+seqlen_q != seqlen_k, window_size=(left, right) meaning keys [i + seqlen_k - seqlen_q -
+left, i + seqlen_k - seqlen_q + right] with -1 unbounded, softcap * tanh(s / softcap) of
+the scaled score, ALiBi adding -slope * |i + seqlen_k - seqlen_q - j|, rows attending
+to nothing giving 0.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attncc
+from attncc.errors import CallError
+from attncc.flash import flash_attn_func, flash_attn_varlen_func, variant_text
+from attncc.tolerance import gradient_scales, max_abs_error, within_tolerance
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def flash_semantics(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, softmax_scale=None):
+    """flash-attn's attention, densely: q (batch, seqlen_q, nheads, d), k and v (batch,
+    seqlen_k, nheads_k, d). Returns out (batch, seqlen_q, nheads, d), lse (batch, nheads,
+    seqlen_q) with -inf for rows that attend to nothing."""
+    B, Sq, H, D = q.shape
+    Sk, group = k.shape[1], H // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scale = D ** -0.5 if softmax_scale is None else softmax_scale
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(Sq, device=q.device).view(-1, 1)
+    j = torch.arange(Sk, device=q.device).view(1, -1)
+    diagonal = i + Sk - Sq  # query i's key-axis position, bottom-right aligned
+    allowed = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed &= j <= diagonal
+    left, right = window_size
+    if left >= 0:
+        allowed &= j >= diagonal - left
+    if right >= 0:
+        allowed &= j <= diagonal + right
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(s.dtype)
+        slopes = slopes.view(1, H, 1, 1) if slopes.dim() == 1 else slopes.view(B, H, 1, 1)
+        s = s - slopes * (diagonal - j).abs()
+    s = s.masked_fill(~allowed, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.where(allowed, torch.exp(s - torch.where(allowed.any(-1, keepdim=True),
+                                                        lse.unsqueeze(-1), 0)), 0)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
+
+
+def assert_close(got, ref, eager, tensors, do, *, scale=None):
+    """attncc/tolerance.py's rule on out, lse, dq, dk, dv (q, k, v in any layout with the
+    head dim last)."""
+    q, k, _ = tensors
+    group = q.shape[-2] // k.shape[-2]
+    scales = gradient_scales(q, k, ref[0], do, scale or q.shape[-1] ** -0.5, group)
+    for name, g, r, e in zip(["out", "lse", "dq", "dk", "dv"], got, ref, eager):
+        err, eager_err = max_abs_error(g, r), max_abs_error(e, r)
+        assert within_tolerance(err, eager_err, torch.float32, r, scales.get(name, 1.0)), (
+            f"{name}: kernel error {err:.3g} vs eager {eager_err:.3g}")
+
+
+def run(fn, tensors, do, dtype):
+    leaves = [t.to(dtype).requires_grad_() for t in tensors]
+    out, lse = fn(*leaves)
+    return [out, lse, *torch.autograd.grad(out, leaves, do.to(dtype))]
+
+
+CASES = {
+    "causal_fewer_queries_gqa": dict(shape=(2, 9, 21, 4, 2), causal=True),
+    "causal_more_queries_mqa": dict(shape=(1, 23, 7, 3, 1), causal=True),  # empty rows
+    "window_both_sides": dict(shape=(2, 19, 26, 2, 2), window_size=(3, 2)),
+    "causal_window_softcap_scale": dict(shape=(1, 33, 33, 2, 1), causal=True,
+                                        window_size=(5, 7), softcap=2.5, softmax_scale=0.4),
+    "alibi_per_head": dict(shape=(2, 17, 11, 2, 2), alibi="h"),
+    "alibi_per_batch_causal_window": dict(shape=(2, 14, 20, 4, 2), alibi="bh", causal=True,
+                                          window_size=(6, -1)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_flash_attn_func_follows_flash_attns_semantics(case):
+    opts = dict(CASES[case])
+    B, Sq, Sk, H, Hkv = opts.pop("shape")
+    D = 16
+    gen = torch.Generator().manual_seed(len(case))
+    q = torch.randn(B, Sq, H, D, generator=gen).to(DEVICE)
+    k, v = (torch.randn(B, Sk, Hkv, D, generator=gen).to(DEVICE) for _ in range(2))
+    do = torch.randn(B, Sq, H, D, generator=gen).to(DEVICE)
+    alibi = opts.pop("alibi", None)
+    if alibi:
+        opts["alibi_slopes"] = torch.rand((H,) if alibi == "h" else (B, H), generator=gen).to(DEVICE)
+
+    def kernel(q, k, v):
+        out, lse, probs = flash_attn_func(q, k, v, return_attn_probs=True, **opts)
+        assert probs is None
+        return out, lse
+
+    got = run(kernel, (q, k, v), do, torch.float32)
+    truth = lambda q, k, v: flash_semantics(q, k, v, **opts)
+    ref, eager = run(truth, (q, k, v), do, torch.float64), run(truth, (q, k, v), do, torch.float32)
+    assert_close(got, ref, eager, (q, k, v), do, scale=opts.get("softmax_scale"))
+    assert got[0].shape == (B, Sq, H, D) and got[0].is_contiguous()
+
+
+def test_dropout_matches_the_reference_of_the_generated_variant():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, do = (torch.randn(2, 13, 2, 16, generator=gen).to(DEVICE) for _ in range(4))
+    variant = attncc.parse(variant_text(causal=True, dropout_p=0.25))
+
+    def kernel(q, k, v):
+        return flash_attn_func(q, k, v, dropout_p=0.25, causal=True, return_attn_probs=True,
+                               dropout_seed=5)[:2]
+
+    def reference(q, k, v):
+        out, lse = attncc.reference(variant, q.transpose(1, 2), k.transpose(1, 2),
+                                    v.transpose(1, 2), dropout_seed=5, return_lse=True)
+        return out.transpose(1, 2), lse
+
+    got = run(kernel, (q, k, v), do, torch.float32)
+    ref = run(reference, (q, k, v), do, torch.float64)
+    eager = run(reference, (q, k, v), do, torch.float32)
+    assert_close(got, ref, eager, (q, k, v), do)
+    # Dropout is on: without it the output differs.
+    no_dropout = flash_semantics(q.double(), k.double(), v.double(), causal=True)[0]
+    assert max_abs_error(got[0], no_dropout) > 0.05
+
+
+def packed(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                        device=DEVICE)
+
+
+def test_varlen_follows_flash_attns_semantics_per_sequence():
+    # Ragged, a one-token sequence, an empty one, more keys than queries and fewer.
+    lens_q, lens_k = [6, 1, 0, 19, 8], [9, 4, 3, 19, 5]
+    opts = dict(causal=True, window_size=(4, -1), softcap=3.0)
+    H, Hkv, D = 4, 2, 16
+    gen = torch.Generator().manual_seed(2)
+    slopes = torch.rand(len(lens_q), H, generator=gen).to(DEVICE)
+    q = torch.randn(sum(lens_q), H, D, generator=gen).to(DEVICE)
+    k, v = (torch.randn(sum(lens_k), Hkv, D, generator=gen).to(DEVICE) for _ in range(2))
+    do = torch.randn(sum(lens_q), H, D, generator=gen).to(DEVICE)
+    cu_q, cu_k = packed(lens_q), packed(lens_k)
+
+    def kernel(q, k, v):
+        out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                             alibi_slopes=slopes, return_attn_probs=True, **opts)
+        return out, lse
+
+    def truth(q, k, v):  # each sequence alone, as a batch of one
+        outs, lses = [], []
+        bq, bk = cu_q.tolist(), cu_k.tolist()
+        for i in range(len(lens_q)):
+            if lens_q[i] == 0:
+                continue
+            out, lse = flash_semantics(q[bq[i]:bq[i + 1]][None], k[bk[i]:bk[i + 1]][None],
+                                       v[bk[i]:bk[i + 1]][None], alibi_slopes=slopes[i], **opts)
+            outs.append(out[0])
+            lses.append(lse[0])
+        return torch.cat(outs), torch.cat(lses, dim=1)
+
+    got = run(kernel, (q, k, v), do, torch.float32)
+    ref, eager = run(truth, (q, k, v), do, torch.float64), run(truth, (q, k, v), do, torch.float32)
+    assert_close(got, ref, eager, (q, k, v), do)
+    assert got[0].shape == (sum(lens_q), H, D) and got[1].shape == (H, sum(lens_q))
+
+
+def test_varlen_dropout_matches_the_packed_reference():
+    lens = [5, 1, 12]
+    cu = packed(lens)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, do = (torch.randn(18, 2, 16, generator=gen).to(DEVICE) for _ in range(4))
+    vk = attncc.varlen(variant_text(causal=True, dropout_p=0.2))
+
+    def kernel(q, k, v):
+        out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, 12, 12, dropout_p=0.2, causal=True,
+                                             return_attn_probs=True, dropout_seed=9)
+        return out, lse
+
+    reference = lambda q, k, v: vk.reference(q, k, v, cu, cu, 12, 12, dropout_seed=9,
+                                             return_lse=True)
+    got = run(kernel, (q, k, v), do, torch.float32)
+    ref = run(reference, (q, k, v), do, torch.float64)
+    eager = run(reference, (q, k, v), do, torch.float32)
+    assert_close(got, ref, eager, (q, k, v), do)
+
+
+def test_no_copy_of_q_k_v_and_one_compile_per_combination(monkeypatch):
+    q = torch.randn(2, 11, 4, 16, device=DEVICE)
+    k = torch.randn(2, 11, 2, 16, device=DEVICE)
+    flash_attn_func(q, k, k, causal=True, window_size=(3, -1))
+    kernel = attncc.flash.kernel_for(causal=True, window_size=(3, -1))
+    seen = []
+    forward = kernel.module.forward
+    def spy(q4, k4, v4, *args, **kwargs):
+        seen.append((q4, k4))
+        return forward(q4, k4, v4, *args, **kwargs)
+
+    monkeypatch.setattr(kernel.module, "forward", spy)
+    n_compiled = len(attncc.flash._KERNELS)
+    out = flash_attn_func(q, k, k, causal=True, window_size=(3, -7))  # negative = unbounded
+    assert len(attncc.flash._KERNELS) == n_compiled  # the same combination: no new kernel
+    (q4, k4), = seen
+    assert q4.data_ptr() == q.data_ptr() and q4.stride() == q.transpose(1, 2).stride()
+    assert k4.data_ptr() == k.data_ptr() and k4.stride() == k.transpose(1, 2).stride()
+    assert out.is_contiguous() and out.shape == q.shape
+    flash_attn_func(q, k, k, causal=True, window_size=(4, -1))
+    assert len(attncc.flash._KERNELS) == n_compiled + 1  # another window: compiled once more
+
+
+def _q(*shape):
+    return torch.randn(*shape, device=DEVICE)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: flash_attn_func(_q(2, 4, 16), _q(2, 4, 16), _q(2, 4, 16)),
+     r"q must have 4 dimensions \(batch, seqlen_q, nheads, headdim\)"),
+    (lambda: flash_attn_func(_q(1, 4, 2, 16), _q(1, 4, 2, 16), _q(1, 4, 2, 16), window_size=3),
+     r"window_size must be a pair of ints"),
+    (lambda: flash_attn_func(_q(1, 4, 2, 16), _q(1, 4, 2, 16), _q(1, 4, 2, 16), dropout_p=1.0),
+     r"dropout_p must be a probability in \[0, 1\)"),
+    (lambda: flash_attn_func(_q(1, 4, 2, 16), _q(1, 4, 2, 16), _q(1, 4, 2, 16),
+                             softcap=float("nan")), r"softcap must be a finite number"),
+    (lambda: flash_attn_func(_q(1, 4, 2, 16), _q(1, 4, 2, 16), _q(1, 4, 2, 16),
+                             alibi_slopes=_q(2).double()),
+     r"input 'alibi_slopes' has dtype torch.float64"),
+    (lambda: flash_attn_func(_q(1, 4, 2, 16), _q(1, 4, 2, 16), _q(1, 4, 2, 16),
+                             alibi_slopes=_q(1, 2, 3)),
+     r"alibi_slopes must be a float32 tensor of shape"),
+    (lambda: flash_attn_func(_q(1, 4, 3, 16), _q(1, 4, 2, 16), _q(1, 4, 2, 16)),
+     r"q has 3 heads, which is not a multiple of the 2 heads"),
+    (lambda: flash_attn_varlen_func(_q(4, 2, 16), _q(4, 2, 16), _q(4, 2, 16), packed([4]),
+                                    packed([4]), 4, 4, block_table=torch.zeros(1, 1)),
+     r"block_table \(paged KV cache\) is not supported"),
+    (lambda: flash_attn_varlen_func(_q(1, 4, 2, 16), _q(4, 2, 16), _q(4, 2, 16), packed([4]),
+                                    packed([4]), 4, 4), r"q must have 3 dimensions \(total_q"),
+    (lambda: flash_attn_varlen_func(_q(4, 2, 16), _q(4, 2, 16), _q(4, 2, 16), packed([4]),
+                                    packed([4]).long(), 4, 4), r"cu_seqlens_k has dtype torch.int64"),
+])
+def test_bad_calls_raise_call_errors_naming_the_argument(call, match):
+    with pytest.raises(CallError, match=match):
+        call()

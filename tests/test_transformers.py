@@ -1,0 +1,153 @@
+"""Hugging Face transformers: attncc behind `attn_implementation=` gives the logits and
+gradients of transformers' own implementations, on tiny randomly initialised models
+built from configs (nothing downloaded), with padding, sliding windows, packed
+sequences, a KV cache and softcapping; masks it does not read are refused.
+
+transformers is the `hf` extra, which the `test` extra includes: these tests run in CI.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")  # installed by the `test` extra
+
+import attncc.integrations.transformers as hf  # noqa: E402
+from attncc.errors import CallError  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    hf.register()  # "attncc"
+    return "attncc"
+
+
+def twins(model_class, config, reference="sdpa", implementation="attncc"):
+    """The same randomly initialised weights under attncc and under `reference`."""
+    torch.manual_seed(0)
+    ref = model_class._from_config(copy.deepcopy(config), attn_implementation=reference)
+    ours = model_class._from_config(copy.deepcopy(config), attn_implementation=implementation)
+    ours.load_state_dict(ref.state_dict())
+    return ours.to(DEVICE), ref.to(DEVICE)
+
+
+def logits_and_grads(model, ids, attention_mask=None, **kwargs):
+    """Logits at the real tokens, and the gradients of every weight for a loss on them."""
+    model.zero_grad()
+    logits = model(ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
+    real = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    logits = logits[real]
+    torch.nn.functional.cross_entropy(logits, ids[real]).backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_same_model(ours, ref, ids, attention_mask=None, **kwargs):
+    logits, grads = logits_and_grads(ours, ids, attention_mask, **kwargs)
+    ref_logits, ref_grads = logits_and_grads(ref, ids, attention_mask, **kwargs)
+    assert torch.allclose(logits, ref_logits, rtol=1e-4, atol=1e-5), \
+        (logits - ref_logits).abs().max()
+    for name, g in grads.items():
+        r = ref_grads[name]
+        assert torch.allclose(g, r, rtol=1e-3, atol=1e-5 * max(1.0, r.abs().max().item())), \
+            f"{name}: {(g - r).abs().max():.3g}"
+
+
+def padded_batch(length=13):
+    """Two rows of `length` tokens (one kernel tile under the interpreter), the first
+    left-padded, the second right-padded."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (2, length), generator=gen).to(DEVICE)
+    mask = torch.ones(2, length, dtype=torch.long, device=DEVICE)
+    mask[0, :4] = 0
+    mask[1, length - 5:] = 0
+    return ids, mask
+
+
+def test_llama_matches_sdpa_with_padding():
+    ours, ref = twins(transformers.LlamaForCausalLM, transformers.LlamaConfig(**SMALL))
+    assert_same_model(ours, ref, *padded_batch())
+
+
+def test_sliding_window_layers_and_packed_sequences_match_sdpa():
+    # Qwen2 with one sliding-window layer (window 4) and one full layer.
+    config = transformers.Qwen2Config(**dict(SMALL, num_key_value_heads=2), use_sliding_window=True,
+                                      sliding_window=4, max_window_layers=1)
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    ours, ref = twins(transformers.Qwen2ForCausalLM, config)
+    ids, _ = padded_batch(16)
+    assert_same_model(ours, ref, ids)
+    # Three sequences packed in one row, told apart by restarting position_ids.
+    positions = torch.cat([torch.arange(6), torch.arange(1), torch.arange(9)]).view(1, 16)
+    assert_same_model(ours, ref, ids[:1], position_ids=positions.to(DEVICE))
+    kinds = {key[0] for key in hf._REGISTERED["attncc"].kernels}
+    assert {(True, 4, False, False), (True, None, False, False), (True, 4, False, True),
+            (True, None, False, True)} <= kinds  # (causal, window, padded, packed)
+
+
+def test_softcap_and_query_scaling_match_eager():
+    # Gemma 2: logit softcapping, a query scaling that is not 1/sqrt(head_dim), and
+    # alternating sliding-window layers; SDPA refuses softcapping, so eager is the truth.
+    config = transformers.Gemma2Config(**SMALL, head_dim=16, query_pre_attn_scalar=24,
+                                       attn_logit_softcapping=2.0, final_logit_softcapping=None,
+                                       sliding_window=5)
+    ours, ref = twins(transformers.Gemma2ForCausalLM, config, reference="eager")
+    assert_same_model(ours, ref, *padded_batch())
+
+
+def test_generation_with_a_kv_cache_matches_sdpa():
+    config = transformers.MistralConfig(**SMALL, sliding_window=4)
+    ours, ref = twins(transformers.MistralForCausalLM, config)
+    ids, mask = padded_batch(6)
+    mask[1] = 1
+    # Decoding past the window: the cache's keys are offset from the queries.
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(ids, **kwargs), ref.generate(ids, **kwargs))
+
+
+def test_a_registered_variant_adds_its_mask_to_the_models():
+    # Llama with a registered 4-key window equals Mistral's sliding window of 4 (the same
+    # architecture and weights) under SDPA.
+    name = hf.register("attncc_window4", variant="attention w4 { mask q - k < 4 }")
+    config = transformers.LlamaConfig(**SMALL)
+    torch.manual_seed(0)
+    ref = transformers.MistralForCausalLM._from_config(
+        transformers.MistralConfig(**SMALL, sliding_window=4), attn_implementation="sdpa")
+    ours = transformers.LlamaForCausalLM._from_config(config, attn_implementation=name)
+    ours.load_state_dict(ref.state_dict())
+    assert_same_model(ours.to(DEVICE), ref.to(DEVICE), *padded_batch())
+
+
+class _Layer(torch.nn.Module):
+    is_causal = True
+
+
+def test_masks_it_does_not_read_are_refused_naming_the_pair():
+    # Chunked attention (Llama 4) is causal within chunks of 3: attncc's causal reading
+    # would let query 3 see keys 0 to 2.
+    from transformers.masking_utils import chunked_causal_mask_function
+    chunked = chunked_causal_mask_function(3, torch.zeros(1, dtype=torch.long))
+    info = hf.attncc_mask(batch_size=1, q_length=8, kv_length=8, mask_function=chunked)
+    q = torch.randn(1, 2, 8, 16, device=DEVICE)
+    with pytest.raises(CallError, match=r"transformers' mask for this layer forbids query 3 "
+                                        r"to attend key 0 \(batch 0\), but attncc reads the "
+                                        r"layer as `k <= q`"):
+        hf._REGISTERED["attncc"](_Layer(), q, q, q, info)
+    with pytest.raises(CallError, match=r"not as attncc's MaskInfo"):
+        hf._REGISTERED["attncc"](_Layer(), q, q, q, torch.ones(1, 1, 8, 8, dtype=torch.bool))
+
+
+def test_unknown_and_reserved_names_are_clear_errors():
+    config = transformers.LlamaConfig(**SMALL)
+    with pytest.raises(ValueError, match=r'attn_implementation="attncc_typo"` is not supported'):
+        transformers.LlamaForCausalLM._from_config(config, attn_implementation="attncc_typo")
+    with pytest.raises(CallError, match=r"contains 'sdpa', which transformers treats as its own"):
+        hf.register("my_sdpa")
+    with pytest.raises(CallError, match=r"no '/', ':' or '\|'"):
+        hf.register("org/attncc")
+    assert "attncc" in hf.registered()
