@@ -397,58 +397,76 @@ class _RingAttention:
         works = self._post(sends, recvs, tag=4 * hop)
         return works, tuple(t for t, _ in recvs)
 
+    def _visits(self, k, v, hops: list):
+        """Yield (hop, keys, values) for each hop of `hops` in order (0: our own; None
+        where nothing is received), posting the next hop's transfer before handing out
+        the current keys, so that it travels while the caller computes."""
+        remote = [h for h in hops if h > 0]
+        pending = {}
+
+        def post(index):
+            if index < len(remote):
+                pending[remote[index]] = self._post_keys(remote[index], k, v)
+        post(0)
+        posted = 1
+        for hop in hops:
+            if hop == 0:
+                yield 0, k, v
+                continue
+            post(posted)
+            posted += 1
+            works, received = pending.pop(hop)
+            for w in works:  # each work is waited once: a second wait hangs with gloo
+                w.wait()
+            yield (hop, *received) if received else (hop, None, None)
+
     # ---------------------------------------------------------------- kernel calls
     def _pair_problem(self, q_offset, k_offset) -> Problem:
         """One piece pair's call: what the tuner keys its config by."""
         return dataclasses.replace(self.problem, len_q=self.c, len_k=self.c, q_offset=q_offset,
                                    k_offset=k_offset)
 
-    def _common(self, q_offset, k_offset) -> dict:
+    def _pair_call(self, hop, i, j, direction, fn, *args):
+        """Run `fn` (a module entry point) on local query piece i and visiting key piece j,
+        at their absolute offsets, with the tuned config of `direction`."""
+        c, sharding = self.c, self.sharding
+        q_offset = sharding.pieces[i] * c
+        k_offset = sharding.pieces_of(self.schedule.source(hop))[j] * c
         tables = None
         if self.tables is not None:
             tables = self.tables.setdefault((q_offset, k_offset), {})
-        return dict(q_offset=q_offset, k_offset=k_offset, seed=self.seed, tables=tables)
-
-    def _offsets(self, hop, i, j):
-        c, sh = self.c, self.sharding
-        return sh.pieces[i] * c, sh.pieces_of(self.schedule.source(hop))[j] * c
+        run = lambda config: fn(*args, q_offset=q_offset, k_offset=k_offset, seed=self.seed,
+                                config=config, tables=tables)
+        problem = self._pair_problem(q_offset, k_offset)
+        return run(tuning.config_for(self.kernel, problem, args[0].dtype, direction, run))
 
     # ---------------------------------------------------------------- forward
     def forward(self, q, k, v, inputs):
-        s, c, module = self.schedule, self.c, self.module
+        c, W = self.c, self.sharding.world_size
         k, v = k.contiguous(), v.contiguous()
         B, H, L, D = q.shape
-        # Running merge per local query row, in fp32: output and natural LSE.
+        # The merged output and natural LSE of each local query row, in fp32.
         acc = torch.zeros((B, H, L, D), device=q.device, dtype=torch.float32)
         acc_lse = torch.full((B, H, L), float("-inf"), device=q.device, dtype=torch.float32)
-        pending = {}
-        for hop in range(self.sharding.world_size):
-            if hop + 1 < self.sharding.world_size:  # the next hop's keys travel meanwhile
-                pending[hop + 1] = self._post_keys(hop + 1, k, v)
-            if hop == 0:
-                keys, values = k, v
-            else:
-                works, received = pending.pop(hop)
-                for w in works:  # each work is waited once: a second wait hangs with gloo
-                    w.wait()
-                if not received:
-                    continue
-                keys, values = received
-            for i, j in s.pairs(hop):
-                q_offset, k_offset = self._offsets(hop, i, j)
-                qp = q.narrow(2, i * c, c)
-                kp, vp = keys.narrow(2, j * c, c), values.narrow(2, j * c, c)
-                common = self._common(q_offset, k_offset)
-                run = lambda config: module.forward(qp, kp, vp, inputs, config=config, **common)
-                config = tuning.config_for(self.kernel, self._pair_problem(q_offset, k_offset),
-                                           q.dtype, "fwd", run)
-                out, lse = run(config)
-                merge_partial(acc.narrow(2, i * c, c), acc_lse.narrow(2, i * c, c), out, lse)
+        merged = set()  # local query pieces that hold a partial result already
+        for hop, keys, values in self._visits(k, v, list(range(W))):
+            for i, j in self.schedule.pairs(hop):
+                out, lse = self._pair_call(hop, i, j, "fwd", self.module.forward,
+                                           q.narrow(2, i * c, c), keys.narrow(2, j * c, c),
+                                           values.narrow(2, j * c, c), inputs)
+                rows, rows_lse = acc.narrow(2, i * c, c), acc_lse.narrow(2, i * c, c)
+                if i in merged:
+                    merge_partial(rows, rows_lse, out, lse)
+                else:  # the first partial is the result so far
+                    rows.copy_(out)
+                    rows_lse.copy_(lse)
+                    merged.add(i)
         return acc.to(q.dtype), acc_lse
 
     # ---------------------------------------------------------------- backward
     def backward(self, q, k, v, out, lse, dout, inputs):
-        s, c, module, W, r = self.schedule, self.c, self.module, self.sharding.world_size, self.sharding.rank
+        s, c, module = self.schedule, self.c, self.module
+        W, r = self.sharding.world_size, self.sharding.rank
         dout = dout.contiguous()
         k, v = k.contiguous(), v.contiguous()
         # delta = rowsum(dO * O) of the merged output, as the single-device backward has it.
@@ -461,34 +479,24 @@ class _RingAttention:
         dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
         dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
         dinputs: dict = {}
-        pending, sent = {}, []
-        returning = None  # the previous hop's dK/dV on their way home: (works, buffers)
-        for hop in range(W):
-            if hop + 1 < W:
-                pending[hop + 1] = self._post_keys(hop + 1, k, v)
+        # Our own pieces' pairs are split: the first is computed while the first keys
+        # travel, the others while the last hop's dK/dV travel home.
+        own = s.pairs(0)
+        plan = [(0, own)] if W == 1 else (
+            [(0, own[:1])] + [(hop, s.pairs(hop)) for hop in range(1, W)] + [(0, own[1:])])
+        sent, returning = [], None  # returning: the last hop's dK/dV on their way home
+        visits = self._visits(k, v, [hop for hop, _ in plan])
+        for (hop, pairs), (_, keys, values) in zip(plan, visits):
             if hop == 0:
-                keys, values, dk_hop, dv_hop = k, v, dk, dv
-            else:
-                works, received = pending.pop(hop)
-                for w in works:  # each work is waited once: a second wait hangs with gloo
-                    w.wait()
-                if received:  # dK/dV of the visiting pieces, returned to their owner below
-                    keys, values = received
-                    dk_hop = torch.zeros(keys.shape, device=k.device, dtype=torch.float32)
-                    dv_hop = torch.zeros(values.shape, device=v.device, dtype=torch.float32)
-            for i, j in s.pairs(hop):
-                q_offset, k_offset = self._offsets(hop, i, j)
-                qp, dop = q.narrow(2, i * c, c), dout.narrow(2, i * c, c)
-                kp, vp = keys.narrow(2, j * c, c), values.narrow(2, j * c, c)
-                problem = self._pair_problem(q_offset, k_offset)
-                args = (qp, kp, vp, lse_of[i], delta_of[i], dop, inputs)
-                common = self._common(q_offset, k_offset)
-                run_dq = lambda config: module.backward_dq(*args, config=config, **common)
-                run_dkdv = lambda config: module.backward_dkdv(*args, config=config, **common)
-                dq_pair, dinputs_pair = run_dq(
-                    tuning.config_for(self.kernel, problem, q.dtype, "dq", run_dq))
-                dk_pair, dv_pair = run_dkdv(
-                    tuning.config_for(self.kernel, problem, q.dtype, "dkdv", run_dkdv))
+                dk_hop, dv_hop = dk, dv
+            elif pairs:  # dK/dV of the visiting pieces, returned to their owner below
+                dk_hop = torch.zeros(keys.shape, device=k.device, dtype=torch.float32)
+                dv_hop = torch.zeros(values.shape, device=v.device, dtype=torch.float32)
+            for i, j in pairs:
+                args = (q.narrow(2, i * c, c), keys.narrow(2, j * c, c), values.narrow(2, j * c, c),
+                        lse_of[i], delta_of[i], dout.narrow(2, i * c, c), inputs)
+                dq_pair, dinputs_pair = self._pair_call(hop, i, j, "dq", module.backward_dq, *args)
+                dk_pair, dv_pair = self._pair_call(hop, i, j, "dkdv", module.backward_dkdv, *args)
                 dq.narrow(2, i * c, c).add_(dq_pair)
                 dk_hop.narrow(2, j * c, c).add_(dk_pair)
                 dv_hop.narrow(2, j * c, c).add_(dv_pair)
@@ -532,5 +540,5 @@ def merge_partial(acc, acc_lse, out, lse):
     new_lse = torch.logaddexp(acc_lse, lse)  # -inf only where both are
     base = torch.where(new_lse == float("-inf"), 0.0, new_lse)
     acc.mul_(torch.exp(acc_lse - base).unsqueeze(-1))
-    acc.add_(out.float() * torch.exp(lse - base).unsqueeze(-1))
+    acc.addcmul_(out, torch.exp(lse - base).unsqueeze(-1))
     acc_lse.copy_(new_lse)
