@@ -246,7 +246,8 @@ def main():
         transfer["keys"] = timed(lambda: exchange(kv), args.iters, device)
         transfer["dkdv"] = timed(lambda: exchange(dkdv), args.iters, device)
 
-    result["configs"] = {f"{key[1]}": config for key, config in tuning._MEMORY.items()}
+    # The tuner's choices in this process (empty when ATTNCC_CONFIG pins one).
+    result["configs"] = {"-".join(map(str, key[1:])): config for key, config in tuning._MEMORY.items()}
     result["single_gpu_s"] = {n: dict(median=m, all=t) for n, (m, t) in single.items()}
     result["context_parallel_s"] = {n: dict(median=m, all=t) for n, (m, t) in parallel.items()}
     result["one_hop_transfer_s"] = {n: dict(median=m, all=t) for n, (m, t) in transfer.items()}

@@ -222,31 +222,35 @@ def dense_pieces(variant, sharding, S, H, inputs) -> torch.Tensor:
 
 @pytest.mark.parametrize("world, case, variant_name, scheme, S, H", ALL_CASES,
                          ids=[f"{c[1]}-world{c[0]}" for c in ALL_CASES])
-def test_computes_and_sends_only_what_the_mask_needs(worlds, world, case, variant_name, scheme, S, H):
-    """Each rank launches the kernels for exactly the piece pairs that hold an allowed
-    (q, k) pair (forward, dQ and dK/dV once each), and transfers keys only to the ranks
-    that use them: no hop moves data a receiver does not compute with."""
+def test_computes_and_sends_only_what_the_classification_allows(worlds, world, case, variant_name,
+                                                               scheme, S, H):
+    """Each rank launches the kernels (forward, dQ and dK/dV once each) for exactly the
+    piece pairs the classification keeps, which include every pair holding an allowed
+    (q, k), and exchanges keys and dK/dV only with the ranks it computes with."""
     got = worlds(world)[case]
-    variant, *_, inputs = make_problem(case, variant_name, S, H)
-    needed = dense_pieces(variant, cp.Sharding(scheme, world, 0), S, H, inputs)
+    variant, q, k, v, do, inputs = make_problem(case, variant_name, S, H)
+    kernel = attncc.compile(variant)
+    sharding = cp.Sharding(scheme, world, 0)
+    problem = Problem(1, H, k.shape[1], S, S, D, D)
+    kept = cp.piece_classification(kernel, sharding, problem, inputs, "cpu")
+    assert not (dense_pieces(variant, sharding, S, H, inputs) & ~kept).any()
+    c = S // sharding.n_pieces
+    owner = {p: r for r in range(world) for p in sharding.pieces_of(r)}
     for rank in range(world):
-        sharding = cp.Sharding(scheme, world, rank)
-        c = S // sharding.n_pieces
-        expected = sorted((qp * c, kp * c) for qp in sharding.pieces for kp in range(sharding.n_pieces)
-                          if needed[qp, kp])
+        mine = cp.Sharding(scheme, world, rank).pieces
+        expected = sorted((qp * c, kp * c) for qp in mine for kp in range(sharding.n_pieces)
+                          if kept[qp, kp])
         launches = got["launches"][rank]
         for entry in ("forward", "backward_dq", "backward_dkdv"):
             assert sorted((qo, ko) for name, qo, ko in launches if name == entry) == expected, (
                 f"rank {rank}: {entry} launches")
-        # Keys come from, and dK/dV go to, the ranks holding the needed key pieces.
-        owner = {p: r for r in range(world) for p in sharding.pieces_of(r)}
-        sources = {owner[ko // c] for _, ko in expected} - {rank}
+        # Keys come from the owners of the key pieces used; dK/dV come back from the
+        # ranks that used ours.
+        sources = {owner[kp] for qp in mine for kp in owner if kept[qp, kp]} - {rank}
+        users = {owner[qp] for qp in owner for kp in mine if kept[qp, kp]} - {rank}
         peers = {peer for batch in got["transfers"][rank] for kind, peer in batch if kind == "recv"}
-        users = {r for r in range(world) for qp in cp.Sharding(scheme, world, r).pieces
-                 for kp in sharding.pieces if r != rank and needed[qp, kp]}
         assert peers == sources | users, f"rank {rank} received from {peers}"
-        # One batch per hop that moves anything for this rank, forward and backward.
-        assert all(batch for batch in got["transfers"][rank])
+        assert all(batch for batch in got["transfers"][rank])  # no empty batch is posted
 
 
 def test_a_sliding_window_talks_to_its_neighbours_only(worlds):
