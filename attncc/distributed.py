@@ -508,7 +508,9 @@ class _RingAttention:
             # which computed with our keys at this hop.
             home, helper = s.source(hop), (r + hop) % W
             sends = [(dk_hop, home), (dv_hop, home)] if s.receives(hop) else []
-            recvs = [(torch.empty_like(dk), helper), (torch.empty_like(dv), helper)] if s.sends(hop) else []
+            recvs = []
+            if s.sends(hop):
+                recvs = [(torch.empty_like(dk), helper), (torch.empty_like(dv), helper)]
             works = self._post(sends, recvs, tag=4 * hop + 2)
             if returning is not None:  # the previous hop's: at most two in flight
                 self._add_returned(*returning, dk, dv)

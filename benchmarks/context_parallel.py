@@ -53,7 +53,8 @@ from attncc.tolerance import gradient_scales, max_abs_error, within_tolerance  #
 
 SPECS = {
     "causal": "attention causal { mask q >= k }",
-    "sliding_window": "attention sliding_window { param window: int = 1024  mask q >= k and q - k < window }",
+    "sliding_window": "attention sliding_window { param window: int = 1024  "
+                      "mask q >= k and q - k < window }",
     "document": "attention document { input doc_q: i32[q]  input doc_k: i32[k]  "
                 "mask doc_q[q] == doc_k[k] and q >= k }",
     "layout": "attention band { input extra: bool[qb, kb]  mask q >= k  "
@@ -218,7 +219,8 @@ def main():
         torch.autograd.grad(out, local, do_local)
     for _ in range(args.warmup):
         cp_fwd_bwd()
-    parallel = {"fwd": timed(cp_fwd, args.iters, device), "fwd_bwd": timed(cp_fwd_bwd, args.iters, device)}
+    parallel = {"fwd": timed(cp_fwd, args.iters, device),
+                "fwd_bwd": timed(cp_fwd_bwd, args.iters, device)}
 
     # Against the single GPU at the timed length.
     out, lse = cp.context_parallel_attention(kernel, *local, scheme=args.scheme, return_lse=True)
