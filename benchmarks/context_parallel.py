@@ -28,7 +28,7 @@ Results: a table on stdout (rank 0) and $OUT/context_parallel.json.
 import argparse
 import datetime
 import json
-import math
+import logging
 import os
 import statistics
 import sys
@@ -163,6 +163,8 @@ def main():
     ap.add_argument("--no-single", action="store_true", help="skip the one-GPU run")
     args = ap.parse_args()
     rank, world, device = setup()
+    # The tuner's progress (logged at INFO where attncc logs, printed where it prints).
+    logging.basicConfig(level=logging.INFO, format=f"rank {rank}: %(name)s: %(message)s")
     dtype = torch.bfloat16 if gpu else torch.float32  # the interpreter mis-multiplies bf16
     sharding = cp.Sharding.of(None, args.scheme)
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
