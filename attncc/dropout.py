@@ -1,4 +1,4 @@
-"""The dropout mask: a counter-based hash of (seed, batch·head, query, key).
+"""The dropout mask: a counter-based hash of (seed, batch·head, query position, key position).
 
 Kernels recompute the same bits in the forward and the backward instead of storing an
 S×S mask, and the reference computes them here, bit for bit, from the same seed. The
@@ -30,6 +30,8 @@ def threshold(p: float) -> int:
 
 
 def keep_mask(seed: int, p: float, bh: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """True where an element survives; bh, q, k broadcast (local indices, int64)."""
+    """True where an element survives; bh, q, k broadcast (int64). q and k are absolute
+    positions (offsets included), so a call placed inside a longer sequence with
+    q_offset/k_offset drops the same elements as the whole sequence's call."""
     row = fmix32(fmix32((seed & MASK32) ^ fmix32(bh)) ^ q)
     return (fmix32(row ^ k) >> 1) >= threshold(p)

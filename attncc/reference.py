@@ -106,9 +106,8 @@ def reference(variant: ir.Variant, q, k, v, *positional, return_lse: bool = Fals
     probs = torch.where(allowed, torch.exp(s_for_lse - lse), torch.zeros_like(s))
     if variant.dropout:
         bh = (env["b"] * p.heads_q + env["h"])
-        keep = dropout_bits.keep_mask(dropout_seed, variant.dropout, bh,
-                                      torch.arange(p.len_q, device=device).view(1, 1, -1, 1),
-                                      torch.arange(p.len_k, device=device).view(1, 1, 1, -1))
+        # Absolute positions (offsets included), as the kernels hash them.
+        keep = dropout_bits.keep_mask(dropout_seed, variant.dropout, bh, env["q"], env["k"])
         probs = torch.where(keep, probs / (1.0 - variant.dropout), torch.zeros_like(probs))
     out = as_bhsd(torch.matmul(probs, v_full), layout)
     if return_lse:

@@ -1,0 +1,546 @@
+"""Context parallelism: one sequence's attention split over the ranks of a process group.
+
+Each rank holds a shard of the sequence: one or two *pieces* of equal length, in the
+order `Sharding` gives them. Keys and values visit the other ranks; every (query piece,
+key piece) pair that may hold an allowed (q, k) pair is one call of the compiled
+kernel at the two pieces' absolute offsets (the kernels take absolute positions), and
+the partial outputs merge exactly through their log-sum-exps. The backward sends the
+keys and values again; each rank adds dQ for its own queries, and sends the dK/dV it
+computed for a visiting piece back to that piece's owner.
+
+    sharding = Sharding.of(group, "zigzag")
+    q, k, v = (sharding.shard(t) for t in (q, k, v))          # this rank's pieces
+    out = context_parallel_attention(kernel, q, k, v, group=group, doc_q=doc, doc_k=doc)
+
+Sharding. "contiguous" gives rank r the r-th of W equal pieces. "zigzag" cuts the
+sequence into 2W pieces and gives rank r pieces r and 2W-1-r, so that under a causal
+mask every rank has the same work (ring-flash-attention's scheme).
+
+Inputs the variant reads on position axes (q, k, qb, kb: document ids, per-position
+tensors) are passed whole, for the global sequence, the same on every rank: they are
+O(S), and every piece pair reads them at its own absolute positions. Build them from
+shards with `Sharding.unshard_inputs`. Inputs on other axes are passed as usual.
+
+Skipping. Which piece pairs may attend is decided with the kernels' own tile
+classification (the generated `tile_tables`, with tiles one piece long): a pair is
+skipped only when no (q, k) pair in it can attend (conservative, like the kernels'
+tiles). Hop t brings rank r the keys of rank r - t, sent by their owner directly (a
+shift, not a ring that forwards them), so each hop's transfer is skipped on its own
+when the receiver has no pair to compute with them: a sliding window exchanges keys
+with its neighbours only. For masks and layouts that read no tensor, the schedule is
+computed on the host from shapes alone (no communication, cached); when they read
+tensors (document ids), each rank classifies on its device and one small all-reduce
+makes the schedule, and so the communication, the same on every rank (and catches
+inputs that differ between ranks).
+
+Overlap. The next hop's keys and values are posted (`batch_isend_irecv`) before the
+current hop is computed, and a hop's dK/dV are posted as soon as they are computed. On
+CUDA, the NCCL backend runs point-to-point work on its own stream, which waits for the
+current stream where the work is posted, and `wait()` makes the current stream wait for
+it, so the transfers overlap the kernels without a stream of our own; with gloo on the
+CPU they run on gloo's threads.
+
+Every rank must call with the same shapes, scheme, group and (with dropout) the same
+`dropout_seed`, as with any collective.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import ir, tuning
+from .arguments import Problem
+from .errors import CallError
+
+SCHEMES = ("zigzag", "contiguous")
+POSITION_AXES = ("q", "k")
+BLOCK_AXES = ("qb", "kb")
+_SCHEDULES: dict = {}  # schedules of masks that read no tensor, by shape
+_SCHEDULES_SIZE = 64
+
+
+# ------------------------------------------------------------------------ sharding
+@dataclass(frozen=True)
+class Sharding:
+    """Which pieces of the sequence each rank of a group holds, and in what order."""
+    scheme: str
+    world_size: int
+    rank: int
+
+    def __post_init__(self):
+        if self.scheme not in SCHEMES:
+            raise CallError(f"scheme={self.scheme!r} is not a sharding scheme; use one of "
+                            f"{', '.join(map(repr, SCHEMES))}")
+        if not (0 <= self.rank < self.world_size):
+            raise CallError(f"rank {self.rank} is not in a group of {self.world_size}; a rank "
+                            "must call with a group it belongs to")
+
+    @classmethod
+    def of(cls, group=None, scheme: str = "zigzag") -> "Sharding":
+        """This rank's sharding in `group` (default: the whole world)."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise CallError("torch.distributed is not initialised: call "
+                            "torch.distributed.init_process_group first (backend 'nccl' on "
+                            "GPUs, 'gloo' on the CPU)")
+        return cls(scheme, dist.get_world_size(group), dist.get_rank(group))
+
+    @property
+    def n_pieces(self) -> int:
+        """Pieces in the whole sequence."""
+        return 2 * self.world_size if self.scheme == "zigzag" else self.world_size
+
+    def pieces_of(self, rank: int) -> tuple:
+        """The piece indices rank `rank` holds, in the order of its local tensors."""
+        if self.scheme == "zigzag":
+            return (rank, 2 * self.world_size - 1 - rank)
+        return (rank,)
+
+    @property
+    def pieces(self) -> tuple:
+        return self.pieces_of(self.rank)
+
+    def piece_len(self, seq_len: int) -> int:
+        """The length of each piece of a sequence of `seq_len` positions."""
+        n = self.n_pieces
+        if seq_len < n or seq_len % n:
+            per_rank = f"two pieces per rank, {n} in all" if self.scheme == "zigzag" else f"{n} pieces"
+            raise CallError(f"a sequence of {seq_len} positions cannot be cut into {per_rank} "
+                            f"of equal length ({self.scheme} sharding over {self.world_size} "
+                            f"ranks); use a length that is a multiple of {n} (pad it)")
+        return seq_len // n
+
+    def positions(self, seq_len: int, device=None) -> torch.Tensor:
+        """The absolute positions of this rank's tokens, in local order (e.g. for RoPE)."""
+        c = self.piece_len(seq_len)
+        return torch.cat([torch.arange(p * c, (p + 1) * c, device=device) for p in self.pieces])
+
+    def shard(self, x: torch.Tensor, dim: int = 2, unit: int = 1) -> torch.Tensor:
+        """This rank's pieces of a whole-sequence tensor, along `dim` (q, k, v, dO, labels).
+        `unit`: positions per entry along dim (a layout's block, for qb/kb axes)."""
+        c = self.piece_len(x.shape[dim] * unit)
+        if c % unit:
+            raise CallError(f"pieces of {c} positions do not hold whole blocks of {unit}; use a "
+                            f"sequence length that is a multiple of {self.n_pieces * unit}")
+        c //= unit
+        return torch.cat([x.narrow(dim, p * c, c) for p in self.pieces], dim)
+
+    def join(self, shards, dim: int = 2) -> torch.Tensor:
+        """The whole-sequence tensor from every rank's shard (a list in rank order)."""
+        if len(shards) != self.world_size:
+            raise CallError(f"join takes one shard per rank ({self.world_size}), got {len(shards)}")
+        n_local = len(self.pieces)
+        c = shards[0].shape[dim] // n_local
+        by_piece = {}
+        for rank, shard in enumerate(shards):
+            for i, piece in enumerate(self.pieces_of(rank)):
+                by_piece[piece] = shard.narrow(dim, i * c, c)
+        return torch.cat([by_piece[p] for p in range(self.n_pieces)], dim)
+
+    def unshard(self, x: torch.Tensor, dim: int = 2, group=None) -> torch.Tensor:
+        """The whole-sequence tensor from this rank's shard: an all-gather over `group`
+        (every rank gets it). Not differentiable: for evaluation, inputs and tests."""
+        gathered = [torch.empty_like(x, memory_format=torch.contiguous_format)
+                    for _ in range(self.world_size)]
+        dist.all_gather(gathered, x.contiguous(), group=group)
+        return self.join(gathered, dim)
+
+    def shard_inputs(self, variant: ir.Variant, inputs: dict) -> dict:
+        """This rank's pieces of the variant's inputs along their position axes (q, k,
+        and qb, kb by layout blocks); other axes and inputs are left whole."""
+        return {name: self._each_position_axis(variant, name, t, self.shard)
+                for name, t in inputs.items()}
+
+    def unshard_inputs(self, variant: ir.Variant, inputs: dict, group=None) -> dict:
+        """Whole-sequence inputs from shards along their position axes: what
+        context_parallel_attention takes (all-gathers, one per sharded axis)."""
+        gather = lambda t, dim, unit: self.unshard(t, dim, group)
+        return {name: self._each_position_axis(variant, name, t, gather)
+                for name, t in inputs.items()}
+
+    def _each_position_axis(self, variant, name, t, fn):
+        decl = {d.name: d for d in variant.inputs}.get(name)
+        if decl is None:
+            return t
+        for dim, axis in enumerate(decl.axes):
+            if axis in POSITION_AXES:
+                t = fn(t, dim, 1)
+            elif axis in BLOCK_AXES:
+                t = fn(t, dim, variant.block)
+        return t
+
+
+# ------------------------------------------------------------------------ schedule
+@dataclass(frozen=True)
+class Schedule:
+    """Which piece pairs each rank computes, and which hops send keys: the same on
+    every rank. At hop t rank r holds the keys and values of rank (r - t) mod W."""
+    sharding: Sharding
+    seq_len: int
+    piece_len: int
+    may_attend: tuple  # [query piece][key piece]: some (q, k) of the pair may attend
+
+    @property
+    def world_size(self) -> int:
+        return self.sharding.world_size
+
+    def source(self, hop: int, rank: int | None = None) -> int:
+        """Whose keys rank `rank` (default: this rank) holds at `hop`."""
+        rank = self.sharding.rank if rank is None else rank
+        return (rank - hop) % self.world_size
+
+    def pairs(self, hop: int, rank: int | None = None) -> list:
+        """(query piece, key piece) to compute at `hop`, as indices into the local query
+        pieces and into the visiting shard's pieces."""
+        rank = self.sharding.rank if rank is None else rank
+        mine, theirs = self.sharding.pieces_of(rank), self.sharding.pieces_of(self.source(hop, rank))
+        return [(i, j) for i, qp in enumerate(mine) for j, kp in enumerate(theirs)
+                if self.may_attend[qp][kp]]
+
+    def receives(self, hop: int, rank: int | None = None) -> bool:
+        """Whether `rank` receives keys at `hop` (it has a pair to compute with them)."""
+        return hop > 0 and bool(self.pairs(hop, rank))
+
+    def sends(self, hop: int, rank: int | None = None) -> bool:
+        """Whether `rank` sends its keys at `hop` (to rank + hop, which needs them)."""
+        rank = self.sharding.rank if rank is None else rank
+        return hop > 0 and self.receives(hop, (rank + hop) % self.world_size)
+
+    def communicates(self, hop: int) -> bool:
+        """Whether any rank sends anything at `hop`."""
+        return any(self.receives(hop, r) for r in range(self.world_size))
+
+    def __str__(self) -> str:
+        lines = [f"{self.sharding.scheme} sharding of {self.seq_len} positions over "
+                 f"{self.world_size} ranks, pieces of {self.piece_len}:"]
+        for hop in range(self.world_size):
+            work = ", ".join(f"rank {r} <- {self.source(hop, r)}: {len(self.pairs(hop, r))} pairs"
+                             for r in range(self.world_size))
+            tag = "" if hop == 0 or self.communicates(hop) else " (no communication)"
+            lines.append(f"  hop {hop}{tag}: {work}")
+        return "\n".join(lines)
+
+
+def piece_classification(kernel, sharding: Sharding, problem: Problem, inputs: dict,
+                         device) -> torch.Tensor:
+    """bool [pieces, pieces]: whether some (q, k) of a (query piece, key piece) pair may
+    attend, from the kernels' tile classification with tiles one piece long (tensor
+    work of O(pieces^2 + S), no S x S mask). Conservative: never False where a pair
+    attends (tests/test_distributed.py checks it against the dense mask)."""
+    c, n = sharding.piece_len(problem.len_q), sharding.n_pieces
+    t = kernel.module.tile_tables(problem.batch, problem.heads_q, problem.len_q, problem.len_k,
+                                  0, 0, problem.dim, inputs, c, c, device)
+    may = torch.zeros(n, n, dtype=torch.bool, device=device)
+    ids = torch.arange(n, device=device)
+    for kind in ("full", "part"):
+        lists = t[f"row_{kind}_list"].long()  # [B|1, H|1, n, n]: the kept tiles first
+        listed = ids < t[f"row_{kind}_count"].unsqueeze(-1)  # [B|1, H|1, n, n]
+        kept = torch.zeros(lists.shape, dtype=torch.bool, device=device).scatter_(-1, lists, listed)
+        may |= kept.flatten(0, 1).any(0)
+    return may
+
+
+def make_schedule(kernel, sharding: Sharding, problem: Problem, inputs: dict, device,
+                  group=None) -> Schedule:
+    """The schedule of a call whose whole sequence is `problem`. Masks and layouts that
+    read no tensor are classified on the host from shapes alone (and cached); those
+    that read tensors, on the device, then one all-reduce makes every rank agree."""
+    reads = kernel.module.TABLE_INPUTS
+    key = (kernel.key, sharding, problem)
+    if not reads and key in _SCHEDULES:
+        return _SCHEDULES[key]
+    may = piece_classification(kernel, sharding, problem, inputs,
+                               device if reads else torch.device("cpu"))
+    if reads and sharding.world_size > 1:
+        mine = may.to(torch.int32)
+        bounds = torch.stack([mine, -mine])  # max and -min over ranks in one all-reduce
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
+        if not torch.equal(bounds[0], -bounds[1]):
+            raise CallError(f"the inputs that the mask or layout reads ({', '.join(reads)}) "
+                            "differ between ranks; pass them whole (for the global sequence) "
+                            "and the same on every rank (Sharding.unshard_inputs builds them "
+                            "from shards)")
+        may = bounds[0] > 0
+    schedule = Schedule(sharding, problem.len_q, problem.len_q // sharding.n_pieces,
+                        tuple(tuple(row) for row in may.tolist()))
+    if not reads:
+        if len(_SCHEDULES) >= _SCHEDULES_SIZE:
+            _SCHEDULES.pop(next(iter(_SCHEDULES)))
+        _SCHEDULES[key] = schedule
+    return schedule
+
+
+# ------------------------------------------------------------------------ the call
+def context_parallel_attention(kernel, q, k, v, *, group=None, scheme: str = "zigzag",
+                               return_lse: bool = False, dropout_seed: int | None = None,
+                               training: bool = True, **inputs):
+    """Attention of `kernel` over a sequence sharded across `group` (default: the world).
+
+    q, k, v: this rank's shard, (batch, heads, local length, dim), its pieces in the
+    order `Sharding(scheme, ...)` gives (`Sharding.shard` cuts them from a whole
+    tensor). Returns this rank's shard of the output (and of the LSE with
+    return_lse=True); differentiable in q, k, v and learnable inputs. The result equals
+    the kernel on the whole sequence. Inputs on position axes are passed whole, the
+    same on every rank; the gradient of a learnable input is this rank's share (sum it
+    over the group, as for any replicated parameter). With dropout, `dropout_seed` is
+    required, the same on every rank.
+    """
+    from .runtime import Kernel
+    if not isinstance(kernel, Kernel):
+        raise CallError(f"kernel must come from attncc.compile(...), got {type(kernel).__name__}")
+    if not isinstance(training, bool):
+        raise CallError(f"training must be True or False, got {training!r}")
+    if not training and kernel.variant.dropout:
+        kernel = kernel.evaluation_kernel()
+    if "tables" in inputs:
+        raise CallError("tables= is not taken by context_parallel_attention: it keeps the tile "
+                        "tables of each piece pair itself")
+    sharding = Sharding.of(group, scheme)
+    variant = kernel.variant
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        kernel.check_call(q, k, v, inputs, 0, 0)  # raises the kernel's own message
+    if q.shape[2] != k.shape[2]:
+        raise CallError(f"q has {q.shape[2]} positions on this rank but k has {k.shape[2]}; "
+                        "context parallelism shards one sequence, so q, k and v have the same "
+                        "local length")
+    seq_len = q.shape[2] * sharding.world_size
+    c = sharding.piece_len(seq_len)
+    if variant.block is not None and c % variant.block:
+        raise CallError(f"pieces of {c} positions do not hold whole layout blocks of "
+                        f"{variant.block}; use a sequence length that is a multiple of "
+                        f"{sharding.n_pieces * variant.block}")
+    lengths = {"len_q", "len_k"} & set().union(
+        *(ir.free_vars(e) for e in (variant.mask, variant.score, variant.layout) if e is not None))
+    if lengths:
+        raise CallError(f"variant '{variant.name}' reads {' and '.join(sorted(lengths))}, which "
+                        "in each piece's call would be the piece's length, not the sequence's; "
+                        "write the sequence length as a param to run it context-parallel")
+    if variant.dropout:
+        if not isinstance(dropout_seed, int) or isinstance(dropout_seed, bool):
+            raise CallError(f"variant '{variant.name}' has dropout: pass dropout_seed=int, the "
+                            "same on every rank, so that every rank drops the bits the whole "
+                            f"sequence's call would (got {dropout_seed!r})")
+    # Check the call as the whole sequence: zero-copy views of the global shape carry
+    # the dtype, device and head counts; inputs must be whole.
+    whole = [t[:, :, :1].expand(t.shape[0], t.shape[1], seq_len, t.shape[3]) for t in (q, k, v)]
+    try:
+        problem = kernel.check_call(*whole, inputs, 0, 0)
+    except CallError as e:
+        raise CallError(f"{e} (context_parallel_attention checks the call as the whole sequence "
+                        f"of {seq_len} positions: inputs on position axes are passed whole, the "
+                        "same on every rank)") from None
+    schedule = make_schedule(kernel, sharding, problem, inputs, q.device, group)
+    names = [d.name for d in variant.inputs]
+    values = [inputs[n].contiguous() if variant.input(n).learnable else inputs[n] for n in names]
+    call = _RingAttention(kernel, schedule, group, int(dropout_seed or 0), names, problem)
+    out, lse = _ContextParallelAttention.apply(call, q, k, v, *values)
+    return (out, lse) if return_lse else out
+
+
+class _ContextParallelAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call, q, k, v, *input_values):
+        inputs = dict(zip(call.input_names, input_values))
+        out, lse = call.forward(q, k, v, inputs)
+        ctx.save_for_backward(q, k, v, out, lse, *input_values)
+        ctx.call = call
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, *input_values = ctx.saved_tensors
+        call = ctx.call
+        inputs = dict(zip(call.input_names, input_values))
+        dq, dk, dv, dinputs = call.backward(q, k, v, out, lse, dout, inputs)
+        return (None, dq, dk, dv, *[dinputs.get(n) for n in call.input_names])
+
+
+class _RingAttention:
+    """One context-parallel call: the hops of its forward and of its backward."""
+
+    def __init__(self, kernel, schedule: Schedule, group, seed: int, input_names: list,
+                 problem: Problem):
+        self.kernel, self.module, self.schedule = kernel, kernel.module, schedule
+        self.group, self.seed, self.input_names = group, seed, input_names
+        self.problem = problem  # the whole sequence
+        self.sharding = schedule.sharding
+        self.c = schedule.piece_len
+        # Tile tables per piece pair (absolute offsets), built in the forward and reused
+        # by the backward: the inputs they read are saved tensors, which autograd
+        # refuses to see modified in between.
+        self.tables: dict | None = {} if self.module.USES_TABLES else None
+
+    # ---------------------------------------------------------------- communication
+    def _peer(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+    def _post(self, sends: list, recvs: list, tag: int) -> list:
+        """Batched isend/irecv of (tensor, group rank) lists; tags keep gloo's matching
+        apart (NCCL matches in order, which is the same on every rank)."""
+        ops = [dist.P2POp(dist.isend, t, peer=self._peer(r), group=self.group, tag=tag + i)
+               for i, (t, r) in enumerate(sends)]
+        ops += [dist.P2POp(dist.irecv, t, peer=self._peer(r), group=self.group, tag=tag + i)
+                for i, (t, r) in enumerate(recvs)]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    def _post_keys(self, hop: int, k, v):
+        """Start hop `hop`'s key/value transfer: ours to rank + hop, rank - hop's to us."""
+        s, W, r = self.schedule, self.sharding.world_size, self.sharding.rank
+        sends = [(k, (r + hop) % W), (v, (r + hop) % W)] if s.sends(hop) else []
+        recvs = []
+        if s.receives(hop):
+            recvs = [(torch.empty_like(k), s.source(hop)), (torch.empty_like(v), s.source(hop))]
+        works = self._post(sends, recvs, tag=4 * hop)
+        return works, tuple(t for t, _ in recvs)
+
+    def _visits(self, k, v, hops: list):
+        """Yield (hop, keys, values) for each hop of `hops` in order (0: our own; None
+        where nothing is received), posting the next hop's transfer before handing out
+        the current keys, so that it travels while the caller computes."""
+        remote = [h for h in hops if h > 0]
+        pending = {}
+
+        def post(index):
+            if index < len(remote):
+                pending[remote[index]] = self._post_keys(remote[index], k, v)
+        post(0)
+        posted = 1
+        for hop in hops:
+            if hop == 0:
+                yield 0, k, v
+                continue
+            post(posted)
+            posted += 1
+            works, received = pending.pop(hop)
+            for w in works:  # each work is waited once: a second wait hangs with gloo
+                w.wait()
+            yield (hop, *received) if received else (hop, None, None)
+
+    # ---------------------------------------------------------------- kernel calls
+    def _pair_problem(self, q_offset, k_offset) -> Problem:
+        """One piece pair's call: what the tuner keys its config by."""
+        return dataclasses.replace(self.problem, len_q=self.c, len_k=self.c, q_offset=q_offset,
+                                   k_offset=k_offset)
+
+    def _pair_call(self, hop, i, j, direction, fn, *args):
+        """Run `fn` (a module entry point) on local query piece i and visiting key piece j,
+        at their absolute offsets, with the tuned config of `direction`."""
+        c, sharding = self.c, self.sharding
+        q_offset = sharding.pieces[i] * c
+        k_offset = sharding.pieces_of(self.schedule.source(hop))[j] * c
+        tables = None
+        if self.tables is not None:
+            tables = self.tables.setdefault((q_offset, k_offset), {})
+        run = lambda config: fn(*args, q_offset=q_offset, k_offset=k_offset, seed=self.seed,
+                                config=config, tables=tables)
+        problem = self._pair_problem(q_offset, k_offset)
+        return run(tuning.config_for(self.kernel, problem, args[0].dtype, direction, run))
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, q, k, v, inputs):
+        c, W = self.c, self.sharding.world_size
+        k, v = k.contiguous(), v.contiguous()
+        B, H, L, D = q.shape
+        # The merged output and natural LSE of each local query row, in fp32.
+        acc = torch.zeros((B, H, L, D), device=q.device, dtype=torch.float32)
+        acc_lse = torch.full((B, H, L), float("-inf"), device=q.device, dtype=torch.float32)
+        merged = set()  # local query pieces that hold a partial result already
+        for hop, keys, values in self._visits(k, v, list(range(W))):
+            for i, j in self.schedule.pairs(hop):
+                out, lse = self._pair_call(hop, i, j, "fwd", self.module.forward,
+                                           q.narrow(2, i * c, c), keys.narrow(2, j * c, c),
+                                           values.narrow(2, j * c, c), inputs)
+                rows, rows_lse = acc.narrow(2, i * c, c), acc_lse.narrow(2, i * c, c)
+                if i in merged:
+                    merge_partial(rows, rows_lse, out, lse)
+                else:  # the first partial is the result so far
+                    rows.copy_(out)
+                    rows_lse.copy_(lse)
+                    merged.add(i)
+        return acc.to(q.dtype), acc_lse
+
+    # ---------------------------------------------------------------- backward
+    def backward(self, q, k, v, out, lse, dout, inputs):
+        s, c, module = self.schedule, self.c, self.module
+        W, r = self.sharding.world_size, self.sharding.rank
+        dout = dout.contiguous()
+        k, v = k.contiguous(), v.contiguous()
+        # delta = rowsum(dO * O) of the merged output, as the single-device backward has it.
+        delta = module.backward_delta(out, dout)
+        # The kernels read LSE and delta as contiguous [B * H, len_q] rows: one per piece.
+        n_local = len(self.sharding.pieces)
+        lse_of = [lse.narrow(2, i * c, c).contiguous() for i in range(n_local)]
+        delta_of = [delta.narrow(2, i * c, c).contiguous() for i in range(n_local)]
+        dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+        dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
+        dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
+        dinputs: dict = {}
+        # Our own pieces' pairs are split: the first is computed while the first keys
+        # travel, the others while the last hop's dK/dV travel home.
+        own = s.pairs(0)
+        plan = [(0, own)] if W == 1 else (
+            [(0, own[:1])] + [(hop, s.pairs(hop)) for hop in range(1, W)] + [(0, own[1:])])
+        sent, returning = [], None  # returning: the last hop's dK/dV on their way home
+        visits = self._visits(k, v, [hop for hop, _ in plan])
+        for (hop, pairs), (_, keys, values) in zip(plan, visits):
+            if hop == 0:
+                dk_hop, dv_hop = dk, dv
+            elif pairs:  # dK/dV of the visiting pieces, returned to their owner below
+                dk_hop = torch.zeros(keys.shape, device=k.device, dtype=torch.float32)
+                dv_hop = torch.zeros(values.shape, device=v.device, dtype=torch.float32)
+            for i, j in pairs:
+                args = (q.narrow(2, i * c, c), keys.narrow(2, j * c, c), values.narrow(2, j * c, c),
+                        lse_of[i], delta_of[i], dout.narrow(2, i * c, c), inputs)
+                dq_pair, dinputs_pair = self._pair_call(hop, i, j, "dq", module.backward_dq, *args)
+                dk_pair, dv_pair = self._pair_call(hop, i, j, "dkdv", module.backward_dkdv, *args)
+                dq.narrow(2, i * c, c).add_(dq_pair)
+                dk_hop.narrow(2, j * c, c).add_(dk_pair)
+                dv_hop.narrow(2, j * c, c).add_(dv_pair)
+                for name, g in dinputs_pair.items():
+                    dinputs[name] = g if name not in dinputs else dinputs[name] + g
+            if hop == 0:
+                continue
+            # Send the visiting pieces' dK/dV home, and receive ours from rank + hop,
+            # which computed with our keys at this hop.
+            home, helper = s.source(hop), (r + hop) % W
+            sends = [(dk_hop, home), (dv_hop, home)] if s.receives(hop) else []
+            recvs = []
+            if s.sends(hop):
+                recvs = [(torch.empty_like(dk), helper), (torch.empty_like(dv), helper)]
+            works = self._post(sends, recvs, tag=4 * hop + 2)
+            if returning is not None:  # the previous hop's: at most two in flight
+                self._add_returned(*returning, dk, dv)
+            returning = (works, [t for t, _ in recvs]) if recvs else None
+            if not recvs:
+                sent += works
+        if returning is not None:
+            self._add_returned(*returning, dk, dv)
+        for w in sent:
+            w.wait()
+        for name in self.input_names:
+            if self.kernel.variant.input(name).learnable and name not in dinputs:
+                dinputs[name] = torch.zeros_like(inputs[name])  # no pair ran on this rank
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dinputs
+
+    @staticmethod
+    def _add_returned(works, buffers, dk, dv):
+        dk_part, dv_part = buffers
+        for w in works:
+            w.wait()
+        dk.add_(dk_part)
+        dv.add_(dv_part)
+
+
+def merge_partial(acc, acc_lse, out, lse):
+    """Merge a partial attention (out, lse) over other keys into (acc, acc_lse), in
+    place and exactly: softmax over the union of two disjoint key sets. Rows with no
+    allowed key have LSE -inf and output 0 on either side, and stay NaN-free."""
+    new_lse = torch.logaddexp(acc_lse, lse)  # -inf only where both are
+    base = torch.where(new_lse == float("-inf"), 0.0, new_lse)
+    acc.mul_(torch.exp(acc_lse - base).unsqueeze(-1))
+    acc.addcmul_(out, torch.exp(lse - base).unsqueeze(-1))
+    acc_lse.copy_(new_lse)
