@@ -6,7 +6,7 @@
 See README.md for the language and the Python decorator.
 """
 from .decorator import chance, exp, isin, log, maximum, minimum, sqrt, tanh, variant, where
-from .errors import AttnccError, CallError, NoGPUError, SpecError
+from .errors import AttnccError, BackendError, CallError, NoGPUError, SpecError
 from .ir import Variant
 from .parser import parse, parse_file
 from .reference import reference
@@ -27,11 +27,14 @@ def load(spec) -> Variant:
 
 
 def compile(spec, **options):
-    """Compile a variant into a differentiable kernel: kernel(q, k, v, **inputs)."""
+    """Compile a variant into a differentiable kernel: kernel(q, k, v, **inputs).
+
+    backend="auto" (default) | "triton" | "gluon": which kernels run the forward; see
+    kernel.backend and kernel.backend_reason. config={...} pins a tile config."""
     from .runtime import compile_variant
     return compile_variant(load(spec), **options)
 
 
 __all__ = ["compile", "load", "parse", "parse_file", "reference", "variant", "Variant",
            "where", "isin", "chance", "minimum", "maximum", "exp", "log", "tanh", "sqrt",
-           "AttnccError", "SpecError", "CallError", "NoGPUError"]
+           "AttnccError", "SpecError", "CallError", "BackendError", "NoGPUError"]
