@@ -172,14 +172,15 @@ def correctness(args, dog):
 # ---------------------------------------------------------------- speed
 def _median_ms(fn):
     import triton
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def speed(args, dog):
     from gpu_suite import VARIANTS, anchor_problem
     from attncc.commands import pairs_per_head
     rows = []
-    plan = [(n, 128) for n in args.variants.split(",")] + [("full", 64), ("full", 256)]
+    plan = [(n, 128) for n in args.variants.split(",")]
+    plan += [("full", int(d)) for d in args.full_dims.split(",") if d]
     for name, D in plan:
         dog.start(f"speed {name} d{D}", 240)
         variant, q, k, v, inputs = anchor_problem(name, 16384, D=D)
@@ -227,6 +228,7 @@ def main():
     ap.add_argument("--part", default="all", choices=["correctness", "speed", "all"])
     ap.add_argument("--quick", action="store_true", help="bf16 head dim 128 correctness only")
     ap.add_argument("--variants", default="full,causal", help="speed: ANCHORS variants at D=128")
+    ap.add_argument("--full-dims", default="", help="speed: full attention at these head dims too")
     args = ap.parse_args()
     os.environ.setdefault("ATTNCC_TUNE", "0")  # correctness: the first candidate, untimed
     print(f"torch {torch.__version__}, triton {__import__('triton').__version__}, "
