@@ -21,6 +21,9 @@ DTYPES = ("float16", "bfloat16")
 # wgmma, TMA and the mbarrier ring are Hopper's; Blackwell wants tcgen05 and TMEM.
 CAPABILITY = (9, 0)
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper block may use
+# num_warps of the warp-specialized forward (two consumer warpgroups and a producer warp);
+# the generated module's WS_WARPS.
+WS_WARPS = 9
 
 
 def check_backend(backend) -> str:
@@ -35,6 +38,9 @@ def variant_unsupported(variant: ir.Variant) -> str | None:
     if variant.dropout:
         return (f"variant '{variant.name}' has dropout {variant.dropout}, which the Gluon "
                 "forward does not implement yet")
+    if variant.block is not None and variant.block < 64 and ir.index_lists(variant.layout):
+        return (f"variant '{variant.name}' lists layout blocks of {variant.block} by index; its "
+                "tiles must nest in them, and a wgmma tile has at least 64 rows")
     return None
 
 
@@ -99,8 +105,10 @@ def smem_bytes(config: dict, head_dim: int) -> int:
 def candidates(head_dim: int) -> list:
     """Forward tile configs, most likely winner first. BLOCK_M is 16 rows per warp (a
     warpgroup per 64 rows), as the wgmma layout needs."""
-    shapes = {64: [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (64, 128, 4, 3)],
-              128: [(128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 2), (64, 128, 4, 2)],
+    shapes = {64: [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (64, 128, 4, 3),
+                   (64, 64, 4, 3)],
+              128: [(128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 2), (64, 128, 4, 2),
+                    (64, 64, 4, 2), (64, 64, 4, 3), (128, 128, WS_WARPS, 2)],
               256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 2)]}[head_dim]
     configs = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
     return [c for c in configs if smem_bytes(c, head_dim) <= SMEM_LIMIT]
@@ -109,8 +117,10 @@ def candidates(head_dim: int) -> list:
 def check_config(config: dict, head_dim: int) -> str | None:
     """Why a pinned config cannot run the Gluon forward, or None."""
     bm, w = config["BLOCK_M"], config["num_warps"]
+    if w == WS_WARPS:
+        w = 8  # two consumer warpgroups
     if w not in (4, 8) or bm < 16 * w or config["BLOCK_N"] > 256 or config["num_stages"] < 2:
-        return (f"config {config} does not fit the Gluon forward: it needs num_warps 4 or 8, "
+        return (f"config {config} does not fit the Gluon forward: it needs num_warps 4, 8 or 9 (warp-specialized), "
                 "BLOCK_M >= 16 * num_warps, BLOCK_N <= 256 and num_stages >= 2")
     if smem_bytes(config, head_dim) > SMEM_LIMIT:
         return (f"config {config} needs {smem_bytes(config, head_dim)} bytes of shared memory "

@@ -41,6 +41,7 @@ OUT = os.environ.get("OUT", "out")
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 RESULTS: dict = {"correctness": [], "speed": []}
 DEV = "cuda"
+TAG = ""  # suffix of the results file, one per process (--tag)
 
 
 # ---------------------------------------------------------------- watchdog
@@ -68,7 +69,7 @@ class Watchdog:
 
 def _write():
     os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "gluon_check.json"), "w") as f:
+    with open(os.path.join(OUT, f"gluon_check{TAG}.json"), "w") as f:
         json.dump(RESULTS, f, indent=1)
 
 
@@ -80,7 +81,7 @@ def _compare(label, got, ref, eager, dtype, scale=1.0):
 
 
 def check_case(name, variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, backward=False, q_offset=0,
-               k_offset=0, seed=0):
+               k_offset=0, seed=0, config=None):
     dev = DEV
     torch.manual_seed(seed)
     if variant.heads:
@@ -90,7 +91,7 @@ def check_case(name, variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, backward=False, q
     q64 = torch.randn(B, Hq, Lq, D, device=dev, dtype=torch.float64)
     k64 = torch.randn(B, Hkv, Lk, D, device=dev, dtype=torch.float64)
     v64 = torch.randn(B, Hkv, Lk, D, device=dev, dtype=torch.float64)
-    kernel = attncc.compile(variant, backend="gluon")
+    kernel = attncc.compile(variant, backend="gluon", config=config)
     q, k, v = (t.to(dtype).requires_grad_(backward) for t in (q64, k64, v64))
     offsets = dict(q_offset=q_offset, k_offset=k_offset)
     out, lse = kernel(q, k, v, return_lse=True, **offsets, **inputs)
@@ -137,7 +138,38 @@ def correctness(args, dog):
                   ("full", dict(B=2, Hq=4, Hkv=4, Lq=300, Lk=517, D=128), bf, True),
                   ("sliding_window", dict(B=1, Hq=4, Hkv=4, Lq=700, Lk=700, D=128), fp, True)]
     offset_cases = [("causal", 64, 0), ("sliding_window", 96, 96)]
+    if args.sweep != "all":
+        keep = set(args.sweep.split(",")) if args.sweep else set()
+        cases = [c for c in cases if c[0] in keep]
+        offset_cases = [c for c in offset_cases if c[0] in keep]
     failures = 0
+    # Every candidate config of head dim 128 on a few variants (one per skipping
+    # strategy and a score), pinned: the tuner may pick any of them.
+    names = args.configs.split(",") if args.configs else []
+    # Config-major, so that a config that hangs (the watchdog ends the process) comes
+    # after every other config's results.
+    for config in gluon.candidates(128):
+        for name in names:
+            label = (f"{name} config {config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} "
+                     f"s{config['num_stages']}")
+            dog.start(label, 60)
+            try:
+                rows = []
+                for shape in (dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128),
+                              dict(B=1, Hq=2, Hkv=2, Lq=200, Lk=517, D=128)):
+                    if name == "document" and shape["Lq"] != shape["Lk"]:
+                        continue
+                    ran, r = check_case(name, taken[name], dtype=bf, config=config, **shape)
+                    rows += r
+                ok = all(r["ok"] for r in rows) and ran == "gluon"
+            except Exception as e:
+                ran, rows, ok = None, [dict(error=f"{type(e).__name__}: {str(e)[:600]}")], False
+                traceback.print_exc()
+            failures += not ok
+            RESULTS["correctness"].append(dict(case=label, ran=ran, ok=ok, rows=rows))
+            worst = max((r.get("err", math.nan) for r in rows), default=math.nan)
+            print(f"{'ok  ' if ok else 'FAIL'} {label}: max err {worst:.3g}", flush=True)
+        _write()
     for name, shape, dtype, backward in cases:
         label = f"{name} {shape} {str(dtype)[6:]}{' +bwd' if backward else ''}"
         dog.start(label, 120)
@@ -196,6 +228,8 @@ def speed(args, dog):
         t_p = _median_ms(lambda: portable(q, k, v, **inputs))
         entry["times"]["portable"] = t_p
         for config in gluon.candidates(D):
+            if config["num_warps"] == gluon.WS_WARPS and os.environ.get("GLUON_SKIP_WS") == "1":
+                continue  # it hung in the correctness part
             label = f"gluon {config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
             run = lambda: glu.gluon_module.forward(q, k, v, inputs, host=glu.module, config=config)
             try:
@@ -229,21 +263,29 @@ def main():
     ap.add_argument("--quick", action="store_true", help="bf16 head dim 128 correctness only")
     ap.add_argument("--variants", default="full,causal", help="speed: ANCHORS variants at D=128")
     ap.add_argument("--full-dims", default="", help="speed: full attention at these head dims too")
+    ap.add_argument("--sweep", default="all", help="correctness: the variants of the sweep (all)")
+    ap.add_argument("--configs", default="full,causal,prefix_lm,document,alibi",
+                    help="correctness: variants checked at every head-dim-128 config")
+    ap.add_argument("--order", default="correctness,speed",
+                    help="which part first (speed first keeps the timings if time runs out)")
+    ap.add_argument("--tag", default="", help="results file suffix: $OUT/gluon_check<TAG>.json")
     args = ap.parse_args()
-    os.environ.setdefault("ATTNCC_TUNE", "0")  # correctness: the first candidate, untimed
+    global TAG
+    TAG = args.tag
     print(f"torch {torch.__version__}, triton {__import__('triton').__version__}, "
           f"{torch.cuda.get_device_name()}", flush=True)
     RESULTS["versions"] = dict(torch=torch.__version__, triton=__import__("triton").__version__,
                                gpu=torch.cuda.get_device_name())
     dog = Watchdog()
-    failures = 0
-    if args.part in ("correctness", "all"):
-        failures = correctness(args, dog)
-        _write()
-    rows = []
-    if args.part in ("speed", "all"):
-        os.environ.pop("ATTNCC_TUNE", None)  # speed: the portable kernel tuned
-        rows = speed(args, dog)
+    failures, rows = 0, []
+    for part in args.order.split(","):
+        if part == "correctness" and args.part in ("correctness", "all"):
+            os.environ["ATTNCC_TUNE"] = "0"  # the first candidate, untimed (or the pinned one)
+            failures = correctness(args, dog)
+            _write()
+        if part == "speed" and args.part in ("speed", "all"):
+            os.environ.pop("ATTNCC_TUNE", None)  # speed: the portable kernel tuned
+            rows = speed(args, dog)
     dog.start("done", math.inf)
     _write()
     print(f"\ncorrectness failures: {failures}")
