@@ -105,11 +105,12 @@ def smem_bytes(config: dict, head_dim: int) -> int:
 def candidates(head_dim: int) -> list:
     """Forward tile configs, most likely winner first. BLOCK_M is 16 rows per warp (a
     warpgroup per 64 rows), as the wgmma layout needs."""
-    shapes = {64: [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (64, 128, 4, 3),
-                   (64, 64, 4, 3)],
-              128: [(128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 2), (64, 128, 4, 2),
-                    (64, 64, 4, 2), (64, 64, 4, 3), (128, 128, WS_WARPS, 2)],
-              256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 2)]}[head_dim]
+    shapes = {64: [(128, 128, WS_WARPS, 2), (128, 128, WS_WARPS, 3), (128, 128, 8, 3), (128, 128, 8, 2),
+                   (128, 64, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3)],
+              128: [(128, 128, WS_WARPS, 2), (128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3),
+                    (128, 64, 8, 3), (128, 64, 8, 2), (64, 128, 4, 2)],
+              256: [(128, 64, WS_WARPS, 2), (128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3),
+                    (128, 32, 8, 2)]}[head_dim]
     configs = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
     return [c for c in configs if smem_bytes(c, head_dim) <= SMEM_LIMIT]
 
