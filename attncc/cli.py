@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("spec")
     comp.add_argument("-o", "--out", default=".", help="directory to write into")
     comp.add_argument("--len", type=int, default=None, help="report the fraction of tiles visited at this length")
+    comp.add_argument("--backend", default="triton", choices=["auto", "triton", "gluon"],
+                      help="gluon (or auto) also writes the Hopper Gluon forward, DIR/<name>_gluon.py")
 
     check = sub.add_parser("check", help="compare the kernels with the reference on random inputs")
     check.add_argument("spec")

@@ -105,12 +105,16 @@ def smem_bytes(config: dict, head_dim: int) -> int:
 def candidates(head_dim: int) -> list:
     """Forward tile configs, most likely winner first. BLOCK_M is 16 rows per warp (a
     warpgroup per 64 rows), as the wgmma layout needs."""
-    shapes = {64: [(128, 128, WS_WARPS, 2), (128, 128, WS_WARPS, 3), (128, 128, 8, 3), (128, 128, 8, 2),
-                   (128, 64, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3)],
+    # Head dim 128 (H200, bf16, 16K tokens; benchmarks/RESULTS.md runs 78-79): the
+    # warp-specialized kernel (num_warps WS_WARPS) ran full attention 1.12x faster than
+    # the best single-partition config, 128x128 w8 s2, and 64x64 w4 tiles (two programs
+    # per SM) came next. Every config listed for 64 and 128 passed the GPU checks; the
+    # warp-specialized kernel was not run at head dim 256, so it is not offered there.
+    shapes = {64: [(128, 128, WS_WARPS, 2), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+                   (128, 64, 8, 3), (64, 128, 4, 3)],
               128: [(128, 128, WS_WARPS, 2), (128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3),
                     (128, 64, 8, 3), (128, 64, 8, 2), (64, 128, 4, 2)],
-              256: [(128, 64, WS_WARPS, 2), (128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3),
-                    (128, 32, 8, 2)]}[head_dim]
+              256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 2)]}[head_dim]
     configs = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
     return [c for c in configs if smem_bytes(c, head_dim) <= SMEM_LIMIT]
 
