@@ -260,10 +260,15 @@ class Kernel:
         else (auto) whichever the tuner measured faster for this tuning key."""
         if self.requested_backend == "gluon":
             return run_gluon
-        faster = tuning.faster_backend(self, call["problem"], dtype,
-                                       {"gluon": ("gluon-fwd", run_gluon),
-                                        "triton": ("fwd", run_portable)},
-                                       density=call["tuning"][1])
+        try:
+            faster = tuning.faster_backend(self, call["problem"], dtype,
+                                           {"gluon": ("gluon-fwd", run_gluon),
+                                            "triton": ("fwd", run_portable)},
+                                           density=call["tuning"][1])
+        except RuntimeError as e:  # no Gluon config could run here: say so, run portable
+            self.backend, self.backend_reason = "triton", f"the Gluon forward could not run ({e})"
+            self._last_backend = ("triton", self.backend_reason)
+            return run_portable
         if faster != "gluon":
             self._last_backend = ("triton", "the tuner measured the portable forward faster "
                                             "for this shape")

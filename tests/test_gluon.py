@@ -149,3 +149,31 @@ def test_cli_compile_backend_gluon_refuses_what_it_cannot_take(tmp_path, capsys)
     assert main(["compile", spec, "--backend", "auto", "-o", str(tmp_path)]) == 0
     assert "backend   auto: the portable kernels, since variant 'dropout'" in capsys.readouterr().out
     assert not (tmp_path / "dropout_gluon.py").exists()
+
+
+def test_auto_times_both_forwards_once_and_remembers(monkeypatch, tmp_path):
+    """tuning.faster_backend: each backend timed at its own config, the faster kept, in
+    this process and on disk (a new process reads it without timing)."""
+    import triton
+    from types import SimpleNamespace
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("ATTNCC_TUNE", raising=False)
+    variant = attncc.parse_file(EXAMPLES / "causal.attn")
+    kernel = SimpleNamespace(variant=variant, key=variant.key(), pinned_config=None)
+    problem = SimpleNamespace(dim=128, group=1, len_q=4096, len_k=4096)
+    timed = []
+    times = {"gluon": 3.0, "triton": 4.0}
+    options = {name: (direction, lambda config, name=name: name)
+               for name, direction in (("gluon", "gluon-fwd"), ("triton", "fwd"))}
+    monkeypatch.setattr(triton.testing, "do_bench",
+                        lambda fn, **kw: (timed.append(fn()), times[fn()])[1])
+    assert tuning.faster_backend(kernel, problem, torch.bfloat16, options) == "gluon"
+    assert sorted(timed) == ["gluon", "triton"]
+    tuning._MEMORY.clear()  # as a new process: the choice comes from disk, untimed
+    timed.clear()
+    times.update(gluon=5.0)
+    assert tuning.faster_backend(kernel, problem, torch.bfloat16, options) == "gluon"
+    assert timed == []
+    monkeypatch.setenv("ATTNCC_TUNE", "0")  # no timing: the portable forward
+    other = SimpleNamespace(dim=64, group=1, len_q=4096, len_k=4096)
+    assert tuning.faster_backend(kernel, other, torch.bfloat16, options) == "triton"
