@@ -222,7 +222,8 @@ class Kernel:
             return "triton", "backend='triton' was asked for"
         why = gluon.variant_unsupported(self.variant) or gluon.environment_unsupported()
         if why is None and self._pinned() and self.requested_backend == "auto":
-            why = "a pinned config is the portable kernel's (pass backend='gluon' to pin a Gluon one)"
+            why = ("a pinned config (config= or ATTNCC_CONFIG) is the portable kernel's; pass "
+                   "backend='gluon' with config= to pin a Gluon one")
         if why is not None:
             if self.requested_backend == "gluon":
                 gluon.refuse(why)
@@ -247,8 +248,8 @@ class Kernel:
         if self.backend != "gluon":
             return "triton", self.backend_reason
         why = gluon.call_unsupported(q, k, v)
-        if why is None and self.requested_backend == "gluon" and self._pinned():
-            why = gluon.check_config(self._pinned(), q.shape[-1])
+        if why is None and self.requested_backend == "gluon" and self.pinned_config:
+            why = gluon.check_config(self.pinned_config, q.shape[-1])
         if why is not None:
             if self.requested_backend == "gluon":
                 gluon.refuse(why)

@@ -196,9 +196,12 @@ def config_for(kernel, problem, dtype, direction: str, run=None, context=None,
     (a runtime layout's density), for the progress lines. `density`: the tile density
     of kept tables (known without a sync in the call); configs are then tuned per
     density bucket, since few tiles per row want shorter pipelines (RESULTS.md run 38)."""
-    if kernel.pinned_config:
+    # With backend="gluon", config= pins the Gluon forward and the (portable) backward is
+    # tuned; otherwise config= and ATTNCC_CONFIG pin the portable kernels.
+    gluon_pin = getattr(kernel, "requested_backend", None) == "gluon"
+    if kernel.pinned_config and gluon_pin == (direction == "gluon-fwd"):
         return kernel.pinned_config  # checked when the kernel was compiled
-    pinned = env_config()
+    pinned = env_config() if direction != "gluon-fwd" else None
     if pinned:
         return check_pinned(pinned, kernel.variant, "ATTNCC_CONFIG")
     from .runtime import interpreting

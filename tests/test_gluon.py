@@ -177,3 +177,18 @@ def test_auto_times_both_forwards_once_and_remembers(monkeypatch, tmp_path):
     monkeypatch.setenv("ATTNCC_TUNE", "0")  # no timing: the portable forward
     other = SimpleNamespace(dim=64, group=1, len_q=4096, len_k=4096)
     assert tuning.faster_backend(kernel, other, torch.bfloat16, options) == "triton"
+
+
+def test_a_gluon_pin_pins_only_the_gluon_forward():
+    from types import SimpleNamespace
+    variant = attncc.parse_file(EXAMPLES / "causal.attn")
+    pin = dict(BLOCK_M=128, BLOCK_N=128, num_warps=gluon.WS_WARPS, num_stages=2)
+    problem = SimpleNamespace(dim=128, group=1, len_q=64, len_k=64)
+    asked = SimpleNamespace(variant=variant, key=variant.key(), pinned_config=pin,
+                            requested_backend="gluon")
+    assert tuning.config_for(asked, problem, torch.bfloat16, "gluon-fwd") == pin
+    # The backward is the portable one: a Gluon config (9 warps) must not reach it.
+    assert tuning.config_for(asked, problem, torch.bfloat16, "dq") != pin
+    portable = SimpleNamespace(variant=variant, key=variant.key(), pinned_config=pin,
+                               requested_backend="triton")
+    assert tuning.config_for(portable, problem, torch.bfloat16, "dq") == pin
