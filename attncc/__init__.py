@@ -6,7 +6,7 @@
 See README.md for the language and the Python decorator.
 """
 from .decorator import chance, exp, isin, log, maximum, minimum, sqrt, tanh, variant, where
-from .errors import AttnccError, CallError, NoGPUError, SpecError
+from .errors import AttnccError, BackendError, CallError, NoGPUError, SpecError
 from .ir import Variant
 from .parser import parse, parse_file
 from .reference import reference
@@ -31,15 +31,17 @@ def load(spec) -> Variant:
     raise TypeError(f"expected a Variant, a path or spec text, got {type(spec).__name__}")
 
 
-def compile(spec, *, config: dict | None = None, **unknown):
+def compile(spec, *, backend: str = "auto", config: dict | None = None, **unknown):
     """Compile a variant into a differentiable kernel: kernel(q, k, v, **inputs).
 
-    `config` pins the kernels' tiles: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4,
-    "num_stages": 2}. Everything else about the attention is part of the variant."""
+    backend="auto" (default) | "triton" | "gluon": which kernels run the forward; see
+    kernel.backend and kernel.backend_reason. `config` pins the kernels' tiles:
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}. Everything else
+    about the attention is part of the variant."""
     if unknown:
         raise TypeError(_compile_option_hint(*next(iter(unknown.items()))))
     from .runtime import compile_variant
-    return compile_variant(load(spec), config=config)
+    return compile_variant(load(spec), backend=backend, config=config)
 
 
 _CONFIG_EXAMPLE = '{"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}'
@@ -71,4 +73,4 @@ def varlen(spec, **options):
 
 __all__ = ["compile", "varlen", "load", "parse", "parse_file", "reference", "variant", "Variant",
            "where", "isin", "chance", "minimum", "maximum", "exp", "log", "tanh", "sqrt",
-           "AttnccError", "SpecError", "CallError", "NoGPUError"]
+           "AttnccError", "SpecError", "CallError", "BackendError", "NoGPUError"]

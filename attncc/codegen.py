@@ -158,6 +158,21 @@ def describe_strategy(variant: ir.Variant, plan: bounds.LoopPlan, summary_reads,
 
 def generate(variant: ir.Variant) -> Generated:
     """The Triton module source for `variant`."""
+    context = template_context(variant)
+    source = _environment().get_template("attention.py.jinja").render(**context)
+    return Generated(source=source, strategy=context["strategy"],
+                     module_name=f"attncc_{variant.name}_{context['key']}")
+
+
+def render(template: str, context: dict) -> str:
+    """Another template (the Gluon backend's) over the same context."""
+    return _environment().get_template(template).render(**context)
+
+
+def template_context(variant: ir.Variant) -> dict:
+    """Everything the templates fill in for `variant`: the expressions, the loop plans,
+    the tile-classification code and the kernel parameter list. Every backend's
+    template renders from this one dict, so the pieces exist once."""
     emit = TritonEmitter(variant)
     fwd_plan = bounds.plan_loops(variant, "k")
     bwd_plan = bounds.plan_loops(variant, "q")
@@ -221,8 +236,7 @@ def generate(variant: ir.Variant) -> Generated:
         summary_bases=[_summary_base(r) for r in summary_reads],
         scale_code=scale_code,
     )
-    source = _environment().get_template("attention.py.jinja").render(**context)
-    return Generated(source=source, strategy=strategy, module_name=f"attncc_{variant.name}_{key}")
+    return context
 
 
 def _package_version() -> str:

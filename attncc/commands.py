@@ -118,11 +118,17 @@ def _configs_text(configs: dict) -> str:
 # ================================================================= compile
 def compile_command(args) -> int:
     from .codegen import generate
+    from . import gluon
     variant = _load(args.spec)
     if args.len is not None and not 1 <= args.len <= MAX_COMPILE_ESTIMATE_LEN:
         raise AttnccError(f"--len {args.len}: the tile estimate evaluates the dense mask, so it "
                           f"takes lengths 1 to {MAX_COMPILE_ESTIMATE_LEN}; at longer ones, "
                           "kernel.density(q, k, v, ...) measures it from the tile tables")
+    backend = getattr(args, "backend", "triton")
+    why = gluon.variant_unsupported(variant)
+    if backend == "gluon" and why is not None:  # before anything is written
+        raise AttnccError(f"--backend gluon cannot compile this: {why}; use --backend auto "
+                          "or triton")
     gen = generate(variant)
     out_dir = Path(args.out)
     created = not out_dir.exists()  # -o makes a missing directory, parents included
@@ -135,6 +141,8 @@ def compile_command(args) -> int:
     state = ("written" if written else "unchanged") + (f", created {out_dir}" if created else "")
     print(f"module    {path} ({state}; imports only torch and triton)")
     print(f"strategy  {gen.strategy}")
+    if backend != "triton":
+        _write_gluon(variant, Path(args.out), backend, why)
     pinned = os.environ.get("ATTNCC_CONFIG")
     gpu = chosen_configs(variant, gen.source, ASSUMED_HEAD_DIM, interpreter=False)
     wide = chosen_configs(variant, gen.source, 256, interpreter=False)
@@ -165,6 +173,32 @@ def compile_command(args) -> int:
             line += " (sample inputs: seeded random)"
         print(line)
     return 0
+
+
+def _write_gluon(variant: ir.Variant, out: Path, backend: str, why: str | None):
+    """--backend gluon|auto: the Gluon forward beside the portable module (which it needs:
+    tile tables, argument values, the backward). Rendering needs no GPU. `why`: why the
+    Gluon backend cannot take the variant (then auto says so and writes nothing more)."""
+    from . import gluon
+    if why is not None:
+        print(f"backend   auto: the portable kernels, since {why}")
+        return
+    gen = gluon.generate(variant)
+    path = out / f"{variant.name}_gluon.py"
+    try:
+        written = write_if_changed(path, gen.source)
+    except OSError as err:
+        raise AttnccError(f"cannot write {path}: {err.strerror or err}") from None
+    print(f"gluon     {path} ({'written' if written else 'unchanged'}; the Hopper (sm_90) forward; "
+          "its backward and tile tables come from the module above)")
+    if backend == "gluon":
+        print("backend   gluon forward on an sm_90 GPU (refused elsewhere and under the "
+              "interpreter), portable backward")
+    else:
+        print("backend   auto: the Gluon forward on an sm_90 GPU where the tuner times it faster "
+              "than the portable one, else the portable kernels; the backward is portable")
+    print(f"          Gluon tiles (head dim {ASSUMED_HEAD_DIM}): "
+          + ", ".join(_config_text(c) for c in gluon.candidates(ASSUMED_HEAD_DIM)[:4]))
 
 
 # ================================================================= check

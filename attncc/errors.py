@@ -66,6 +66,11 @@ class CallError(AttnccError, ValueError):
     """A kernel called with arguments it cannot take: names the argument, the given and the expected."""
 
 
+class BackendError(AttnccError, ValueError):
+    """A backend asked for by name (`backend="gluon"`) cannot run this variant or call:
+    names what it cannot take, and the way out."""
+
+
 class NoGPUError(AttnccError):
     """Something that needs a CUDA GPU was asked for on a machine without one."""
 

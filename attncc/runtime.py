@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from . import ir, tuning
+from . import gluon, ir, tuning
 from .arguments import as_bhsd, axis_extent, bind, refuse_positional
 from .errors import CallError
 from .evaluate import check_index_list
@@ -93,15 +93,17 @@ def generator_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def _index_path(variant: ir.Variant) -> Path:
-    return cache_dir() / "modules" / "index" / f"{variant.name}-{variant.key()}-{generator_digest()}.json"
+def _index_path(variant: ir.Variant, backend: str = "triton") -> Path:
+    suffix = "" if backend == "triton" else f"-{backend}"
+    return (cache_dir() / "modules" / "index"
+            / f"{variant.name}-{variant.key()}-{generator_digest()}{suffix}.json")
 
 
-def _load_indexed(variant: ir.Variant):
+def _load_indexed(variant: ir.Variant, backend: str = "triton"):
     """(generated, module) from the cache without generating, or None on any miss: no
     index entry, a damaged one, or a module file whose bytes are not the ones indexed."""
     try:
-        entry = json.loads(_index_path(variant).read_text())
+        entry = json.loads(_index_path(variant, backend).read_text())
         name, strategy, digest = entry["module"], entry["strategy"], entry["sha256"]
         path = cache_dir() / "modules" / f"{name}.py"
         data = path.read_bytes()
@@ -113,21 +115,26 @@ def _load_indexed(variant: ir.Variant):
     return gen, _import_module(name, path)
 
 
-def load_generated(variant: ir.Variant):
+def load_generated(variant: ir.Variant, backend: str = "triton"):
     """(generated, module): import the variant's module from the cache, rendering it
     first when the cache does not hold it. A warm start skips the generator (and its
-    sympy import, most of a second) by looking the module up by IR and generator hash."""
-    found = _load_indexed(variant)
+    sympy import, most of a second) by looking the module up by IR and generator hash.
+    `backend`: "triton" (the portable module) or "gluon" (attncc/gluon.py's)."""
+    found = _load_indexed(variant, backend)
     if found is not None:
         return found
-    from .codegen import generate  # imports sympy: only when there is code to generate
+    # The generators import sympy: only when there is code to generate.
+    if backend == "gluon":
+        from .gluon import generate
+    else:
+        from .codegen import generate
     gen = generate(variant)
     digest = hashlib.sha256(gen.source.encode()).hexdigest()
     name = f"{gen.module_name}_{digest[:12]}"
     path = cache_dir() / "modules" / f"{name}.py"
     write_if_changed(path, gen.source)
     entry = {"module": name, "strategy": gen.strategy, "sha256": digest}
-    write_if_changed(_index_path(variant), json.dumps(entry, indent=1) + "\n")
+    write_if_changed(_index_path(variant, backend), json.dumps(entry, indent=1) + "\n")
     return gen, _import_module(name, path)
 
 
@@ -146,10 +153,18 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kernel, q, k, v, call, *input_values):
         inputs = dict(zip(call["input_names"], input_values))
-        run = lambda config: kernel.module.forward(
-            q, k, v, inputs, q_offset=call["q_offset"], k_offset=call["k_offset"],
-            seed=call["seed"], config=config, tables=call["tables"])
-        config = tuning.config_for(kernel, call["problem"], q.dtype, "fwd", run, *call["tuning"])
+        common = dict(q_offset=call["q_offset"], k_offset=call["k_offset"], seed=call["seed"],
+                      tables=call["tables"])
+        run = lambda config: kernel.module.forward(q, k, v, inputs, config=config, **common)
+        if call["backend"] == "gluon":
+            # The Gluon forward; the portable module builds its tables and argument values.
+            run_gluon = lambda config: kernel.gluon_module.forward(
+                q, k, v, inputs, host=kernel.module, config=config, **common)
+            run = kernel._gluon_or_portable(call, q.dtype, run_gluon, run)
+            direction = "gluon-fwd" if run is run_gluon else "fwd"
+        else:
+            direction = "fwd"
+        config = tuning.config_for(kernel, call["problem"], q.dtype, direction, run, *call["tuning"])
         out, lse = run(config)
         ctx.save_for_backward(q, k, v, out, lse, *input_values)
         ctx.kernel, ctx.call = kernel, call
@@ -194,16 +209,86 @@ class _Attention(torch.autograd.Function):
 class Kernel:
     """A compiled variant: `kernel(q, k, v, **inputs)` like scaled_dot_product_attention."""
 
-    def __init__(self, variant: ir.Variant, config: dict | None = None):
+    def __init__(self, variant: ir.Variant, config: dict | None = None, backend: str = "auto"):
         self.variant = variant
         self.key = variant.key()  # hashed once: the tuner looks configs up on every call
         self.generated, self.module = load_generated(variant)
         self.pinned_config = (tuning.check_pinned(tuning.check_config(config, "config"), variant,
                                                   "config") if config else None)
+        self.requested_backend = gluon.check_backend(backend)
+        self.backend, self.backend_reason = self._choose_backend()
+        self.gluon_module = None
+        if self.backend == "gluon":
+            self.gluon_generated, self.gluon_module = load_generated(variant, "gluon")
+        self._last_backend = None  # (backend, reason) of the latest forward call
         self._index_lists = ir.index_lists(variant.layout)  # {input: "qb" | "kb"}
         self._checked_lists: dict = {}  # index-list states already validated
         self._without_dropout = None  # the same variant without dropout, for training=False
         self._tables_owner = self  # whose tile_tables(...) this kernel's calls accept
+
+    def _choose_backend(self) -> tuple:
+        """(backend, reason) for the forward, as far as it can be decided before a call.
+        The backward always runs the portable kernels (it reads the forward's output and
+        LSE, which both backends write alike)."""
+        if self.requested_backend == "triton":
+            return "triton", "backend='triton' was asked for"
+        why = gluon.variant_unsupported(self.variant) or gluon.environment_unsupported()
+        if why is None and self._pinned() and self.requested_backend == "auto":
+            why = ("a pinned config (config= or ATTNCC_CONFIG) is the portable kernel's; pass "
+                   "backend='gluon' with config= to pin a Gluon one")
+        if why is not None:
+            if self.requested_backend == "gluon":
+                gluon.refuse(why)
+            return "triton", why
+        if self.requested_backend == "gluon":
+            return "gluon", "backend='gluon' was asked for (forward; the backward is portable)"
+        return "gluon", ("an sm_90 GPU: the Gluon forward runs each call it can take where "
+                         "the tuner timed it faster than the portable forward (the backward "
+                         "is portable); see kernel.last_backend")
+
+    def _pinned(self):
+        return self.pinned_config or tuning.env_config()
+
+    @property
+    def last_backend(self):
+        """(backend, reason) of the latest forward call, or None before the first."""
+        return self._last_backend
+
+    def _call_backend(self, q, k, v) -> tuple:
+        """(backend, reason) for one forward call. backend='gluon' refuses a call the Gluon
+        forward cannot take; 'auto' runs the portable forward and says why."""
+        if self.backend != "gluon":
+            return "triton", self.backend_reason
+        why = gluon.call_unsupported(q, k, v)
+        if why is None and self.requested_backend == "gluon" and self.pinned_config:
+            why = gluon.check_config(self.pinned_config, q.shape[-1])
+        if why is not None:
+            if self.requested_backend == "gluon":
+                gluon.refuse(why)
+            return "triton", why
+        return "gluon", self.backend_reason
+
+    def _gluon_or_portable(self, call, dtype, run_gluon, run_portable):
+        """The forward to run for a call the Gluon backend can take: Gluon when asked for,
+        else (auto) whichever the tuner measured faster for this tuning key."""
+        if self.requested_backend == "gluon":
+            return run_gluon
+        try:
+            faster = tuning.faster_backend(self, call["problem"], dtype,
+                                           {"gluon": ("gluon-fwd", run_gluon),
+                                            "triton": ("fwd", run_portable)},
+                                           density=call["tuning"][1])
+        except RuntimeError as e:  # no Gluon config could run here: say so, run portable
+            self.backend, self.backend_reason = "triton", f"the Gluon forward could not run ({e})"
+            self._last_backend = ("triton", self.backend_reason)
+            return run_portable
+        if faster != "gluon":
+            self._last_backend = ("triton", "the tuner measured the portable forward faster "
+                                            "for this shape")
+            return run_portable
+        self._last_backend = ("gluon", "the tuner measured the Gluon forward faster for "
+                                       "this shape")
+        return run_gluon
 
     @property
     def source(self) -> str:
@@ -214,7 +299,7 @@ class Kernel:
         return self.generated.strategy
 
     def __repr__(self):
-        return f"<attncc kernel '{self.variant.name}': {self.strategy}>"
+        return f"<attncc kernel '{self.variant.name}' ({self.backend} forward): {self.strategy}>"
 
     def check_call(self, q, k, v, inputs, q_offset, k_offset, layout="bhsd"):
         p = bind(self.variant, q, k, v, inputs, q_offset=q_offset, k_offset=k_offset,
@@ -267,7 +352,7 @@ class Kernel:
             return self
         if self._without_dropout is None:
             self._without_dropout = Kernel(dataclasses.replace(self.variant, dropout=None),
-                                           self.pinned_config)
+                                           self.pinned_config, self.requested_backend)
             self._without_dropout._tables_owner = self
         return self._without_dropout
 
@@ -298,6 +383,8 @@ class Kernel:
             lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
             out = as_bhsd(out, layout)
             return (out, lse) if return_lse else out
+        backend, reason = self._call_backend(q, k, v)
+        self._last_backend = (backend, reason)
         if self.variant.dropout:
             if dropout_seed is None:
                 # Drawn on the CPU generator: no device synchronisation.
@@ -310,7 +397,7 @@ class Kernel:
             values.append(t.contiguous() if self.variant.input(name).learnable else t)
         call = {
             "input_names": names, "q_offset": q_offset, "k_offset": k_offset,
-            "seed": int(dropout_seed or 0), "problem": p,
+            "seed": int(dropout_seed or 0), "problem": p, "backend": backend,
             "tables": tables.store if tables is not None else None,
             # Kept tables know their density (one sync, once): tune per density bucket.
             # Without them the config is keyed by shape, chosen on the first layout.
@@ -419,5 +506,6 @@ def _shape_text(p) -> str:
     return text
 
 
-def compile_variant(variant: ir.Variant, *, config: dict | None = None) -> Kernel:
-    return Kernel(variant, config)
+def compile_variant(variant: ir.Variant, *, config: dict | None = None,
+                    backend: str = "auto") -> Kernel:
+    return Kernel(variant, config, backend)

@@ -31,7 +31,7 @@ _LOCK = threading.Lock()
 log = logging.getLogger(__name__)
 
 
-def _env_config():
+def env_config():
     """ATTNCC_CONFIG='{"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}'."""
     text = os.environ.get("ATTNCC_CONFIG")
     if not text:
@@ -81,6 +81,12 @@ def kept_candidates(variant: ir.Variant, head_dim: int, direction: str) -> list:
     covers several blocks, visits every tile any of them is on in, and evaluates the
     layout per element; it pays for layouts whose blocks cluster (bands), and on random
     layouts of 32-blocks it ran 3x slower than 32x32 tiles (RESULTS.md run 31)."""
+    if direction == "gluon-fwd":  # the Gluon forward's own list (attncc/gluon.py)
+        from . import gluon
+        kept = gluon.candidates(head_dim)
+        if _needs_tiles_within_block(variant):
+            kept = [c for c in kept if _within_block(c, variant)]
+        return kept
     kept = [c for c in candidates(direction) if keep(c, variant, head_dim, direction)]
     if variant.block is None:
         return kept
@@ -189,9 +195,12 @@ def config_for(kernel, problem, dtype, direction: str, run=None, context=None,
     (a runtime layout's density), for the progress lines. `density`: the tile density
     of kept tables (known without a sync in the call); configs are then tuned per
     density bucket, since few tiles per row want shorter pipelines (RESULTS.md run 38)."""
-    if kernel.pinned_config:
+    # With backend="gluon", config= pins the Gluon forward and the (portable) backward is
+    # tuned; otherwise config= and ATTNCC_CONFIG pin the portable kernels.
+    gluon_pin = getattr(kernel, "requested_backend", None) == "gluon"
+    if kernel.pinned_config and gluon_pin == (direction == "gluon-fwd"):
         return kernel.pinned_config  # checked when the kernel was compiled
-    pinned = _env_config()
+    pinned = env_config() if direction != "gluon-fwd" else None
     if pinned:
         return check_pinned(pinned, kernel.variant, "ATTNCC_CONFIG")
     from .runtime import interpreting
@@ -202,10 +211,7 @@ def config_for(kernel, problem, dtype, direction: str, run=None, context=None,
         return kept()[0]
     if os.environ.get("ATTNCC_TUNE") == "0":
         return first_that_runs(kernel, problem, dtype, direction, kept, run)
-    key = (f"{direction}-d{problem.dim}-{str(dtype).replace('torch.', '')}-g{problem.group}"
-           f"-q{length_bucket(problem.len_q)}-k{length_bucket(problem.len_k)}")
-    if density is not None:
-        key += f"-density{density_bucket(density)}"
+    key = tuning_key(direction, problem, dtype, density)
     mem_key = (kernel.key, key)
     if mem_key in _MEMORY:
         return _MEMORY[mem_key]
@@ -218,6 +224,57 @@ def config_for(kernel, problem, dtype, direction: str, run=None, context=None,
                 context=context() if context else "")
     _MEMORY[mem_key] = best
     _store(path, key, best)
+    return best
+
+
+def tuning_key(direction: str, problem, dtype, density=None) -> str:
+    key = (f"{direction}-d{problem.dim}-{str(dtype).replace('torch.', '')}-g{problem.group}"
+           f"-q{length_bucket(problem.len_q)}-k{length_bucket(problem.len_k)}")
+    if density is not None:
+        key += f"-density{density_bucket(density)}"
+    return key
+
+
+def faster_backend(kernel, problem, dtype, options: dict, density=None) -> str:
+    """The name of the faster of `options` ({backend: (direction, run)}), each timed at
+    its own tuned config on this call's inputs (median of do_bench), and remembered on
+    disk beside the configs. ATTNCC_TUNE=0 times nothing and takes the portable one."""
+    key = tuning_key("backend", problem, dtype, density)
+    mem_key = (kernel.key, key)
+    if mem_key in _MEMORY:
+        return _MEMORY[mem_key]
+    if os.environ.get("ATTNCC_TUNE") == "0":
+        return "triton"
+    path = _cache_file(kernel.variant)
+    path = path.with_name(path.stem + "-backends.json")
+    try:
+        cached = json.loads(path.read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        cached = None
+    if cached in options:
+        _MEMORY[mem_key] = cached
+        return cached
+    import triton
+    timings = {}
+    for name, (direction, run) in options.items():
+        config = config_for(kernel, problem, dtype, direction, run, density=density)
+        timings[name] = triton.testing.do_bench(lambda: run(config), warmup=TUNE_WARMUP_MS,
+                                                rep=TUNE_REP_MS, return_mode="median")
+    best = min(timings, key=timings.get)
+    log.info("%s %s: forward %s; runs %s", kernel.variant.name, key,
+             ", ".join(f"{n} {ms:.3f} ms" for n, ms in timings.items()), best)
+    _MEMORY[mem_key] = best
+    from filelock import FileLock
+    from .runtime import write_if_changed
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _LOCK, FileLock(path.with_name(path.name + ".lock")):
+        try:
+            data = json.loads(path.read_text())
+            data = data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            data = {}
+        data[key] = best
+        write_if_changed(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
     return best
 
 

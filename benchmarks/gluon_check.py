@@ -1,0 +1,302 @@
+"""GPU script for the Gluon backend: correctness of its forward against the float64
+reference over the variant set, then its speed against the portable forward (and cuDNN
+for full and causal), in one call.
+
+    python benchmarks/gluon_check.py [--part correctness|speed|all] [--quick]
+
+Correctness: every example variant the Gluon backend takes, compiled with
+backend="gluon", in bf16 at head dim 128 on two shapes (len_q = len_k = 300 over two
+batches; len_q 200 != len_k 517), fp16 on a subset, head dims 64 and 256 on a subset,
+one query token, GQA, offsets, and the backward (portable, fed by the Gluon forward's
+output and LSE) on a few; each held to attncc/tolerance.py's rule against
+attncc.reference in float64, with the LSE's -inf rows matched exactly. A watchdog ends
+the process if a case hangs (a wrong mbarrier phase deadlocks), naming the case.
+
+Speed: head dim 128, 16 heads, 16384 tokens, bf16 (the ANCHORS shape); every Gluon
+config against the portable forward at its tuned config, medians of do_bench, the
+same inputs; TFLOP/s count only allowed pairs. Full results go to $OUT/gluon_check.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import threading
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+import attncc  # noqa: E402
+from attncc import gluon  # noqa: E402
+from attncc.arguments import Problem  # noqa: E402
+from attncc.samples import sample_inputs  # noqa: E402
+from attncc.tolerance import gradient_scales, max_abs_error, within_tolerance  # noqa: E402
+
+OUT = os.environ.get("OUT", "out")
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
+RESULTS: dict = {"correctness": [], "speed": []}
+DEV = "cuda"
+TAG = ""  # suffix of the results file, one per process (--tag)
+
+
+# ---------------------------------------------------------------- watchdog
+class Watchdog:
+    """Ends the process when one case runs past its deadline: a kernel that waits on an
+    mbarrier phase that never completes would otherwise hang the whole call."""
+
+    def __init__(self):
+        self.case, self.deadline = None, math.inf
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def start(self, case: str, seconds: float):
+        self.case, self.deadline = case, time.time() + seconds
+
+    def _watch(self):
+        while True:
+            time.sleep(1.0)
+            if time.time() > self.deadline:
+                print(f"\nHANG: {self.case} ran past its deadline; results so far in {OUT}",
+                      flush=True)
+                RESULTS["hang"] = self.case
+                _write()
+                os._exit(3)
+
+
+def _write():
+    os.makedirs(OUT, exist_ok=True)
+    with open(os.path.join(OUT, f"gluon_check{TAG}.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+
+
+# ---------------------------------------------------------------- correctness
+def _compare(label, got, ref, eager, dtype, scale=1.0):
+    err, eerr = max_abs_error(got, ref), max_abs_error(eager, ref)
+    ok = within_tolerance(err, eerr, dtype, ref, scale)
+    return dict(tensor=label, err=err, eager_err=eerr, ok=bool(ok))
+
+
+def check_case(name, variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, backward=False, q_offset=0,
+               k_offset=0, seed=0, config=None):
+    dev = DEV
+    torch.manual_seed(seed)
+    if variant.heads:
+        Hq, Hkv = variant.heads.q, variant.heads.kv
+    p = Problem(B, Hq, Hkv, Lq, Lk, D, D, q_offset, k_offset)
+    inputs = sample_inputs(variant, p, seed=seed, device=dev)
+    q64 = torch.randn(B, Hq, Lq, D, device=dev, dtype=torch.float64)
+    k64 = torch.randn(B, Hkv, Lk, D, device=dev, dtype=torch.float64)
+    v64 = torch.randn(B, Hkv, Lk, D, device=dev, dtype=torch.float64)
+    kernel = attncc.compile(variant, backend="gluon", config=config)
+    q, k, v = (t.to(dtype).requires_grad_(backward) for t in (q64, k64, v64))
+    offsets = dict(q_offset=q_offset, k_offset=k_offset)
+    out, lse = kernel(q, k, v, return_lse=True, **offsets, **inputs)
+    ran = kernel.last_backend[0]
+    # The reference on the kernel's own (rounded) inputs, in float64 and in the dtype.
+    qr, kr, vr = (t.detach().double().requires_grad_(backward) for t in (q, k, v))
+    ref, rlse = attncc.reference(variant, qr, kr, vr, return_lse=True, **offsets, **inputs)
+    qe, ke, ve = (t.detach().clone().requires_grad_(backward) for t in (q, k, v))
+    eager, else_ = attncc.reference(variant, qe, ke, ve, return_lse=True, **offsets, **inputs)
+    rows = [_compare("out", out, ref, eager, dtype), _compare("lse", lse, rlse, else_, dtype)]
+    if backward:
+        do = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+        rgrads = torch.autograd.grad(ref, (qr, kr, vr), do.double())
+        egrads = torch.autograd.grad(eager, (qe, ke, ve), do)
+        from attncc.reference import scale_value
+        scales = gradient_scales(qr, kr, ref, do, scale_value(variant, D), Hq // Hkv)
+        for n, g, rg, eg in zip("qkv", grads, rgrads, egrads):
+            rows.append(_compare(f"d{n}", g, rg, eg, dtype, scales.get(f"d{n}", 1.0)))
+    return ran, rows
+
+
+def correctness(args, dog):
+    names = sorted(f[:-5] for f in os.listdir(EXAMPLES) if f.endswith(".attn"))
+    variants = {n: attncc.parse_file(os.path.join(EXAMPLES, n + ".attn")) for n in names}
+    taken = {n: v for n, v in variants.items() if gluon.variant_unsupported(v) is None}
+    bf, fp = torch.bfloat16, torch.float16
+    few = ["full", "causal", "sliding_window", "alibi", "softcap", "document", "bigbird"]
+    cases = []  # (name, shape dict, dtype, backward)
+    for n in taken:
+        cases.append((n, dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128), bf, False))
+        if n in ("full", "causal", "causal_bottom_right", "prefix_lm", "alibi", "sliding_window",
+                 "longformer", "bigbird_seeded", "relative_bias"):
+            cases.append((n, dict(B=1, Hq=3, Hkv=3, Lq=200, Lk=517, D=128), bf, False))
+    if not args.quick:
+        for n in few:
+            cases.append((n, dict(B=1, Hq=4, Hkv=4, Lq=333, Lk=333, D=128), fp, False))
+        for n in ("full", "causal", "document", "gqa_causal"):
+            cases.append((n, dict(B=1, Hq=4, Hkv=1, Lq=257, Lk=257, D=64), bf, False))
+        for n in ("full", "causal", "alibi"):
+            cases.append((n, dict(B=1, Hq=2, Hkv=2, Lq=300, Lk=300, D=256), bf, False))
+        cases += [("full", dict(B=1, Hq=2, Hkv=2, Lq=1, Lk=129, D=128), bf, False),
+                  ("causal_bottom_right", dict(B=2, Hq=2, Hkv=2, Lq=1, Lk=300, D=128), bf, False),
+                  ("causal", dict(B=1, Hq=4, Hkv=2, Lq=1000, Lk=1000, D=128), bf, True),
+                  ("full", dict(B=2, Hq=4, Hkv=4, Lq=300, Lk=517, D=128), bf, True),
+                  ("sliding_window", dict(B=1, Hq=4, Hkv=4, Lq=700, Lk=700, D=128), fp, True)]
+    offset_cases = [("causal", 64, 0), ("sliding_window", 96, 96)]
+    if args.sweep != "all":
+        keep = set(args.sweep.split(",")) if args.sweep else set()
+        cases = [c for c in cases if c[0] in keep]
+        offset_cases = [c for c in offset_cases if c[0] in keep]
+    failures = 0
+    # Every candidate config of head dim 128 on a few variants (one per skipping
+    # strategy and a score), pinned: the tuner may pick any of them.
+    names = args.configs.split(",") if args.configs else []
+    # Config-major, so that a config that hangs (the watchdog ends the process) comes
+    # after every other config's results.
+    for config in gluon.candidates(128):
+        for name in names:
+            label = (f"{name} config {config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} "
+                     f"s{config['num_stages']}")
+            dog.start(label, 60)
+            try:
+                rows = []
+                for shape in (dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128),
+                              dict(B=1, Hq=2, Hkv=2, Lq=200, Lk=517, D=128)):
+                    if name == "document" and shape["Lq"] != shape["Lk"]:
+                        continue
+                    ran, r = check_case(name, taken[name], dtype=bf, config=config, **shape)
+                    rows += r
+                ok = all(r["ok"] for r in rows) and ran == "gluon"
+            except Exception as e:
+                ran, rows, ok = None, [dict(error=f"{type(e).__name__}: {str(e)[:600]}")], False
+                traceback.print_exc()
+            failures += not ok
+            RESULTS["correctness"].append(dict(case=label, ran=ran, ok=ok, rows=rows))
+            worst = max((r.get("err", math.nan) for r in rows), default=math.nan)
+            print(f"{'ok  ' if ok else 'FAIL'} {label}: max err {worst:.3g}", flush=True)
+        _write()
+    for name, shape, dtype, backward in cases:
+        label = f"{name} {shape} {str(dtype)[6:]}{' +bwd' if backward else ''}"
+        dog.start(label, 120)
+        try:
+            ran, rows = check_case(name, taken[name], dtype=dtype, backward=backward, **shape)
+            ok = all(r["ok"] for r in rows) and ran == "gluon"
+        except Exception as e:
+            ran, rows, ok = None, [dict(error=f"{type(e).__name__}: {str(e)[:600]}")], False
+            traceback.print_exc()
+        failures += not ok
+        RESULTS["correctness"].append(dict(case=label, ran=ran, ok=ok, rows=rows))
+        _write()  # case by case: a call that runs out of time keeps what it checked
+        worst = max((r.get("err", math.nan) for r in rows), default=math.nan)
+        print(f"{'ok  ' if ok else 'FAIL'} {label}: ran {ran}, max err {worst:.3g}", flush=True)
+    if not args.quick:
+        for name, qo, ko in offset_cases:
+            label = f"{name} offsets {qo}/{ko} bf16"
+            dog.start(label, 120)
+            try:
+                ran, rows = check_case(name, taken[name], B=1, Hq=2, Hkv=2, Lq=300, Lk=400, D=128,
+                                       dtype=bf, q_offset=qo, k_offset=ko)
+                ok = all(r["ok"] for r in rows) and ran == "gluon"
+            except Exception as e:
+                ran, rows, ok = None, [dict(error=f"{type(e).__name__}: {str(e)[:600]}")], False
+                traceback.print_exc()
+            failures += not ok
+            RESULTS["correctness"].append(dict(case=label, ran=ran, ok=ok, rows=rows))
+            print(f"{'ok  ' if ok else 'FAIL'} {label}: ran {ran}", flush=True)
+    RESULTS["correctness_failures"] = failures
+    return failures
+
+
+# ---------------------------------------------------------------- speed
+def _median_ms(fn):
+    import triton
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def speed(args, dog):
+    from gpu_suite import VARIANTS, anchor_problem
+    from attncc.commands import pairs_per_head
+    rows = []
+    plan = [(n, 128) for n in args.variants.split(",")]
+    plan += [("full", int(d)) for d in args.full_dims.split(",") if d]
+    for name, D in plan:
+        dog.start(f"speed {name} d{D}", 240)
+        variant, q, k, v, inputs = anchor_problem(name, 16384, D=D)
+        q, k, v = (t.detach() for t in (q, k, v))
+        p = Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], D, D)
+        pairs = pairs_per_head(variant, p, inputs, "cuda")[0]
+        flops = 4 * q.shape[0] * q.shape[1] * D * pairs
+        portable = attncc.compile(variant, backend="triton")
+        glu = attncc.compile(variant, backend="gluon")
+        portable(q, k, v, **inputs)  # tunes
+        out_p = portable(q, k, v, **inputs)
+        entry = dict(variant=name, dim=D, tflop=flops / 1e12, times={})
+        t_p = _median_ms(lambda: portable(q, k, v, **inputs))
+        entry["times"]["portable"] = t_p
+        for config in gluon.candidates(D):
+            if config["num_warps"] == gluon.WS_WARPS and os.environ.get("GLUON_SKIP_WS") == "1":
+                continue  # it hung in the correctness part
+            label = f"gluon {config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
+            run = lambda: glu.gluon_module.forward(q, k, v, inputs, host=glu.module, config=config)
+            try:
+                out_g, _ = run()
+                diff = (out_g.float() - out_p.float()).abs().max().item()
+                entry["times"][label] = _median_ms(run)
+                entry.setdefault("max_diff_vs_portable", {})[label] = diff
+            except Exception as e:
+                entry["times"][label] = f"{type(e).__name__}: {str(e)[:200]}"
+        if name in ("full", "causal"):
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            try:
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    f = lambda: torch.nn.functional.scaled_dot_product_attention(
+                        q, k, v, is_causal=name == "causal")
+                    f()
+                    entry["times"]["cudnn"] = _median_ms(f)
+            except Exception as e:
+                entry["times"]["cudnn"] = f"{type(e).__name__}: {str(e)[:200]}"
+        # the portable kernel again, last: the clock drifts as the GPU warms (run 77)
+        entry["times"]["portable (again)"] = _median_ms(lambda: portable(q, k, v, **inputs))
+        rows.append(entry)
+        RESULTS["speed"].append(entry)
+        _write()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", default="all", choices=["correctness", "speed", "all"])
+    ap.add_argument("--quick", action="store_true", help="bf16 head dim 128 correctness only")
+    ap.add_argument("--variants", default="full,causal", help="speed: ANCHORS variants at D=128")
+    ap.add_argument("--full-dims", default="", help="speed: full attention at these head dims too")
+    ap.add_argument("--sweep", default="all", help="correctness: the variants of the sweep (all)")
+    ap.add_argument("--configs", default="",
+                    help="correctness: variants checked at every head-dim-128 config")
+    ap.add_argument("--order", default="correctness,speed",
+                    help="which part first (speed first keeps the timings if time runs out)")
+    ap.add_argument("--tag", default="", help="results file suffix: $OUT/gluon_check<TAG>.json")
+    args = ap.parse_args()
+    global TAG
+    TAG = args.tag
+    print(f"torch {torch.__version__}, triton {__import__('triton').__version__}, "
+          f"{torch.cuda.get_device_name()}", flush=True)
+    RESULTS["versions"] = dict(torch=torch.__version__, triton=__import__("triton").__version__,
+                               gpu=torch.cuda.get_device_name())
+    dog = Watchdog()
+    failures, rows = 0, []
+    for part in args.order.split(","):
+        if part == "correctness" and args.part in ("correctness", "all"):
+            os.environ["ATTNCC_TUNE"] = "0"  # the first candidate, untimed (or the pinned one)
+            failures = correctness(args, dog)
+            _write()
+        if part == "speed" and args.part in ("speed", "all"):
+            os.environ.pop("ATTNCC_TUNE", None)  # speed: the portable kernel tuned
+            rows = speed(args, dog)
+    dog.start("done", math.inf)
+    _write()
+    print(f"\ncorrectness failures: {failures}")
+    for e in rows:
+        best = {k: v for k, v in e["times"].items() if isinstance(v, float)}
+        line = ", ".join(f"{k} {v:.3f} ms ({e['tflop'] / v * 1e3:.0f} TF/s)" for k, v in best.items())
+        print(f"{e['variant']} d{e['dim']}: {line}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

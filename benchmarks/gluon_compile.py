@@ -1,0 +1,137 @@
+"""Compile the Gluon backend's kernels for sm_90 without a GPU, and report their resources.
+
+A stand-in driver tells Triton the target is an sm_90 GPU; each launch in the generated
+module becomes a compile (warmup), on CPU tensors, all the way to a cubin through
+Triton's bundled ptxas. What this catches before any GPU time is spent: Gluon type and
+layout errors, shared memory over the limit, register spills (from `ptxas -v`).
+It proves nothing about the results: that is benchmarks/gluon_check.py's job, on the GPU.
+
+    python benchmarks/gluon_compile.py [examples/causal.attn ...] [--dims 64,128,256]
+
+Runs with whichever Triton is importable (put another first on PYTHONPATH to try it).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import attncc  # noqa: E402
+from attncc import gluon  # noqa: E402
+from attncc.arguments import Problem  # noqa: E402
+from attncc.runtime import load_generated  # noqa: E402
+from attncc.samples import sample_inputs  # noqa: E402
+
+
+class Sm90Driver:
+    """Just enough of a driver for JITFunction.run(warmup=True): the target, no device."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def __getattr__(self, name):
+        raise AttributeError(f"the offline sm_90 driver has no {name}")
+
+
+def _compile_only(compiled: list):
+    """Turn `kernel[grid](...)` into a compile that records the CompiledKernel."""
+    def getitem(self, grid):
+        def launch(*args, **kwargs):
+            compiled.append(self.run(*args, grid=grid, warmup=True, **kwargs))
+        return launch
+    triton.runtime.jit.KernelInterface.__getitem__ = getitem
+
+
+def _ptxas_report(ptx: str) -> str:
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        target = re.search(r"\.target\s+(sm_\w+)", ptx)
+        arch = target.group(1) if target else "sm_90a"
+        out = subprocess.run([str(ptxas), f"-arch={arch}", "-v", str(src), "-o", str(Path(d) / "k.o")],
+                             capture_output=True, text=True)
+    text = out.stdout + out.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    if not (regs and spill):
+        return f"ptxas -v said: {text.strip()[:200]}"
+    return f"{regs.group(1)} regs, spills {spill.group(1)}/{spill.group(2)} B"
+
+
+def _import(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("specs", nargs="*")
+    ap.add_argument("--dims", default="128")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--all-configs", action="store_true", help="every candidate, not the first")
+    args = ap.parse_args()
+    specs = args.specs or sorted(glob.glob(str(Path(__file__).resolve().parent.parent / "examples" / "*.attn")))
+    triton.runtime.driver.set_active(Sm90Driver())
+    compiled: list = []
+    _compile_only(compiled)
+    out_dir = Path(tempfile.mkdtemp(prefix="attncc-gluon-"))
+    failures = 0
+    print(f"triton {triton.__version__}; modules in {out_dir}")
+    for spec in specs:
+        variant = attncc.parse_file(spec)
+        why = gluon.variant_unsupported(variant)
+        if why:
+            print(f"{variant.name}: not taken ({why})")
+            continue
+        gen = gluon.generate(variant)
+        path = out_dir / f"{gen.module_name}.py"
+        path.write_text(gen.source)
+        module = _import(path, gen.module_name)
+        _, host = load_generated(variant)
+        for dim in (int(d) for d in args.dims.split(",")):
+            heads = (variant.heads.q, variant.heads.kv) if variant.heads else (4, 2)
+            dtype = getattr(torch, args.dtype)
+            q = torch.randn(1, heads[0], 300, dim, dtype=dtype)
+            k = torch.randn(1, heads[1], 300, dim, dtype=dtype)
+            v = torch.randn_like(k)
+            p = Problem(1, heads[0], heads[1], 300, 300, dim, dim, 0, 0)
+            inputs = sample_inputs(variant, p)
+            configs = gluon.candidates(dim)
+            for config in configs if args.all_configs else configs[:1]:
+                label = f"{variant.name} d{dim} {config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
+                compiled.clear()
+                try:
+                    module.forward(q, k, v, inputs, host=host, config=config)
+                    ck = compiled[-1]
+                    print(f"{label}: ok, smem {ck.metadata.shared} B, {_ptxas_report(ck.asm['ptx'])}")
+                except Exception as e:  # report and go on: the point is the whole list
+                    failures += 1
+                    msg = str(e).strip().splitlines()
+                    print(f"{label}: FAILED {type(e).__name__}: {' | '.join(msg[-6:])[:1500]}")
+    print(f"{failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

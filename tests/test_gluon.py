@@ -1,0 +1,194 @@
+"""The Gluon backend on the CPU: its module renders and parses, shares the portable
+module's expressions, and the dispatch (`backend=`, `attncc compile --backend`) picks,
+explains and refuses as documented. The kernels themselves run only on an sm_90 GPU:
+benchmarks/gluon_check.py holds them to the float64 reference there.
+"""
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+import attncc
+from attncc import gluon, tuning
+from attncc.cli import main
+from attncc.codegen import generate, template_context
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+# One per skipping strategy and slot: dense, one analytic interval, two intervals, tables
+# from a tensor mask, a layout, index lists, a score with a tensor read, a learnable input.
+SAMPLE = ["full", "causal", "prefix_lm", "document", "bigbird", "nsa_topk", "alibi",
+          "relative_bias"]
+
+
+def _imports(tree) -> set:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("name", SAMPLE)
+def test_gluon_module_renders_parses_and_stands_alone(name):
+    variant = attncc.parse_file(EXAMPLES / f"{name}.attn")
+    assert gluon.variant_unsupported(variant) is None
+    source = gluon.generate(variant).source
+    tree = ast.parse(source)
+    assert _imports(tree) <= {"torch", "triton"}
+    defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert {"attn_fwd", "attn_fwd_ws", "_ws_loader", "_ws_consumer", "forward"} <= defined
+    # The same mask and score code as the portable module: emitted once, in codegen.
+    context = template_context(variant)
+    for slot in ("mask", "score", "layout_elem"):
+        if context[slot]:
+            assert context[slot] in source and context[slot] in generate(variant).source
+
+
+def test_gluon_module_takes_the_portable_argument_list():
+    """The Gluon forward is called with the portable module's argument values
+    (host._common_args), so its kernels must declare COMMON_PARAMS in the same order."""
+    variant = attncc.parse_file(EXAMPLES / "document.attn")
+    tree = ast.parse(gluon.generate(variant).source)
+    params = template_context(variant)["common_param_list"]
+    for fn in ("attn_fwd", "attn_fwd_ws"):
+        node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == fn)
+        names = [a.arg for a in node.args.args]
+        assert names[5:5 + len(params)] == params
+
+
+def test_variants_the_gluon_forward_does_not_take_are_named():
+    dropout = attncc.parse_file(EXAMPLES / "dropout.attn")
+    assert "dropout 0.1" in gluon.variant_unsupported(dropout)
+    small_lists = attncc.parse("attention t { input top: i32[b, h, qb, 4] layout kb in top[b, h, qb] block 32 }")
+    assert "at least 64 rows" in gluon.variant_unsupported(small_lists)
+    lists64 = attncc.parse("attention t { input top: i32[b, h, qb, 4] layout kb in top[b, h, qb] block 64 }")
+    assert gluon.variant_unsupported(lists64) is None
+    # Its tiles must nest in the 64-blocks: only 64-row, 64-column configs are offered.
+    kept = tuning.kept_candidates(lists64, 128, "gluon-fwd")
+    assert kept and all(c["BLOCK_M"] <= 64 and c["BLOCK_N"] <= 64 for c in kept)
+
+
+def test_calls_the_gluon_forward_does_not_take_are_named():
+    q = torch.randn(1, 2, 8, 128, dtype=torch.bfloat16)
+    assert gluon.call_unsupported(q, q, q) is None
+    f32 = q.float()
+    assert "float32" in gluon.call_unsupported(f32, f32, f32)
+    d96 = torch.randn(1, 2, 8, 96, dtype=torch.float16)
+    assert "head dim 96" in gluon.call_unsupported(d96, d96, d96)
+    kt = torch.randn(1, 2, 128, 8, dtype=torch.bfloat16).transpose(2, 3)  # head dim strided
+    assert "k has strides" in gluon.call_unsupported(q, kt, q)
+    odd = torch.randn(1, 2, 8, 129, dtype=torch.bfloat16)[..., :128]  # rows of 258 bytes
+    assert "16-byte aligned" in gluon.call_unsupported(q, q, odd)
+
+
+def test_candidates_fit_and_pinned_configs_are_checked():
+    for dim in gluon.HEAD_DIMS:
+        configs = gluon.candidates(dim)
+        assert configs and all(gluon.smem_bytes(c, dim) <= gluon.SMEM_LIMIT for c in configs)
+        assert all(gluon.check_config(c, dim) is None for c in configs)
+    assert "BLOCK_M >= 16 * num_warps" in gluon.check_config(
+        dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1), 128)
+    assert "shared memory" in gluon.check_config(
+        dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3), 256)
+
+
+def test_backend_names_are_checked():
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'triton', 'gluon'"):
+        attncc.compile(str(EXAMPLES / "causal.attn"), backend="cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's dispatch")
+def test_dispatch_without_an_sm90_gpu():
+    spec = str(EXAMPLES / "causal.attn")
+    auto = attncc.compile(spec)
+    assert auto.backend == "triton" and "interpreter" in auto.backend_reason
+    asked = attncc.compile(spec, backend="triton")
+    assert asked.backend == "triton" and "backend='triton'" in asked.backend_reason
+    with pytest.raises(attncc.BackendError, match="backend='gluon' cannot run this: the Triton "
+                                                  "interpreter"):
+        attncc.compile(spec, backend="gluon")
+    # The variant's own limits are named before the machine's.
+    with pytest.raises(attncc.BackendError, match="dropout 0.1, which the Gluon forward"):
+        attncc.compile(str(EXAMPLES / "dropout.attn"), backend="gluon")
+    # auto runs the portable forward and says why, call by call.
+    q = torch.randn(1, 2, 20, 16)
+    out = auto(q, q, q)
+    assert auto.last_backend == ("triton", auto.backend_reason)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's dispatch")
+def test_no_gpu_is_named_outside_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    gluon._device_unsupported.cache_clear()
+    try:
+        assert "no CUDA GPU" in gluon.environment_unsupported()
+    finally:
+        gluon._device_unsupported.cache_clear()
+
+
+def test_cli_compile_backend_gluon_writes_both_modules(tmp_path, capsys):
+    spec = EXAMPLES / "sliding_window.attn"
+    assert main(["compile", str(spec), "--backend", "gluon", "-o", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    text = (tmp_path / "sliding_window_gluon.py").read_text()
+    assert text == gluon.generate(attncc.load(spec)).source
+    assert (tmp_path / "sliding_window.py").exists()  # its tables and backward
+    assert "backend   gluon forward on an sm_90 GPU" in out
+
+
+def test_cli_compile_backend_gluon_refuses_what_it_cannot_take(tmp_path, capsys):
+    spec = str(EXAMPLES / "dropout.attn")
+    assert main(["compile", spec, "--backend", "gluon", "-o", str(tmp_path)]) == 2
+    assert "--backend gluon cannot compile this: variant 'dropout' has dropout" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing written
+    assert main(["compile", spec, "--backend", "auto", "-o", str(tmp_path)]) == 0
+    assert "backend   auto: the portable kernels, since variant 'dropout'" in capsys.readouterr().out
+    assert not (tmp_path / "dropout_gluon.py").exists()
+
+
+def test_auto_times_both_forwards_once_and_remembers(monkeypatch, tmp_path):
+    """tuning.faster_backend: each backend timed at its own config, the faster kept, in
+    this process and on disk (a new process reads it without timing)."""
+    import triton
+    from types import SimpleNamespace
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("ATTNCC_TUNE", raising=False)
+    variant = attncc.parse_file(EXAMPLES / "causal.attn")
+    kernel = SimpleNamespace(variant=variant, key=variant.key(), pinned_config=None)
+    problem = SimpleNamespace(dim=128, group=1, len_q=4096, len_k=4096)
+    timed = []
+    times = {"gluon": 3.0, "triton": 4.0}
+    options = {name: (direction, lambda config, name=name: name)
+               for name, direction in (("gluon", "gluon-fwd"), ("triton", "fwd"))}
+    monkeypatch.setattr(triton.testing, "do_bench",
+                        lambda fn, **kw: (timed.append(fn()), times[fn()])[1])
+    assert tuning.faster_backend(kernel, problem, torch.bfloat16, options) == "gluon"
+    assert sorted(timed) == ["gluon", "triton"]
+    tuning._MEMORY.clear()  # as a new process: the choice comes from disk, untimed
+    timed.clear()
+    times.update(gluon=5.0)
+    assert tuning.faster_backend(kernel, problem, torch.bfloat16, options) == "gluon"
+    assert timed == []
+    monkeypatch.setenv("ATTNCC_TUNE", "0")  # no timing: the portable forward
+    other = SimpleNamespace(dim=64, group=1, len_q=4096, len_k=4096)
+    assert tuning.faster_backend(kernel, other, torch.bfloat16, options) == "triton"
+
+
+def test_a_gluon_pin_pins_only_the_gluon_forward():
+    from types import SimpleNamespace
+    variant = attncc.parse_file(EXAMPLES / "causal.attn")
+    pin = dict(BLOCK_M=128, BLOCK_N=128, num_warps=gluon.WS_WARPS, num_stages=2)
+    problem = SimpleNamespace(dim=128, group=1, len_q=64, len_k=64)
+    asked = SimpleNamespace(variant=variant, key=variant.key(), pinned_config=pin,
+                            requested_backend="gluon")
+    assert tuning.config_for(asked, problem, torch.bfloat16, "gluon-fwd") == pin
+    # The backward is the portable one: a Gluon config (9 warps) must not reach it.
+    assert tuning.config_for(asked, problem, torch.bfloat16, "dq") != pin
+    portable = SimpleNamespace(variant=variant, key=variant.key(), pinned_config=pin,
+                               requested_backend="triton")
+    assert tuning.config_for(portable, problem, torch.bfloat16, "dq") == pin
