@@ -40,7 +40,9 @@ class Problem:
 
 
 def _shape(t) -> str:
-    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+    # int(): under torch.compile, sizes are symbolic at trace time (a failing check
+    # fixes them; Dynamo cannot str() a symbolic int).
+    return "(" + ", ".join(str(int(s)) for s in t.shape) + ")"
 
 
 def bind(variant: ir.Variant, q, k, v, inputs: dict, *, q_offset: int = 0,

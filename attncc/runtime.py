@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from . import ir, tuning
+from . import ir, ops, tuning
 from .arguments import axis_extent, bind
 from .errors import CallError
 from .evaluate import check_index_list
@@ -130,68 +130,43 @@ if TABLES_BACKWARD not in BACKWARD_SCHEDULES:
     raise ValueError(f"ATTNCC_BACKWARD={TABLES_BACKWARD!r}: expected one of {BACKWARD_SCHEDULES}")
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, kernel, q, k, v, call, *input_values):
-        inputs = dict(zip(call["input_names"], input_values))
-        run = lambda config: kernel.module.forward(
-            q, k, v, inputs, q_offset=call["q_offset"], k_offset=call["k_offset"],
-            seed=call["seed"], config=config, tables=call["tables"])
-        config = tuning.config_for(kernel, call["problem"], q.dtype, "fwd", run, *call["tuning"])
-        out, lse = run(config)
-        ctx.save_for_backward(q, k, v, out, lse, *input_values)
-        ctx.kernel, ctx.call = kernel, call
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, *input_values = ctx.saved_tensors
-        call = ctx.call
-        inputs = dict(zip(call["input_names"], input_values))
-        module, problem = ctx.kernel.module, call["problem"]
-        common = dict(q_offset=call["q_offset"], k_offset=call["k_offset"], seed=call["seed"],
-                      tables=call["tables"])
-        if module.USES_TABLES and TABLES_BACKWARD == "one-launch":
-            # dK/dV and dQ as two roles of one grid, one config, both reading delta.
-            delta = module.backward_delta(out, dout)
-            run = lambda config: module.backward_one_launch(q, k, v, lse, delta, dout, inputs,
-                                                            config=config, **common)
-            config = tuning.config_for(ctx.kernel, problem, q.dtype, "bwd", run, *call["tuning"])
-            dq, dk, dv, dinputs = run(config)
-        else:
-            # dQ first, computing delta = rowsum(dO * O) on the way, then dK/dV, which
-            # reads it. They are tuned apart: they want different tile shapes.
-            delta = module.new_delta(q)
-            run_dq = lambda config: module.backward_dq(q, k, v, lse, delta, dout, inputs,
-                                                       config=config, out=out, **common)
-            run_dkdv = lambda config: module.backward_dkdv(q, k, v, lse, delta, dout, inputs,
-                                                           config=config, **common)
-            # dQ's config first: tuning it fills delta, which tuning dK/dV then reads.
-            config_dq = tuning.config_for(ctx.kernel, problem, q.dtype, "dq", run_dq,
-                                          *call["tuning"])
-            dq, dinputs = run_dq(config_dq)
-            config_dkdv = tuning.config_for(ctx.kernel, problem, q.dtype, "dkdv", run_dkdv,
-                                            *call["tuning"])
-            dk, dv = run_dkdv(config_dkdv)
-        grads = [dinputs.get(name) for name in call["input_names"]]
-        return (None, dq, dk, dv, None, *grads)
-
-
 class Kernel:
     """A compiled variant: `kernel(q, k, v, **inputs)` like scaled_dot_product_attention."""
 
-    def __init__(self, variant: ir.Variant, config: dict | None = None):
+    def __init__(self, variant: ir.Variant, config: dict | None = None, *, load: bool = True):
         self.variant = variant
         self.key = variant.key()  # hashed once: the tuner looks configs up on every call
-        self.generated, self.module = load_generated(variant)
+        self._generated = load_generated(variant) if load else None  # (Generated, module)
         self.pinned_config = (tuning.check_pinned(tuning.check_config(config, "config"), variant,
                                                   "config") if config else None)
         self._index_lists = ir.index_lists(variant.layout)  # {input: "qb" | "kb"}
         self._checked_lists: dict = {}  # index-list states already validated
-        self._without_dropout = None  # the same variant without dropout, for training=False
         self._tables_owner = self  # whose tile_tables(...) this kernel's calls accept
+        self.input_names = [d.name for d in variant.inputs]  # the operator's input order
+        self._ops = ops.operators(self)  # torch.ops.attncc.<name>_<key>[_bwd]
+        self._op_id = ops.register_kernel(self)  # how the operator finds this kernel
+        # The same variant without dropout, for training=False: its module is generated on
+        # first use, but the Kernel exists now, so that torch.compile can trace a call of
+        # it (a kernel made at trace time would be file reads and writes, untraceable).
+        self._without_dropout = None
+        if variant.dropout:
+            self._without_dropout = Kernel(dataclasses.replace(variant, dropout=None),
+                                           self.pinned_config, load=False)
+            self._without_dropout._tables_owner = self
+
+    @property
+    def generated(self) -> Generated:
+        return self._load()[0]
+
+    @property
+    def module(self):
+        """The generated module (imported on first use for an evaluation kernel)."""
+        return self._load()[1]
+
+    def _load(self) -> tuple:
+        if self._generated is None:
+            self._generated = load_generated(self.variant)
+        return self._generated
 
     @property
     def source(self) -> str:
@@ -204,9 +179,13 @@ class Kernel:
     def __repr__(self):
         return f"<attncc kernel '{self.variant.name}': {self.strategy}>"
 
-    def check_call(self, q, k, v, inputs, q_offset, k_offset):
+    def check_call(self, q, k, v, inputs, q_offset, k_offset, *, index_lists: bool = True):
+        """The call's Problem, or a CallError naming what is wrong. Reads shapes, dtypes
+        and devices only, so that torch.compile can run it on FakeTensors at trace time,
+        except for the index-list check (it reads values), which calls through the
+        operator leave to the operator (`index_lists=False`)."""
         p = bind(self.variant, q, k, v, inputs, q_offset=q_offset, k_offset=k_offset)
-        if q.device.type != "cuda" and not interpreting():
+        if q.device.type != "cuda" and not self._interpreting():
             raise CallError(f"q is on {q.device}, but attncc kernels run on CUDA GPUs; move the "
                             "tensors with .cuda(), or set TRITON_INTERPRET=1 to run the kernels "
                             "(slowly) under the Triton interpreter on the CPU")
@@ -226,7 +205,8 @@ class Kernel:
             if q_offset % b or k_offset % b:
                 raise CallError(f"q_offset={q_offset} and k_offset={k_offset} must be multiples of "
                                 f"the layout's block {b}, so that kernel tiles nest in layout blocks")
-        self._check_index_lists(p, inputs)
+        if index_lists:
+            self._check_index_lists(p, inputs)
         return p
 
     def _check_index_lists(self, p, inputs):
@@ -246,54 +226,61 @@ class Kernel:
     def evaluation_kernel(self) -> "Kernel":
         """This variant without its dropout (the kernel `training=False` runs): compiled,
         and tuned, on first use. Without dropout in the variant, the kernel itself."""
-        if not self.variant.dropout:
-            return self
-        if self._without_dropout is None:
-            self._without_dropout = Kernel(dataclasses.replace(self.variant, dropout=None),
-                                           self.pinned_config)
-            self._without_dropout._tables_owner = self
-        return self._without_dropout
+        return self._without_dropout if self.variant.dropout else self
 
     def __call__(self, q, k, v, *, return_lse: bool = False, dropout_seed: int | None = None,
                  training: bool = True, q_offset: int = 0, k_offset: int = 0,
                  tables: "TileTables | None" = None, **inputs):
+        # Everything up to the operator call is what torch.compile traces (attncc/ops.py):
+        # Python on shapes, dtypes and devices, no tensor data read.
         if not isinstance(training, bool):
             raise CallError(f"training must be True or False, got {training!r}")
         if not training and self.variant.dropout:
             # Evaluation: the same attention with no dropout (as nn.Dropout in eval mode).
             return self.evaluation_kernel()(q, k, v, return_lse=return_lse, q_offset=q_offset,
                                             k_offset=k_offset, tables=tables, **inputs)
-        p = self.check_call(q, k, v, inputs, q_offset, k_offset)
+        p = self.check_call(q, k, v, inputs, q_offset, k_offset, index_lists=False)
         if tables is not None:
             if not isinstance(tables, TileTables):
                 raise CallError(f"tables must come from kernel.tile_tables(...), got "
                                 f"{type(tables).__name__}")
-            tables.check(self._tables_owner, p, inputs)
+            tables.check(self._tables_owner, p)
         if p.len_q == 0 or p.len_k == 0:
+            if tables is not None:
+                tables.check_reads(inputs)
             out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
             lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
             return (out, lse) if return_lse else out
+        seed, drawn_seed = 0, None
         if self.variant.dropout:
             if dropout_seed is None:
-                # Drawn on the CPU generator: no device synchronisation.
-                dropout_seed = int(torch.randint(0, 2 ** 31 - 1, (1,)).item())
-        names = [d.name for d in self.variant.inputs]
-        values = []
-        for name in names:
-            t = inputs[name]
-            # Learnable inputs take gradients at their own strides: make them dense.
-            values.append(t.contiguous() if self.variant.input(name).learnable else t)
-        call = {
-            "input_names": names, "q_offset": q_offset, "k_offset": k_offset,
-            "seed": int(dropout_seed or 0), "problem": p,
-            "tables": tables.store if tables is not None else None,
-            # Kept tables know their density (one sync, once): tune per density bucket.
-            # Without them the config is keyed by shape, chosen on the first layout.
-            "tuning": (self._tuning_context(p, inputs, q.device, tables),
-                       tables.density if tables is not None else None),
-        }
-        out, lse = _Attention.apply(self, q, k, v, call, *values)
+                # A CPU tensor from torch's generator (torch.manual_seed reproduces it):
+                # no device sync, and under torch.compile an op of the graph, so every run
+                # draws anew (an int drawn here would be a constant of the graph).
+                drawn_seed = torch.randint(0, 2 ** 31 - 1, (1,))
+            else:
+                seed = dropout_seed
+        # Learnable inputs take gradients at their own strides: make them dense.
+        values = [inputs[d.name].contiguous() if d.learnable else inputs[d.name]
+                  for d in self.variant.inputs]
+        # Under torch.compile, the op (a node of the graph); in eager, its autograd kernel.
+        call = self._ops.forward if torch.compiler.is_compiling() else self._ops.apply
+        out, lse = call(self._op_id, q, k, v, values, q_offset, k_offset, seed, drawn_seed,
+                        ops.NO_TABLES if tables is None else tables._op_id)
         return (out, lse) if return_lse else out
+
+    @staticmethod
+    def _interpreting() -> bool:
+        # Read once per call: under torch.compile, at trace time (a traced os.environ
+        # read is guarded on, so setting TRITON_INTERPRET later retraces).
+        return interpreting()
+
+    def _tuning(self, p, inputs: dict, device, tables=None) -> tuple:
+        """The tuner's (context, density) for a call (tuning.config_for). Kept tables know
+        their density (one sync, once), so their calls tune per density bucket; without
+        them the config is keyed by shape, chosen on the first layout."""
+        return (self._tuning_context(p, inputs, device, tables),
+                tables.density if tables is not None else None)
 
     def _tuning_context(self, p, inputs: dict, device, tables=None):
         """For the tuner's progress lines: the density of the layout a layout variant is
@@ -351,6 +338,7 @@ class TileTables:
 
     def __init__(self, kernel: Kernel, problem, inputs: dict, device):
         self.kernel, self.problem, self.device = kernel, problem, device
+        self._op_id = ops.register_tables(self)  # how the operator finds them (attncc/ops.py)
         self._reads = {name: _state(inputs[name]) for name in kernel.module.TABLE_INPUTS}
         self._inputs = {name: inputs[name] for name in kernel.module.TABLE_INPUTS}
         self.store: dict = {}  # (BLOCK_M, BLOCK_N) -> tables; filled by the generated module
@@ -360,7 +348,9 @@ class TileTables:
         self.density = tile_density(kernel.module, problem, self._inputs, device,
                                     kernel.variant.block or 64)
 
-    def check(self, kernel: Kernel, problem, inputs: dict):
+    def check(self, kernel: Kernel, problem):
+        """Whether a call of `kernel` shaped as `problem` may use these tables. Shapes only:
+        at trace time under torch.compile (where it fixes the shapes, as tables do)."""
         if kernel is not self.kernel:
             raise CallError(f"these tables belong to the kernel for '{self.kernel.variant.name}', "
                             f"not to this one ('{kernel.variant.name}'); build them with "
@@ -369,6 +359,10 @@ class TileTables:
             raise CallError(f"these tables were built for {_shape_text(self.problem)}, but this "
                             f"call is {_shape_text(problem)}; build tables for it with "
                             "kernel.tile_tables(...)")
+
+    def check_reads(self, inputs: dict):
+        """Whether the tensors the tables were built from are the call's, unchanged. Reads
+        data pointers and version counters: in the operator, where tensors are real."""
         for name, state in self._reads.items():
             if _state(inputs[name]) != state:
                 raise CallError(f"these tables were built from another '{name}' (or it was "
