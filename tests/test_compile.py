@@ -281,63 +281,72 @@ def test_a_compiled_model_trains_like_eager():
 
 
 # ------------------------------------------------------------------ GPU
+def gpu_qkv(L, dtype, D=64):
+    q, k, v, do = qkv(L, D=D)
+    return (*(t.detach().to(dtype).requires_grad_() for t in (q, k, v)), do.to(dtype))
+
+
 @GPU
 @pytest.mark.parametrize("spec", [WINDOW, LAYOUT], ids=["analytic", "tables"])
 def test_inductor_on_the_gpu_equals_eager(spec):
     kernel = attncc.compile(spec)
-    extra = {"blocks": torch.ones(2, 16, 16, dtype=torch.bool, device="cuda")} if spec == LAYOUT else {}
-    call = lambda q, k, v: kernel(q, k, v, return_lse=True, **extra)
+    call = lambda q, k, v, extra: kernel(q, k, v, return_lse=True, **extra)
     fn, counter = compiled(call, "inductor")
     for L in (256, 200):
-        q, k, v, do = (t.to(torch.bfloat16) for t in qkv(L, H=2, D=64))
-        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-        if spec == WINDOW:
-            dynamic(q, k, v)
-        assert_bitwise(outputs_and_grads(fn, (q, k, v), do), outputs_and_grads(call, (q, k, v), do))
-    assert no_graph_breaks()
+        q, k, v, do = gpu_qkv(L, torch.bfloat16)
+        dynamic(q, k, v)
+        extra = {}
+        if spec == LAYOUT:
+            n = -(-L // 16)
+            extra["blocks"] = (torch.rand(2, n, n, device="cuda") < 0.5) | torch.eye(n, dtype=torch.bool, device="cuda")
+            dynamic(extra["blocks"], dim=1)
+            dynamic(extra["blocks"], dim=2)
+        assert_bitwise(outputs_and_grads(fn, (q, k, v), do, extra),
+                       outputs_and_grads(call, (q, k, v), do, extra))
+    assert counter.frame_count == 1 and no_graph_breaks()
 
 
 @GPU
 def test_a_compiled_training_step_replays_in_cuda_graphs():
-    # mode="reduce-overhead": inductor captures the step (forward and backward) in CUDA
-    # graphs after warm-up runs (which tune) and replays them.
+    # mode="reduce-overhead": inductor captures the forward and the backward in CUDA
+    # graphs after a warm-up run (which tunes), then replays them.
     kernel = attncc.compile(WINDOW)
-    q, k, v, do = (t.to(torch.float16) for t in qkv(256, D=64))
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    forward = lambda q, k, v: kernel(q, k, v)
 
-    def step(q, k, v, do):
-        out = kernel(q, k, v)
-        return (out, *torch.autograd.grad(out, (q, k, v), do))
+    q, k, v, do = gpu_qkv(256, torch.float16)
 
-    want = [t.clone() for t in step(q, k, v, do)]
-    fn = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    def step(f):
+        torch.compiler.cudagraph_mark_step_begin()  # a new iteration: outputs may be reused
+        out = f(q, k, v)
+        return [t.clone() for t in (out, *torch.autograd.grad(out, (q, k, v), do))]
+
+    want = step(forward)
+    fn = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
     for _ in range(4):  # warm-up, record, replays
-        got = [t.clone() for t in fn(q, k, v, do)]
-        assert_bitwise(got, want)
+        assert_bitwise(step(fn), want)
     assert counters["inductor"]["cudagraph_skips"] == 0, "the step was not captured"
 
 
 @GPU
 def test_a_compiled_call_with_kept_tables_captures_in_a_cuda_graph():
-    # Kept tables make no host sync in a call; the tensors they read keep their address
-    # when captured by hand (torch.cuda.graph), so their check passes at capture.
+    # Kept tables make no host sync in a call. Captured by hand (torch.cuda.graph), the
+    # tensors the tables read keep their addresses, so their check passes at capture.
     kernel = attncc.compile(LAYOUT)
-    q, k, v, do = (t.to(torch.float16) for t in qkv(200, D=64))
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    q, k, v, do = gpu_qkv(200, torch.float16)
     blocks = (torch.rand(2, 13, 13, generator=torch.Generator().manual_seed(3)) < 0.5).cuda()
     tables = kernel.tile_tables(q, k, v, blocks=blocks)
-    step = lambda: torch.autograd.grad(kernel(q, k, v, blocks=blocks, tables=tables), (q, k, v), do)
-    fn = torch.compile(step, fullgraph=True)
+    fn = torch.compile(lambda q, k, v: kernel(q, k, v, blocks=blocks, tables=tables), fullgraph=True)
+    step = lambda f: torch.autograd.grad(f(q, k, v), (q, k, v), do)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
-            fn()  # compiles, tunes, builds the tables of each tile size
+            step(fn)  # compiles, tunes, builds the tables of each tile size
     torch.cuda.current_stream().wait_stream(side)
-    want = step()
+    want = step(lambda q, k, v: kernel(q, k, v, blocks=blocks, tables=tables))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = fn()
+        captured = step(fn)
     for t in captured:
         t.fill_(float("nan"))
     graph.replay()
