@@ -9,7 +9,10 @@ interpreter behind the operator; the backends are aot_eager and inductor. The GP
 """
 from __future__ import annotations
 
-import shutil
+import dataclasses
+import math
+import sys
+import warnings
 
 import pytest
 import torch
@@ -351,3 +354,58 @@ def test_a_compiled_call_with_kept_tables_captures_in_a_cuda_graph():
         t.fill_(float("nan"))
     graph.replay()
     assert_bitwise(captured, want)
+
+
+# ------------------------------------------------------------------ examples/train_gpt.py
+def _train_gpt():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
+    spec = importlib.util.spec_from_file_location("train_gpt", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_gpt"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_gpt_compiled_trains_like_the_reference_model():
+    # The example's CPU run: the compiled model with attncc's operator against the same
+    # model, eager, with attncc.reference attention: same weights, same batches.
+    tg = _train_gpt()
+    got = tg.train("attncc", tg.TINY, steps=2, compile_backend="aot_eager")
+    assert no_graph_breaks()
+    want = tg.train("reference", tg.TINY, steps=2, compile_backend=None)
+    assert got["losses"] == pytest.approx(want["losses"], rel=1e-5)
+    assert got["losses"][0] == pytest.approx(math.log(tg.TINY.vocab), rel=0.05)
+
+
+def test_train_gpt_bench_backends_compute_the_variant():
+    # What --bench times on the GPU, checked here: FlexAttention's mask_mod and
+    # score_mod and SDPA's dense mask against the reference (SDPA: without softcap).
+    tg = _train_gpt()
+    with warnings.catch_warnings():  # eager flex_attention warns that it is slow
+        warnings.simplefilter("ignore")
+        rows = tg.check_attention(tg.TINY, DEVICE, torch.float32, L=40)
+    assert [r["backend"] for r in rows] == ["attncc", "flex", "sdpa"]
+    assert all(r["ok"] for r in rows), rows
+    # The SDPA mask differs from the variant only by the softcap it cannot apply.
+    doc = torch.tensor([[0] * 20 + [1] * 20], dtype=torch.int32)
+    mask = tg.SdpaAttention(tg.TINY).prepare(doc)[0, 0]
+    assert mask[25, 21] and not mask[25, 19] and not mask[19, 20] and not mask[19, 3]
+
+
+def test_train_gpt_bench_table_and_gpu_requirement(monkeypatch, capsys):
+    tg = _train_gpt()
+    run = lambda backend, softcap=True: {"backend": backend, "losses": [3.0, 2.5], "timed_steps": 2,
+                                         "step_ms": 10.0, "tokens_per_s": 1e5, "wall_s": 5.0,
+                                         "peak_gib": 1.5, "graph_breaks": 0, "softcap": softcap}
+    result = {"config": dataclasses.asdict(tg.GPU), "gpu": "H100", "torch": "2.11", "triton": "3.6",
+              "checks": [{"backend": "attncc", "len": 1000, "max_abs_error": 1e-3, "eager_error": 2e-3, "ok": True}],
+              "runs": [run("attncc"), run("sdpa", softcap=False),
+                       {"backend": "flex", "error": "boom", "wall_s": 1.0}]}
+    table = tg.format_table(result)
+    assert "attncc ok" in table and "mask only: SDPA cannot softcap" in table
+    assert "flex       failed: boom" in table and "100000" in table
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tg.main(["--bench"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
