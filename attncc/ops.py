@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import warnings
 import weakref
 from typing import Callable, NamedTuple
 
@@ -195,6 +196,10 @@ def _forward(kernel_id, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, t
     p = _problem(q, k, v, q_offset, k_offset)
     # The checks that read tensor data (see the module docstring).
     kernel._check_index_lists(p, values)
+    if kernel.variant.dropout and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        warnings.warn(f"attncc: a call of '{kernel.variant.name}' (dropout) is being captured in "
+                      "a CUDA graph: the kernels take the dropout seed as a launch argument, so "
+                      "every replay drops the same elements", stacklevel=2)
     if tables is not None:
         tables.check_reads(values)
     store = tables.store if tables is not None else None
