@@ -364,10 +364,16 @@ class TileTables:
         """Whether the tensors the tables were built from are the call's, unchanged. Reads
         data pointers and version counters: in the operator, where tensors are real."""
         for name, state in self._reads.items():
-            if _state(inputs[name]) != state:
+            t = inputs[name]
+            if _state(t) != state:
+                hint = ""
+                if t.is_cuda and torch.cuda.is_current_stream_capturing():
+                    hint = (f"; if torch.compile(mode=\"reduce-overhead\") is capturing this call, "
+                            f"it copied '{name}' into a buffer of its own: mark it with "
+                            f"torch._dynamo.mark_static_address({name}) so it keeps its address")
                 raise CallError(f"these tables were built from another '{name}' (or it was "
                                 "written in place since); rebuild them with "
-                                "kernel.tile_tables(...) when it changes")
+                                f"kernel.tile_tables(...) when it changes{hint}")
 
     def __repr__(self):
         sizes = ", ".join(f"{m}x{n}" for m, n in self.store) or "none yet"

@@ -409,3 +409,27 @@ def test_train_gpt_bench_table_and_gpu_requirement(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert tg.main(["--bench"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@GPU
+def test_kept_tables_under_reduce_overhead_need_their_layout_at_a_static_address():
+    # Inductor's CUDA graphs copy inputs that are not static into buffers of their own
+    # for the recording; the tables' check sees another tensor there and says what to do.
+    kernel = attncc.compile(LAYOUT)
+    q, k, v, _ = gpu_qkv(200, torch.float16)
+    blocks = (torch.rand(2, 13, 13, generator=torch.Generator().manual_seed(3)) < 0.5).cuda()
+    tables = kernel.tile_tables(q, k, v, blocks=blocks)
+    want = kernel(q, k, v, blocks=blocks, tables=tables)
+    call = lambda q, k, v, blocks: kernel(q, k, v, blocks=blocks, tables=tables)
+    fn = torch.compile(call, mode="reduce-overhead", fullgraph=True)
+    with pytest.raises(CallError, match="mark_static_address"):
+        for _ in range(3):
+            torch.compiler.cudagraph_mark_step_begin()
+            fn(q, k, v, blocks)
+    torch._dynamo.reset()
+    torch._dynamo.mark_static_address(blocks)
+    fn = torch.compile(call, mode="reduce-overhead", fullgraph=True)
+    for _ in range(4):  # warm-up, record, replays
+        torch.compiler.cudagraph_mark_step_begin()
+        assert torch.equal(fn(q, k, v, blocks), want)
+    assert counters["inductor"]["cudagraph_skips"] == 0
