@@ -40,9 +40,9 @@ class Problem:
 
 
 def _shape(t) -> str:
-    # int(): under torch.compile, sizes are symbolic at trace time (a failing check
-    # fixes them; Dynamo cannot str() a symbolic int).
-    return "(" + ", ".join(str(int(s)) for s in t.shape) + ")"
+    # An f-string, not str(): under torch.compile the checks run at trace time, where
+    # sizes are symbolic, and Dynamo formats those but cannot call str() on them.
+    return "(" + ", ".join(f"{s}" for s in t.shape) + ")"
 
 
 def bind(variant: ir.Variant, q, k, v, inputs: dict, *, q_offset: int = 0,

@@ -186,35 +186,52 @@ def test_tables_of_another_shape_are_refused_while_tracing():
     blocks = torch.ones(2, 3, 3, dtype=torch.bool, device=DEVICE)
     tables = kernel.tile_tables(q, k, v, blocks=blocks)
     q2, k2, v2, _ = qkv(33)
-    fn = torch.compile(lambda q, k, v: kernel(q, k, v, blocks=blocks, tables=tables),
-                       backend="aot_eager")
-    with pytest.raises(CallError, match="these tables were built for .* len_q 40"):
-        fn(q2, k2, v2)
+    call = lambda q, k, v: kernel(q, k, v, blocks=blocks, tables=tables)
+    match = "these tables were built for .* len_q 40, .* but this call is .* len_q 33"
+    with pytest.raises(CallError, match=match):
+        torch.compile(call, backend="aot_eager")(q2, k2, v2)
+    with pytest.raises(Exception) as error:
+        torch.compile(call, backend="aot_eager", fullgraph=True, dynamic=True)(q2, k2, v2)
+    assert re.search(match, error_chain(error.value))
 
 
 # ------------------------------------------------------------------ errors
-def test_bad_calls_raise_the_eager_call_errors():
-    kernel = attncc.compile("attention d { input doc: i32[q] mask doc[q] == doc[k] and q >= k }")
+def bad_calls():
     q, k, v, _ = qkv(40)
     doc = torch.zeros(40, dtype=torch.int32, device=DEVICE)
-    cases = [(doc.long(), "input 'doc' has dtype torch.int64"),
-             (doc[:-1], r"input 'doc' has shape \(39\), expected \(40,\)")]
-    for bad, match in cases:
+    other = lambda *shape: torch.randn(*shape, device=DEVICE)
+    return [((q, k, v, doc.long()), "input 'doc' has dtype torch.int64"),
+            ((q, k, v, doc[:-1]), r"input 'doc' has shape \(39\), expected \(40,\) \(q=40\)"),
+            ((other(1, 3, 40, 16), k, v, doc), "q has 3 heads, which is not a multiple of the 2"),
+            ((q, k, other(1, 2, 40, 32), doc), "v has head dim 32 but q and k have 16"),
+            ((q[..., :8], k[..., :8], v[..., :8], doc), r"head dim 8 is not supported: .* \(1, 2, 40, 8\)")]
+
+
+def error_chain(e) -> str:
+    texts = []
+    while e is not None and len(texts) < 8:
+        texts.append(str(e))
+        e = e.__cause__ or e.__context__
+    return "\n".join(texts)
+
+
+def test_bad_calls_raise_the_eager_call_errors():
+    kernel = attncc.compile("attention d { input doc: i32[q] mask doc[q] == doc[k] and q >= k }")
+    call = lambda q, k, v, doc: kernel(q, k, v, doc=doc)
+    for args, match in bad_calls():
         with pytest.raises(CallError, match=match):
-            kernel(q, k, v, doc=bad)  # eager
-        # Without fullgraph, Dynamo gives up on the frame and the call raises as in eager.
-        with pytest.raises(CallError, match=match):
-            torch.compile(lambda q, k, v, d: kernel(q, k, v, doc=d), backend="aot_eager")(q, k, v, bad)
+            call(*args)  # eager
         # With fullgraph, Dynamo reports the CallError it met while tracing, with its text
-        # (in its message or the exceptions it chains, depending on the PyTorch version).
+        # (in its message or the exceptions it chains, depending on the PyTorch version),
+        # also where sizes are symbolic.
+        fn = torch.compile(call, backend="aot_eager", fullgraph=True, dynamic=True)
         with pytest.raises(Exception) as error:
-            compiled(lambda q, k, v, d: kernel(q, k, v, doc=d))[0](q, k, v, bad)
-        chain, e = [], error.value
-        while e is not None and len(chain) < 8:
-            chain.append(str(e))
-            e = e.__cause__ or e.__context__
-        assert re.search(match, "\n".join(chain)), chain
-        torch._dynamo.reset()
+            fn(*args)
+        assert re.search(match, error_chain(error.value)), error_chain(error.value)
+    # Without fullgraph, Dynamo gives up on the frame and the call raises as in eager.
+    args, match = bad_calls()[1]
+    with pytest.raises(CallError, match=match):
+        torch.compile(call, backend="aot_eager")(*args)
 
 
 def test_index_list_values_are_checked_in_the_operator():
