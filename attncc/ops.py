@@ -163,6 +163,9 @@ def _define(name: str, variant):
             ctx.save_for_backward(q, k, v, out, lse, *values)
             ctx.mark_non_differentiable(lse)
             ctx.call = (kernel, q_offset, k_offset, seed, drawn_seed, tables)
+            # The registries are weak: the graph keeps the kernel and tables it needs, as
+            # in `attncc.compile(spec)(q, k, v).sum().backward()`.
+            ctx.keep_alive = (_kernel(kernel), _tables(tables))
             return out, lse
 
         @staticmethod

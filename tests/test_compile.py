@@ -269,6 +269,23 @@ def test_operators_are_registered_once_per_variant_and_pass_opcheck():
                                       "test_autograd_registration", "test_aot_dispatch_dynamic"))
 
 
+def test_the_autograd_graph_keeps_its_kernel_and_tables_alive():
+    # The operators find kernels and tables through weak registries; a backward must
+    # still find those of its forward when nothing else holds them.
+    import gc
+    q, k, v, do = qkv(20)
+    blocks = torch.ones(2, 2, 2, dtype=torch.bool, device=DEVICE)
+
+    def forward():  # neither the kernel nor its tables outlive the call but in the graph
+        kernel = attncc.compile(LAYOUT)
+        return kernel(q, k, v, blocks=blocks, tables=kernel.tile_tables(q, k, v, blocks=blocks))
+
+    out = forward()
+    gc.collect()
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
 def test_a_graph_outliving_its_kernel_says_so():
     from attncc import ops
     kernel = attncc.compile(WINDOW)
