@@ -116,9 +116,10 @@ def _problem_of(q_shape, k_shape, dim_v, q_offset, k_offset) -> Problem:
 
 # One library fragment for every variant's ops. torch.library.custom_op would do the
 # same with less code, but its implementations import torch._dynamo (and sympy) on
-# first call, about a second of a warm start, and its generic autograd wrapper costs
-# ~130 us of host time per call; a plain Library definition, a fake implementation and
-# an autograd.Function of our own cost ~6 us over calling the kernels directly.
+# first call, a second or more of a warm start, and its generic autograd wrapper (pytree
+# flattening per call) cost ~130 us of host time per call on a 2-core CPU; a plain
+# Library definition, a fake implementation and an autograd.Function of our own cost a
+# few microseconds over the autograd.Function that ran the kernels before.
 _LIBRARY = torch.library.Library("attncc", "FRAGMENT")
 
 FORWARD_SCHEMA = ("(int kernel, Tensor q, Tensor k, Tensor v, Tensor[] inputs, SymInt q_offset, "
