@@ -40,7 +40,9 @@ class Problem:
 
 
 def _shape(t) -> str:
-    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+    # An f-string, not str(): under torch.compile the checks run at trace time, where
+    # sizes are symbolic, and Dynamo formats those but cannot call str() on them.
+    return "(" + ", ".join(f"{s}" for s in t.shape) + ")"
 
 
 # How q, k, v (and the output) lay out their axes. "bhsd" is scaled_dot_product_attention's

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from . import gluon, ir, tuning
-from .arguments import as_bhsd, axis_extent, bind, refuse_positional
+from . import gluon, ir, ops, tuning
+from .arguments import _shape, as_bhsd, axis_extent, bind, refuse_positional
 from .errors import CallError
 from .evaluate import check_index_list
 from .generated import Generated
@@ -149,82 +149,66 @@ if TABLES_BACKWARD not in BACKWARD_SCHEDULES:
     raise ValueError(f"ATTNCC_BACKWARD={TABLES_BACKWARD!r}: expected one of {BACKWARD_SCHEDULES}")
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, kernel, q, k, v, call, *input_values):
-        inputs = dict(zip(call["input_names"], input_values))
-        common = dict(q_offset=call["q_offset"], k_offset=call["k_offset"], seed=call["seed"],
-                      tables=call["tables"])
-        run = lambda config: kernel.module.forward(q, k, v, inputs, config=config, **common)
-        if call["backend"] == "gluon":
-            # The Gluon forward; the portable module builds its tables and argument values.
-            run_gluon = lambda config: kernel.gluon_module.forward(
-                q, k, v, inputs, host=kernel.module, config=config, **common)
-            run = kernel._gluon_or_portable(call, q.dtype, run_gluon, run)
-            direction = "gluon-fwd" if run is run_gluon else "fwd"
-        else:
-            direction = "fwd"
-        config = tuning.config_for(kernel, call["problem"], q.dtype, direction, run, *call["tuning"])
-        out, lse = run(config)
-        ctx.save_for_backward(q, k, v, out, lse, *input_values)
-        ctx.kernel, ctx.call = kernel, call
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, *input_values = ctx.saved_tensors
-        call = ctx.call
-        inputs = dict(zip(call["input_names"], input_values))
-        module, problem = ctx.kernel.module, call["problem"]
-        common = dict(q_offset=call["q_offset"], k_offset=call["k_offset"], seed=call["seed"],
-                      tables=call["tables"])
-        if module.USES_TABLES and TABLES_BACKWARD == "one-launch":
-            # dK/dV and dQ as two roles of one grid, one config, both reading delta.
-            delta = module.backward_delta(out, dout)
-            run = lambda config: module.backward_one_launch(q, k, v, lse, delta, dout, inputs,
-                                                            config=config, **common)
-            config = tuning.config_for(ctx.kernel, problem, q.dtype, "bwd", run, *call["tuning"])
-            dq, dk, dv, dinputs = run(config)
-        else:
-            # dQ first, computing delta = rowsum(dO * O) on the way, then dK/dV, which
-            # reads it. They are tuned apart: they want different tile shapes.
-            delta = module.new_delta(q)
-            run_dq = lambda config: module.backward_dq(q, k, v, lse, delta, dout, inputs,
-                                                       config=config, out=out, **common)
-            run_dkdv = lambda config: module.backward_dkdv(q, k, v, lse, delta, dout, inputs,
-                                                           config=config, **common)
-            # dQ's config first: tuning it fills delta, which tuning dK/dV then reads.
-            config_dq = tuning.config_for(ctx.kernel, problem, q.dtype, "dq", run_dq,
-                                          *call["tuning"])
-            dq, dinputs = run_dq(config_dq)
-            config_dkdv = tuning.config_for(ctx.kernel, problem, q.dtype, "dkdv", run_dkdv,
-                                            *call["tuning"])
-            dk, dv = run_dkdv(config_dkdv)
-        grads = [dinputs.get(name) for name in call["input_names"]]
-        return (None, dq, dk, dv, None, *grads)
-
-
 class Kernel:
     """A compiled variant: `kernel(q, k, v, **inputs)` like scaled_dot_product_attention."""
 
-    def __init__(self, variant: ir.Variant, config: dict | None = None, backend: str = "auto"):
+    def __init__(self, variant: ir.Variant, config: dict | None = None, backend: str = "auto",
+                 *, load: bool = True):
         self.variant = variant
         self.key = variant.key()  # hashed once: the tuner looks configs up on every call
-        self.generated, self.module = load_generated(variant)
+        self._generated = load_generated(variant) if load else None  # (Generated, module)
         self.pinned_config = (tuning.check_pinned(tuning.check_config(config, "config"), variant,
                                                   "config") if config else None)
         self.requested_backend = gluon.check_backend(backend)
         self.backend, self.backend_reason = self._choose_backend()
-        self.gluon_module = None
-        if self.backend == "gluon":
-            self.gluon_generated, self.gluon_module = load_generated(variant, "gluon")
+        self._gluon_generated = None  # (Generated, module) of the Gluon forward, on first use
+        if self.backend == "gluon" and load:
+            self._gluon_generated = load_generated(variant, "gluon")
         self._last_backend = None  # (backend, reason) of the latest forward call
         self._index_lists = ir.index_lists(variant.layout)  # {input: "qb" | "kb"}
         self._checked_lists: dict = {}  # index-list states already validated
-        self._without_dropout = None  # the same variant without dropout, for training=False
         self._tables_owner = self  # whose tile_tables(...) this kernel's calls accept
+        self.input_names = [d.name for d in variant.inputs]  # the operator's input order
+        self._ops = ops.operators(self)  # torch.ops.attncc.<name>_<key>[_bwd]
+        self._op_id = ops.register_kernel(self)  # how the operator finds this kernel
+        # The same variant without dropout, for training=False: its module is generated on
+        # first use, but the Kernel exists now, so that torch.compile can trace a call of
+        # it (a kernel made at trace time would be file reads and writes, untraceable).
+        self._without_dropout = None
+        if variant.dropout:
+            self._without_dropout = Kernel(dataclasses.replace(variant, dropout=None),
+                                           self.pinned_config, backend, load=False)
+            self._without_dropout._tables_owner = self
+
+    @property
+    def generated(self) -> Generated:
+        return self._load()[0]
+
+    @property
+    def module(self):
+        """The generated module (imported on first use for an evaluation kernel)."""
+        return self._load()[1]
+
+    def _load(self) -> tuple:
+        if self._generated is None:
+            self._generated = load_generated(self.variant)
+        return self._generated
+
+    @property
+    def gluon_generated(self) -> Generated | None:
+        return self._gluon_load()[0]
+
+    @property
+    def gluon_module(self):
+        """The generated Gluon forward module, or None where the backend is the portable one."""
+        return self._gluon_load()[1]
+
+    def _gluon_load(self) -> tuple:
+        if self.backend != "gluon":
+            return None, None
+        if self._gluon_generated is None:
+            self._gluon_generated = load_generated(self.variant, "gluon")
+        return self._gluon_generated
 
     def _choose_backend(self) -> tuple:
         """(backend, reason) for the forward, as far as it can be decided before a call.
@@ -268,16 +252,16 @@ class Kernel:
             return "triton", why
         return "gluon", self.backend_reason
 
-    def _gluon_or_portable(self, call, dtype, run_gluon, run_portable):
+    def _gluon_or_portable(self, problem, dtype, density, run_gluon, run_portable):
         """The forward to run for a call the Gluon backend can take: Gluon when asked for,
         else (auto) whichever the tuner measured faster for this tuning key."""
         if self.requested_backend == "gluon":
             return run_gluon
         try:
-            faster = tuning.faster_backend(self, call["problem"], dtype,
+            faster = tuning.faster_backend(self, problem, dtype,
                                            {"gluon": ("gluon-fwd", run_gluon),
                                             "triton": ("fwd", run_portable)},
-                                           density=call["tuning"][1])
+                                           density=density)
         except RuntimeError as e:  # no Gluon config could run here: say so, run portable
             self.backend, self.backend_reason = "triton", f"the Gluon forward could not run ({e})"
             self._last_backend = ("triton", self.backend_reason)
@@ -301,7 +285,12 @@ class Kernel:
     def __repr__(self):
         return f"<attncc kernel '{self.variant.name}' ({self.backend} forward): {self.strategy}>"
 
-    def check_call(self, q, k, v, inputs, q_offset, k_offset, layout="bhsd"):
+    def check_call(self, q, k, v, inputs, q_offset, k_offset, layout="bhsd", *,
+                   index_lists: bool = True):
+        """The call's Problem, or a CallError naming what is wrong. Reads shapes, dtypes
+        and devices only, so that torch.compile can run it on FakeTensors at trace time,
+        except for the index-list check (it reads values), which calls through the
+        operator leave to the operator (`index_lists=False`)."""
         p = bind(self.variant, q, k, v, inputs, q_offset=q_offset, k_offset=k_offset,
                  layout=layout)
         if q.device.type != "cuda" and not interpreting():
@@ -317,18 +306,19 @@ class Kernel:
                             "or float32 on the CPU, or run on a GPU")
         if not (MIN_HEAD_DIM <= p.dim <= MAX_HEAD_DIM):
             raise CallError(f"head dim {p.dim} is not supported: the kernels take head dims "
-                            f"{MIN_HEAD_DIM} to {MAX_HEAD_DIM} (q has shape {tuple(q.shape)})")
+                            f"{MIN_HEAD_DIM} to {MAX_HEAD_DIM} (q has shape {_shape(q)})")
         if p.dim_v != p.dim:
             raise CallError(f"v has head dim {p.dim_v} but q and k have {p.dim}; the kernels need "
                             "them equal")
         if p.batch == 0 or p.heads_q == 0:
-            raise CallError(f"q has shape {tuple(q.shape)}: batch and heads must be at least 1")
+            raise CallError(f"q has shape {_shape(q)}: batch and heads must be at least 1")
         if self.variant.layout is not None:
             b = self.variant.block
             if q_offset % b or k_offset % b:
                 raise CallError(f"q_offset={q_offset} and k_offset={k_offset} must be multiples of "
                                 f"the layout's block {b}, so that kernel tiles nest in layout blocks")
-        self._check_index_lists(p, inputs)
+        if index_lists:
+            self._check_index_lists(p, inputs)
         return p
 
     def _check_index_lists(self, p, inputs):
@@ -348,18 +338,14 @@ class Kernel:
     def evaluation_kernel(self) -> "Kernel":
         """This variant without its dropout (the kernel `training=False` runs): compiled,
         and tuned, on first use. Without dropout in the variant, the kernel itself."""
-        if not self.variant.dropout:
-            return self
-        if self._without_dropout is None:
-            self._without_dropout = Kernel(dataclasses.replace(self.variant, dropout=None),
-                                           self.pinned_config, self.requested_backend)
-            self._without_dropout._tables_owner = self
-        return self._without_dropout
+        return self._without_dropout if self.variant.dropout else self
 
     def __call__(self, q, k, v, *positional, return_lse: bool = False,
                  dropout_seed: int | None = None, training: bool = True, q_offset: int = 0,
                  k_offset: int = 0, tables: "TileTables | None" = None, layout: str = "bhsd",
                  **inputs):
+        # Everything up to the operator call is what torch.compile traces (attncc/ops.py):
+        # Python on shapes, dtypes and devices, no tensor data read.
         if positional:
             refuse_positional(self.variant, positional)
         if not isinstance(training, bool):
@@ -369,7 +355,7 @@ class Kernel:
             return self.evaluation_kernel()(q, k, v, return_lse=return_lse, q_offset=q_offset,
                                             k_offset=k_offset, tables=tables, layout=layout,
                                             **inputs)
-        p = self.check_call(q, k, v, inputs, q_offset, k_offset, layout)
+        p = self.check_call(q, k, v, inputs, q_offset, k_offset, layout, index_lists=False)
         # (batch, seq, heads, dim) is read through transposed views: the kernels take any
         # strides, and the output (allocated like q) comes back in the caller's layout.
         q, k, v = (as_bhsd(t, layout) for t in (q, k, v))
@@ -377,36 +363,41 @@ class Kernel:
             if not isinstance(tables, TileTables):
                 raise CallError(f"tables must come from kernel.tile_tables(...), got "
                                 f"{type(tables).__name__}")
-            tables.check(self._tables_owner, p, inputs)
+            tables.check(self._tables_owner, p)
         if p.len_q == 0 or p.len_k == 0:
+            # Nothing to compute, nothing read from the tables: under torch.compile, where
+            # tensors are fake at this point, their inputs go unchecked.
+            if tables is not None and not torch.compiler.is_compiling():
+                tables.check_reads(inputs)
             out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
             lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
             out = as_bhsd(out, layout)
             return (out, lse) if return_lse else out
-        backend, reason = self._call_backend(q, k, v)
-        self._last_backend = (backend, reason)
+        seed, drawn_seed = 0, None
         if self.variant.dropout:
             if dropout_seed is None:
-                # Drawn on the CPU generator: no device synchronisation.
-                dropout_seed = int(torch.randint(0, 2 ** 31 - 1, (1,)).item())
-        names = [d.name for d in self.variant.inputs]
-        values = []
-        for name in names:
-            t = inputs[name]
-            # Learnable inputs take gradients at their own strides: make them dense.
-            values.append(t.contiguous() if self.variant.input(name).learnable else t)
-        call = {
-            "input_names": names, "q_offset": q_offset, "k_offset": k_offset,
-            "seed": int(dropout_seed or 0), "problem": p, "backend": backend,
-            "tables": tables.store if tables is not None else None,
-            # Kept tables know their density (one sync, once): tune per density bucket.
-            # Without them the config is keyed by shape, chosen on the first layout.
-            "tuning": (self._tuning_context(p, inputs, q.device, tables),
-                       tables.density if tables is not None else None),
-        }
-        out, lse = _Attention.apply(self, q, k, v, call, *values)
+                # A CPU tensor from torch's generator (torch.manual_seed reproduces it):
+                # no device sync, and under torch.compile an op of the graph, so every run
+                # draws anew (an int drawn here would be a constant of the graph).
+                drawn_seed = torch.randint(0, 2 ** 31 - 1, (1,))
+            else:
+                seed = dropout_seed
+        # Learnable inputs take gradients at their own strides: make them dense.
+        values = [inputs[d.name].contiguous() if d.learnable else inputs[d.name]
+                  for d in self.variant.inputs]
+        # Under torch.compile, the op (a node of the graph); in eager, its autograd kernel.
+        call = self._ops.forward if torch.compiler.is_compiling() else self._ops.apply
+        out, lse = call(self._op_id, q, k, v, values, q_offset, k_offset, seed, drawn_seed,
+                        ops.NO_TABLES if tables is None else tables._op_id)
         out = as_bhsd(out, layout)
         return (out, lse) if return_lse else out
+
+    def _tuning(self, p, inputs: dict, device, tables=None) -> tuple:
+        """The tuner's (context, density) for a call (tuning.config_for). Kept tables know
+        their density (one sync, once), so their calls tune per density bucket; without
+        them the config is keyed by shape, chosen on the first layout."""
+        return (self._tuning_context(p, inputs, device, tables),
+                tables.density if tables is not None else None)
 
     def _tuning_context(self, p, inputs: dict, device, tables=None):
         """For the tuner's progress lines: the density of the layout a layout variant is
@@ -464,6 +455,7 @@ class TileTables:
 
     def __init__(self, kernel: Kernel, problem, inputs: dict, device):
         self.kernel, self.problem, self.device = kernel, problem, device
+        self._op_id = ops.register_tables(self)  # how the operator finds them (attncc/ops.py)
         self._reads = {name: _state(inputs[name]) for name in kernel.module.TABLE_INPUTS}
         self._inputs = {name: inputs[name] for name in kernel.module.TABLE_INPUTS}
         self.store: dict = {}  # (BLOCK_M, BLOCK_N) -> tables; filled by the generated module
@@ -473,20 +465,32 @@ class TileTables:
         self.density = tile_density(kernel.module, problem, self._inputs, device,
                                     kernel.variant.block or 64)
 
-    def check(self, kernel: Kernel, problem, inputs: dict):
+    def check(self, kernel: Kernel, problem):
+        """Whether a call of `kernel` shaped as `problem` may use these tables. Shapes only:
+        at trace time under torch.compile (where it fixes the shapes, as tables do)."""
         if kernel is not self.kernel:
             raise CallError(f"these tables belong to the kernel for '{self.kernel.variant.name}', "
                             f"not to this one ('{kernel.variant.name}'); build them with "
                             "this kernel's tile_tables(...)")
-        if problem != self.problem:
+        if _sizes(problem) != _sizes(self.problem):  # field by field: Dynamo compares ints
             raise CallError(f"these tables were built for {_shape_text(self.problem)}, but this "
                             f"call is {_shape_text(problem)}; build tables for it with "
                             "kernel.tile_tables(...)")
+
+    def check_reads(self, inputs: dict):
+        """Whether the tensors the tables were built from are the call's, unchanged. Reads
+        data pointers and version counters: in the operator, where tensors are real."""
         for name, state in self._reads.items():
-            if _state(inputs[name]) != state:
+            t = inputs[name]
+            if _state(t) != state:
+                hint = ""
+                if t.is_cuda and torch.cuda.is_current_stream_capturing():
+                    hint = (f"; if torch.compile(mode=\"reduce-overhead\") is capturing this call, "
+                            f"it copied '{name}' into a buffer of its own: mark it with "
+                            f"torch._dynamo.mark_static_address({name}) so it keeps its address")
                 raise CallError(f"these tables were built from another '{name}' (or it was "
                                 "written in place since); rebuild them with "
-                                "kernel.tile_tables(...) when it changes")
+                                f"kernel.tile_tables(...) when it changes{hint}")
 
     def __repr__(self):
         sizes = ", ".join(f"{m}x{n}" for m, n in self.store) or "none yet"
@@ -498,11 +502,16 @@ def _state(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype, str(t.device))
 
 
+def _sizes(p) -> tuple:
+    return (p.batch, p.heads_q, p.heads_kv, p.len_q, p.len_k, p.dim, p.dim_v, p.q_offset,
+            p.k_offset)
+
+
 def _shape_text(p) -> str:
-    text = (f"batch {p.batch}, heads {p.heads_q}/{p.heads_kv}, len_q {p.len_q}, "
-            f"len_k {p.len_k}, dim {p.dim}")
-    if p.q_offset or p.k_offset:
-        text += f", offsets {p.q_offset}/{p.k_offset}"
+    b, hq, hk, lq, lk, d, _, qo, ko = _sizes(p)
+    text = f"batch {b}, heads {hq}/{hk}, len_q {lq}, len_k {lk}, dim {d}"
+    if qo or ko:
+        text += f", offsets {qo}/{ko}"
     return text
 
 
