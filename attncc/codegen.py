@@ -14,6 +14,7 @@ import re
 import jinja2
 
 from . import bounds, dropout, ir, intervals
+from .decode_codegen import decode_context
 from .derivative import score_gradients
 from .elementwise import TritonEmitter, chance_threshold, input_arg_names
 from .generated import Generated
@@ -220,6 +221,7 @@ def generate(variant: ir.Variant) -> Generated:
         summary_specs=[[r.tensor, r.axis, r.var] for r in summary_reads],
         summary_bases=[_summary_base(r) for r in summary_reads],
         scale_code=scale_code,
+        **decode_context(variant, fwd_plan),
     )
     source = _environment().get_template("attention.py.jinja").render(**context)
     return Generated(source=source, strategy=strategy, module_name=f"attncc_{variant.name}_{key}")
