@@ -60,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--heads", type=_heads, default=None)
     bench.add_argument("--json", metavar="FILE")
     bench.add_argument("--plot", metavar="PNG")
+    bench.add_argument("--decode", action="store_true",
+                       help="time a decode step (kernel.decode) on caches of --len keys instead, "
+                            "against FlexAttention's decoding kernel and SDPA")
+    bench.add_argument("--batch", type=int, default=1, help="--decode: batch rows")
+    bench.add_argument("--new", type=int, default=1, help="--decode: new query tokens per row")
+    bench.add_argument("--page", type=int, default=None,
+                       help="--decode: also time a paged cache of this page size (shuffled pages)")
     return p
 
 
@@ -98,6 +105,9 @@ def cmd_check(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.decode:
+        from .decode_bench import bench_decode_command
+        return bench_decode_command(args)
     from .commands import bench_command
     return bench_command(args)
 

@@ -129,6 +129,9 @@ def compile_command(args) -> int:
     print(f"variant   {variant.name}")
     print(f"module    {path} ({'written' if written else 'unchanged'}; imports only torch and triton)")
     print(f"strategy  {gen.strategy}")
+    from .bounds import plan_loops
+    from .decode_codegen import decode_strategy
+    print(f"decoding  {decode_strategy(variant, plan_loops(variant, 'k'))} (kernel.decode)")
     pinned = os.environ.get("ATTNCC_CONFIG")
     gpu = chosen_configs(variant, gen.source, ASSUMED_HEAD_DIM, interpreter=False)
     wide = chosen_configs(variant, gen.source, 256, interpreter=False)

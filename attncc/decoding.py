@@ -25,6 +25,8 @@ from .errors import CallError
 
 CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "num_splits")
 MAX_SPLITS = 256
+MIN_TILES_PER_SPLIT = 4  # fewer, and a program's fixed costs (q, bounds, partial) dominate
+SHARED_MEMORY = 227 * 1024  # per SM on Hopper (H100, H200)
 TUNE_AT_MOST = 6  # decode candidates are cheap to time (no backward, short calls)
 INTERPRETER_SPLITS = 3  # under the interpreter: enough splits to exercise the merge
 
@@ -203,35 +205,48 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def default_splits(p: DecodeProblem, block_n: int, n_sm: int) -> int:
-    """Splits that give the GPU about two programs per SM, each with at least two key tiles
-    of the cache's capacity (actual lengths live on the device; the kernel divides each
-    row's own reachable tiles among the splits)."""
-    programs = p.batch * p.heads_kv * p.row_tiles
-    want = -(-2 * n_sm // programs)
-    tiles = -(-p.capacity // block_n)
-    return max(1, min(want, tiles // 2, MAX_SPLITS))
+def programs_per_sm(p: DecodeProblem, block_n: int, stages: int, elem: int) -> int:
+    """How many decode programs an SM holds at once, from their shared memory (the
+    pipeline keeps stages - 1 K and V tiles in flight, as Triton 3.x allocates them on
+    Hopper) and at most 4 (registers: about 110 per thread at D = 128)."""
+    pad = max(16, 1 << (p.dim - 1).bit_length())
+    rows = min(64, max(16, 1 << (p.group * p.n_q - 1).bit_length()))
+    smem = max(1, stages - 1) * 2 * block_n * pad * elem + rows * pad * elem
+    return max(1, min(4, SHARED_MEMORY // smem))
+
+
+def default_splits(p: DecodeProblem, block_n: int, stages: int, elem: int, n_sm: int,
+                   reach_tiles: int) -> int:
+    """Splits that fill one wave of the GPU: as many programs as its SMs hold at once
+    (equal work per program, so a second, partial wave would leave SMs idle), with at
+    least MIN_TILES_PER_SPLIT of the row's reachable key tiles each (counted at the cache's
+    capacity: actual lengths live on the device, and each row divides its own tiles)."""
+    per_split = p.batch * p.heads_kv * p.row_tiles
+    wave = n_sm * programs_per_sm(p, block_n, stages, elem)
+    return max(1, min(wave // per_split, reach_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
 
 def _fits(p: DecodeProblem, block_n: int, stages: int, elem: int) -> bool:
     pad = max(16, 1 << (p.dim - 1).bit_length())
-    return stages * 2 * block_n * pad * elem <= 200 * 1024  # K and V tiles per stage
+    return max(1, stages - 1) * 2 * block_n * pad * elem <= SHARED_MEMORY - 16 * 1024
 
 
-def candidates(variant: ir.Variant, p: DecodeProblem, elem: int, n_sm: int,
+def candidates(variant: ir.Variant, p: DecodeProblem, elem: int, n_sm: int, reach_tiles,
                num_splits: int | None = None) -> list:
-    """Decode configs, most likely winner first. With a layout, key tiles stay within its
-    block, so that a tile's layout is one value per row."""
-    shapes = [(64, 4, 3), (64, 4, 4), (128, 4, 2), (32, 4, 4), (16, 4, 2)]
+    """Decode configs, most likely winner first; `reach_tiles(block_n)` counts a full row's
+    reachable key tiles. With a layout, key tiles stay within its block, so that a tile's
+    layout is one value per row. The favourite tile is also tried with twice and half the
+    splits (two waves; one program per SM)."""
+    shapes = [(64, 4, 3), (64, 4, 4), (128, 4, 2), (32, 4, 4), (128, 8, 3), (16, 4, 2)]
     out = []
-    for i, (bn, w, s) in enumerate(shapes):
+    for bn, w, s in shapes:
         if variant.block is not None and bn > variant.block:
             continue
         if not _fits(p, bn, s, elem):
             continue
-        base = num_splits or default_splits(p, bn, n_sm)
+        base = num_splits or default_splits(p, bn, s, elem, n_sm, reach_tiles(bn))
         splits = [base]
-        if i == 0 and num_splits is None:  # the favourite tile, with more and fewer splits
+        if not out and num_splits is None:
             splits += [min(MAX_SPLITS, base * 2), max(1, base // 2)]
         for sp in splits:
             c = dict(BLOCK_N=bn, num_warps=w, num_stages=s, num_splits=sp)
@@ -239,7 +254,8 @@ def candidates(variant: ir.Variant, p: DecodeProblem, elem: int, n_sm: int,
                 out.append(c)
     if not out:  # nothing fits the estimate: the smallest tile, one stage
         out.append(dict(BLOCK_N=16, num_warps=4, num_stages=1,
-                        num_splits=num_splits or default_splits(p, 16, n_sm)))
+                        num_splits=num_splits or default_splits(p, 16, 1, elem, n_sm,
+                                                                reach_tiles(16))))
     return out
 
 
@@ -272,7 +288,8 @@ def decode_config(kernel, p: DecodeProblem, dtype, run, *, num_splits=None, conf
         return dict(BLOCK_N=16, num_warps=4, num_stages=1, num_splits=splits)
     n_sm = _sm_count(torch.cuda.current_device())
     elem = torch.finfo(dtype).bits // 8
-    kept = candidates(kernel.variant, p, elem, n_sm, num_splits)
+    reach = lambda bn: kernel.module.decode_reach_tiles(p.capacity, p.n_q, bn)
+    kept = candidates(kernel.variant, p, elem, n_sm, reach, num_splits)
     if os.environ.get("ATTNCC_TUNE") == "0":
         return kept[0]
     key = tuning_key(p, dtype, num_splits)
@@ -333,9 +350,14 @@ def decode_reference(variant: ir.Variant, q, k_cache, v_cache, *, cache_seqlens,
     (gathered through block_table when paged) with k_new, v_new appended is the key
     sequence of L tokens; q fills the last n_q rows of an L-row query sequence (the others
     are zeros, and unused); attncc.reference gives the rows. Computes in q's dtype (use
-    float64 for truth); never writes the cache. Dropout is left out, as decoding does."""
+    float64 for truth); never writes the cache. Dropout is left out, as decoding does.
+
+    A variant that does not read len_q gets the same rows from attncc.reference with
+    q_offset = L - n_q, which costs n_q x L per head instead of L x L (long caches)."""
     from .reference import reference
     variant = dataclasses.replace(variant, dropout=None)
+    reads_len_q = any("len_q" in ir.free_vars(e) for e in (variant.mask, variant.score,
+                                                              variant.layout) if e is not None)
     B, Hq, n_q, D = q.shape
     lengths = ([int(cache_seqlens)] * B if isinstance(cache_seqlens, int)
                else [int(x) for x in cache_seqlens.tolist()])
@@ -356,12 +378,17 @@ def decode_reference(variant: ir.Variant, q, k_cache, v_cache, *, cache_seqlens,
         lse = torch.full((1, Hq, n_q), -math.inf, dtype=q.dtype, device=q.device)
         seen = min(n_q, L)  # tokens at positions >= 0: the last `seen` of the n_q
         if seen:
-            q_full = q.new_zeros((1, Hq, L, D))
-            q_full[:, :, L - seen:] = q[b:b + 1, :, n_q - seen:]
             row_inputs = _row_inputs(variant, inputs, b, L)
-            o, s = reference(variant, q_full, k_row, v_row, return_lse=True, **row_inputs)
-            out[:, :, n_q - seen:] = o[:, :, L - seen:]
-            lse[:, :, n_q - seen:] = s[:, :, L - seen:]
+            if reads_len_q:
+                q_rows = q.new_zeros((1, Hq, L, D))
+                q_rows[:, :, L - seen:] = q[b:b + 1, :, n_q - seen:]
+                o, s = reference(variant, q_rows, k_row, v_row, return_lse=True, **row_inputs)
+                o, s = o[:, :, L - seen:], s[:, :, L - seen:]
+            else:
+                o, s = reference(variant, q[b:b + 1, :, n_q - seen:], k_row, v_row,
+                                 q_offset=L - seen, return_lse=True, **row_inputs)
+            out[:, :, n_q - seen:] = o
+            lse[:, :, n_q - seen:] = s
         outs.append(out)
         lses.append(lse)
     out, lse = torch.cat(outs), torch.cat(lses)

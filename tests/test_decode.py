@@ -309,17 +309,23 @@ def test_a_bad_config_is_refused():
 
 
 # ------------------------------------------------------------------------- tuning
-def test_split_count_fills_the_gpu_and_respects_layout_blocks():
+def test_split_count_fills_one_wave_and_respects_layout_blocks():
     few = DecodeProblem(1, 32, 8, 1, 0, 128, 131072, 0)
     many = DecodeProblem(8, 32, 8, 1, 0, 128, 32768, 0)
-    assert default_splits(few, 64, 132) == 33  # 8 programs per split: two per SM
-    assert default_splits(many, 64, 132) == 5
-    assert default_splits(DecodeProblem(1, 32, 8, 1, 0, 128, 100, 0), 64, 132) == 1  # 2 tiles
+    # H100: 132 SMs, three 64-key bf16 programs each (two stages of K and V in flight).
+    assert default_splits(few, 64, 3, 2, 132, reach_tiles=2048) == 49  # 392 programs <= 396
+    assert default_splits(many, 64, 3, 2, 132, reach_tiles=512) == 6  # 384 programs
+    # A 4096-key window reaches 65 tiles: at least 4 per split.
+    assert default_splits(few, 64, 3, 2, 132, reach_tiles=65) == 16
+    assert default_splits(DecodeProblem(1, 32, 8, 1, 0, 128, 100, 0), 64, 3, 2, 132, 2) == 1
+    window = attncc.compile("attention w { mask q >= k and (q - k < 4096 or k < 4) }")
+    assert window.module.decode_reach_tiles(131072, 1, 64) == 65  # 64 window tiles + the sinks'
+    assert window.module.decode_reach_tiles(100, 1, 64) == 2
     nsa = attncc.parse(NSA.replace("block 16", "block 32"))
-    assert all(c["BLOCK_N"] <= 32 for c in candidates(nsa, few, 2, 132))
-    causal = attncc.parse(CAUSAL)
-    first = candidates(causal, few, 2, 132)
-    assert {c["num_splits"] for c in first} >= {33, 66, 16}  # the tuner tries more and fewer
+    reach = lambda bn: 131072 // bn
+    assert all(c["BLOCK_N"] <= 32 for c in candidates(nsa, few, 2, 132, reach))
+    first = candidates(attncc.parse(CAUSAL), few, 2, 132, reach)
+    assert [c["num_splits"] for c in first[:3]] == [49, 98, 24]  # the tuner tries more and fewer
     assert "page64" in tuning_key(DecodeProblem(1, 32, 8, 1, 1, 128, 4096, 64), torch.bfloat16, None)
 
 
@@ -331,3 +337,47 @@ def test_decode_configs_are_cached_apart_from_the_training_configs(tmp_path):
     assert tuning._load(path) == {}  # not a training config: that loader ignores the file
     variant = attncc.parse(CAUSAL)
     assert tuning._cache_file(variant, "-decode") != tuning._cache_file(variant)
+
+
+# ------------------------------------------------------------------------- bench --decode
+def test_bench_decode_without_a_gpu_exits_2(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    from attncc.cli import main
+    assert main(["bench", "examples/causal.attn", "--decode", "--len", "4096"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_decode_counts_the_keys_a_step_must_read_and_matches_flex():
+    # The window reads 20 keys per row plus 3 sinks: (20 + 3) keys x 2 kv heads x 2 rows.
+    # FlexAttention (eager, on the CPU) given the bench's translation of the variant, with
+    # the rows at the end of the cache, computes what decode_reference does.
+    import warnings
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from attncc.commands import flex_mods
+    from attncc.decode_bench import decode_allowed, format_decode, keys_read
+    variant = attncc.parse(WINDOW_SINKS)
+    B, heads, L, n_q, D = 2, (4, 2), 100, 1, 16
+    allowed = decode_allowed(variant, batch=B, heads=heads, length=L, n_q=n_q, dim=D, inputs={},
+                             device="cpu")
+    assert keys_read(allowed, B, heads) == (20 + 3) * 2 * B
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = randn(gen, B, 4, 2, D), randn(gen, B, 2, L, D), randn(gen, B, 2, L, D)
+    for spec, inputs in ((WINDOW_SINKS, {}), (ALIBI, {"slopes": torch.rand(4, generator=gen)})):
+        variant = attncc.parse(spec)
+        mask_mod, score_mod = flex_mods(variant, len_q=L, len_k=L, dim=D, inputs=inputs)
+        mask = create_block_mask(lambda b, h, i, j: mask_mod(b, h, i + L - 2, j), None, None, 2, L,
+                                 device="cpu")
+        score = (lambda s, b, h, i, j: score_mod(s, b, h, i + L - 2, j)) if score_mod else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = flex_attention(q, k, v, enable_gqa=True, block_mask=mask, score_mod=score)
+        ref = decode_reference(variant, q.double(), k.double(), v.double(), cache_seqlens=L,
+                               **inputs)
+        assert max_abs_error(out, ref) < 1e-5
+    meta = {"variant": "w", "batch": B, "length": L, "n_q": 1, "heads_q": 4, "heads_kv": 2,
+            "dim": D, "dtype": "bfloat16", "bytes_read": 4e6, "peak_bytes_per_s": 3.35e12}
+    text = format_decode(meta, {"attncc": {"ms": 0.002, "bytes_per_s": 2e12},
+                                "flex": {"ms": 0.003, "bytes_per_s": 1.3e12, "decoding_kernel": False},
+                                "sdpa": {"skipped": "not plain"}})
+    assert "60%" in text and "1.50x" in text and "not its decoding kernel" in text
