@@ -5,6 +5,7 @@
 
 See README.md for the language and the Python decorator.
 """
+from .decoding import decode_reference
 from .decorator import chance, exp, isin, log, maximum, minimum, sqrt, tanh, variant, where
 from .errors import AttnccError, CallError, NoGPUError, SpecError
 from .ir import Variant
@@ -32,6 +33,6 @@ def compile(spec, **options):
     return compile_variant(load(spec), **options)
 
 
-__all__ = ["compile", "load", "parse", "parse_file", "reference", "variant", "Variant",
-           "where", "isin", "chance", "minimum", "maximum", "exp", "log", "tanh", "sqrt",
+__all__ = ["compile", "load", "parse", "parse_file", "reference", "decode_reference", "variant",
+           "Variant", "where", "isin", "chance", "minimum", "maximum", "exp", "log", "tanh", "sqrt",
            "AttnccError", "SpecError", "CallError", "NoGPUError"]

@@ -39,6 +39,8 @@ NSA = ("attention nsa { input top: i32[b, h, qb, 2]  mask q >= k  layout kb in t
 HEAD_LAYOUT = ("attention head_layout { mask q >= k  layout kb <= qb and ((h % 2 == 0 and "
                "qb - kb < 2) or (h % 2 == 1 and (qb - kb) % 3 == 0))  block 16 }")
 DROPOUT = "attention dropped { mask q >= k  dropout 0.5 }"
+REL_BIAS = ("attention rel_bias { learnable input bias: f32[h, 63]  mask q >= k  "
+            "score s + bias[h, min(max(q - k, 0), 62)] }")
 
 
 # ------------------------------------------------------------------------- helpers
@@ -55,6 +57,8 @@ def make_inputs(variant, B, Hq, capacity, gen) -> dict:
             t = torch.sort(torch.randint(0, 4, (B, capacity), generator=gen), dim=1).values
         elif decl.name == "slopes":
             t = torch.rand(Hq, generator=gen) * 0.5
+        elif decl.name == "bias":
+            t = torch.randn(Hq, 63, generator=gen).requires_grad_()
         elif decl.name == "top":
             n_blocks = -(-capacity // variant.block)
             qb = torch.arange(n_blocks).view(1, 1, -1)
@@ -239,11 +243,13 @@ def test_append_leaves_the_rest_of_the_cache_alone():
 
 
 # ------------------------------------------------------------------------- variants
-@pytest.mark.parametrize("spec", [DOCUMENT, ALIBI, SOFTCAP, NSA, HEAD_LAYOUT, DROPOUT],
-                         ids=["document", "alibi", "softcap", "nsa_topk", "head_layout", "dropout"])
+@pytest.mark.parametrize("spec", [DOCUMENT, ALIBI, SOFTCAP, NSA, HEAD_LAYOUT, DROPOUT, REL_BIAS],
+                         ids=["document", "alibi", "softcap", "nsa_topk", "head_layout", "dropout",
+                              "learnable_bias"])
 def test_variants(spec):
     # Document ids and layouts are classified per tile inside the kernel: the tiles they
-    # rule out are poisoned, so skipping them is tested too. Dropout is left out.
+    # rule out are poisoned, so skipping them is tested too. Dropout is left out, and a
+    # learnable input is only read.
     run_case(spec, n_q=3, seqlens=(64, 23, 40), append=True, seed=11)
 
 
@@ -301,6 +307,11 @@ def test_bad_calls_are_refused(overrides, words):
     with pytest.raises(CallError) as err:
         _call(**overrides)
     assert words in str(err.value)
+
+
+def test_an_input_named_like_a_decode_keyword_is_refused():
+    with pytest.raises(attncc.SpecError, match="kernel.decode already takes block_table="):
+        attncc.parse("attention clash { input block_table: i32[b]  mask q >= k }")
 
 
 def test_a_bad_config_is_refused():
