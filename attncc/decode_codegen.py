@@ -23,8 +23,8 @@ class DecodeLayoutEmitter(TritonEmitter):
         decl = self.inputs[e.tensor]
         offset = " + ".join(f"_clamp({self(i)}, {decl.name}_size{n}) * {decl.name}_stride{n}"
                             for n, i in enumerate(e.indices))
-        last = len(decl.axes) - 1  # the list axis
-        return (f"_in_list({self(e.item)}, {decl.name}_ptr + {offset}, {decl.name}_size{last}, "
+        last = len(decl.axes) - 1  # the list axis: a fixed size (checker._type_of_member)
+        return (f"_in_list({self(e.item)}, {decl.name}_ptr + {offset}, {decl.axes[last]}, "
                 f"{decl.name}_stride{last})")
 
 
@@ -45,7 +45,7 @@ def decode_strategy(variant: ir.Variant, plan: bounds.LoopPlan) -> str:
         hull = ("within analytic key bounds" if any(s.reach_lo or s.reach_hi for s in plan.segments)
                 else "over the whole cache")
         return (f"key tiles {hull} split across programs; each tile evaluates {what} per "
-                "element before K and V are read and is skipped when no pair attends")
+                "element first and reads only the keys some row attends (none: nothing read)")
     n = len(plan.segments)
     if any(s.reach_lo or s.reach_hi for s in plan.segments):
         text = (f"the reachable key tiles (analytic bounds, {n} interval{'s' if n > 1 else ''} "
