@@ -145,10 +145,11 @@ def speed(variants: dict, sweep: bool) -> tuple:
             t0 = time.perf_counter()
             meta, results = bench_decode(kernel.variant, kernel, batch=batch, length=length,
                                          heads=HEADS, dim=DIM, n_q=1, page_size=64)
-            meta["configs"] = {f"{k[1]}": c for k, c in tuning._MEMORY.items()
-                               if k[0] == kernel.key and str(k[1]).startswith("decode-")
-                               and f"-bh{tuning.length_bucket(batch * HEADS[1])}-" in k[1]
-                               and f"-cap{tuning.length_bucket(length)}-" in k[1]}
+            meta["configs"] = {}
+            for cache, page in (("contiguous", 0), ("paged", 64)):  # what the tuner chose
+                p = DecodeProblem(batch, HEADS[0], HEADS[1], 1, 0, DIM, length, page)
+                key = decoding.tuning_key(p, torch.bfloat16, None)
+                meta["configs"][cache] = tuning._MEMORY.get((kernel.key, key))
             print(format_decode(meta, results), flush=True)
             print(f"  configs: {meta['configs']}  ({time.perf_counter() - t0:.0f} s with compiles)",
                   flush=True)

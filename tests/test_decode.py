@@ -392,3 +392,32 @@ def test_bench_decode_counts_the_keys_a_step_must_read_and_matches_flex():
                                 "flex": {"ms": 0.003, "bytes_per_s": 1.3e12, "decoding_kernel": False},
                                 "sdpa": {"skipped": "not plain"}})
     assert "60%" in text and "1.50x" in text and "not its decoding kernel" in text
+
+
+def test_the_tuned_config_is_stored_and_reused(tmp_path, monkeypatch):
+    # The GPU branch of decode_config, with the timing replaced: tuned once on the first
+    # call's key, read back from memory, then from disk by a process that forgot it.
+    from attncc import decoding, runtime
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(runtime, "interpreting", lambda: False)
+    monkeypatch.setattr(decoding, "_sm_count", lambda device: 132)
+    timed = []
+
+    def fake_tune(name, key, configs, run, context=""):
+        timed.append((key, configs))
+        return configs[-1]
+    monkeypatch.setattr(tuning, "tune", fake_tune)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    kernel = attncc.compile(WINDOW_SINKS.replace("< 20", "< 4096").replace("< 3", "< 4"))
+    p = DecodeProblem(8, 32, 8, 1, 0, 128, 32768, 64)
+    first = decoding.decode_config(kernel, p, torch.bfloat16, run=None)
+    assert len(timed) == 1 and len(timed[0][1]) == decoding.TUNE_AT_MOST
+    assert timed[0][0] == tuning_key(p, torch.bfloat16, None)
+    # The window reaches 65 tiles of 64 keys: at most 16 splits of at least 4 tiles.
+    assert timed[0][1][0] == dict(BLOCK_N=64, num_warps=4, num_stages=3, num_splits=6)
+    assert decoding.decode_config(kernel, p, torch.bfloat16, run=None) == first
+    monkeypatch.setattr(tuning, "_MEMORY", {})
+    assert decoding.decode_config(kernel, p, torch.bfloat16, run=None) == first
+    assert len(timed) == 1  # read from the -decode file, not tuned again
+    pinned = decoding.decode_config(kernel, p, torch.bfloat16, run=None, num_splits=3)
+    assert pinned["num_splits"] == 3 and len(timed) == 2
