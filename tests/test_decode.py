@@ -421,3 +421,32 @@ def test_the_tuned_config_is_stored_and_reused(tmp_path, monkeypatch):
     assert len(timed) == 1  # read from the -decode file, not tuned again
     pinned = decoding.decode_config(kernel, p, torch.bfloat16, run=None, num_splits=3)
     assert pinned["num_splits"] == 3 and len(timed) == 2
+
+
+# ------------------------------------------------------------------------- every example
+EXAMPLES = sorted((__import__("pathlib").Path(__file__).parent.parent / "examples").glob("*.attn"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_every_example_decodes(path):
+    # Each example on ragged rows with three appended tokens, against decode_reference
+    # (inputs from test_kernels.make_inputs: document ids, index lists, layouts, slopes).
+    from test_kernels import make_inputs
+    variant = attncc.parse_file(path)
+    Hq, Hkv = (variant.heads.q, variant.heads.kv) if variant.heads else (4, 2)
+    B, D, n_q, cap = 2, 16, 3, max(96, 2 * (variant.block or 0))
+    gen = torch.Generator().manual_seed(0)
+    inputs = make_inputs(variant, B, Hq, cap, cap, gen)
+    q = randn(gen, B, Hq, n_q, D).to(DEVICE)
+    k, v = randn(gen, B, Hkv, cap, D).to(DEVICE), randn(gen, B, Hkv, cap, D).to(DEVICE)
+    k_new, v_new = randn(gen, B, Hkv, n_q, D).to(DEVICE), randn(gen, B, Hkv, n_q, D).to(DEVICE)
+    lens = torch.tensor([cap - n_q, 17], dtype=torch.int32, device=DEVICE)
+
+    def reference(cast):
+        return decode_reference(variant, q.to(cast), k.to(cast), v.to(cast), cache_seqlens=lens,
+                                k_new=k_new.to(cast), v_new=v_new.to(cast), return_lse=True,
+                                **inputs)
+    out, lse = attncc.compile(variant).decode(q, k, v, cache_seqlens=lens, k_new=k_new,
+                                              v_new=v_new, return_lse=True, **inputs)
+    check(out, lse, reference(torch.float64), reference(torch.float32), torch.float32)
