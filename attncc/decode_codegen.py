@@ -30,7 +30,8 @@ class DecodeLayoutEmitter(TritonEmitter):
 
 def decode_params(variant: ir.Variant) -> list:
     """The one ordered list of run-time decode kernel parameters beyond tensors and strides."""
-    names = ["batch", "n_heads_q", "group", "n_q", "n_new", "capacity", "sm_scale", "qk_scale"]
+    names = ["batch", "n_heads_q", "group", "n_q", "n_new", "capacity", "num_pages", "sm_scale",
+             "qk_scale"]
     for decl in variant.inputs:
         names += input_arg_names(decl)
     return names

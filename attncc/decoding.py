@@ -60,9 +60,13 @@ class DecodeProblem:
         return self.heads_q // self.heads_kv
 
     @property
+    def rows_block(self) -> int:
+        """BLOCK_M: the group's heads x new tokens, as the module's decode_rows_block."""
+        return min(64, max(16, 1 << (self.group * self.n_q - 1).bit_length()))
+
+    @property
     def row_tiles(self) -> int:
-        rows = self.group * self.n_q
-        return -(-rows // min(64, max(16, 1 << (rows - 1).bit_length())))
+        return -(-self.group * self.n_q // self.rows_block)
 
 
 def _shape(t) -> str:
@@ -211,8 +215,7 @@ def programs_per_sm(p: DecodeProblem, block_n: int, stages: int, elem: int) -> i
     pipeline keeps stages - 1 K and V tiles in flight, as Triton 3.x allocates them on
     Hopper) and at most 4 (registers: about 110 per thread at D = 128)."""
     pad = max(16, 1 << (p.dim - 1).bit_length())
-    rows = min(64, max(16, 1 << (p.group * p.n_q - 1).bit_length()))
-    smem = max(1, stages - 1) * 2 * block_n * pad * elem + rows * pad * elem
+    smem = max(1, stages - 1) * 2 * block_n * pad * elem + p.rows_block * pad * elem
     return max(1, min(4, SHARED_MEMORY // smem))
 
 

@@ -266,6 +266,19 @@ def test_empty_rows_give_zero_and_minus_infinity():
     assert bool((lse[1, :, 0] == -math.inf).all()) and bool(torch.isfinite(lse[1, :, 1:]).all())
 
 
+def test_a_bad_block_table_entry_cannot_fault():
+    # Entries outside [0, num_pages) are the caller's mistake: clamped into range, so the
+    # kernels (and the append) stay inside the cache.
+    kernel = attncc.compile(CAUSAL)
+    gen = torch.Generator().manual_seed(3)
+    pages_k, pages_v = randn(gen, 4, 16, 2, 16), randn(gen, 4, 16, 2, 16)
+    table = torch.tensor([[0, 10 ** 6], [-7, 3]], dtype=torch.int32)
+    out = kernel.decode(randn(gen, 2, 4, 1, 16), pages_k, pages_v, cache_seqlens=30,
+                        k_new=randn(gen, 2, 2, 1, 16), v_new=randn(gen, 2, 2, 1, 16),
+                        block_table=table)
+    assert bool(torch.isfinite(out).all())
+
+
 def test_decode_builds_no_graph():
     kernel = attncc.compile(CAUSAL)
     q = torch.randn(1, 2, 1, 16, requires_grad=True)
