@@ -463,3 +463,73 @@ def test_every_example_decodes(path):
     out, lse = attncc.compile(variant).decode(q, k, v, cache_seqlens=lens, k_new=k_new,
                                               v_new=v_new, return_lse=True, **inputs)
     check(out, lse, reference(torch.float64), reference(torch.float32), torch.float32)
+
+
+COMPILE_FOR_HOPPER = r'''
+import importlib.util, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import attncc
+from attncc.codegen import generate
+
+variant = attncc.parse(sys.argv[1])
+path = sys.argv[2]
+open(path, "w").write(generate(variant).source)
+spec = importlib.util.spec_from_file_location("decode_module", path)
+module = importlib.util.module_from_spec(spec)
+sys.modules["decode_module"] = module
+spec.loader.exec_module(module)
+POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "KNew": "*bf16", "VNew": "*bf16",
+            "Out": "*bf16", "BT": "*i32", "SEQLENS": "*i32", "LSE": "*fp32",
+            "PartOut": "*fp32", "PartLSE": "*fp32"}
+DTYPES = {"f32": "*fp32", "i32": "*i32", "bool": "*i1"}
+UNIT = {"stride_qd", "stride_kd", "stride_vd", "stride_knd", "stride_vnd", "stride_btn"}
+
+def compile_for_sm90(fn, consts, stages):
+    consts = dict(consts, **{n: 1 for n in fn.arg_names if n in UNIT})  # as the launcher does
+    sig = {}
+    for n in fn.arg_names:
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in POINTERS:
+            sig[n] = POINTERS[n]
+        elif n.endswith("_ptr"):
+            sig[n] = DTYPES[variant.input(n[:-4]).dtype]
+        else:
+            sig[n] = "fp32" if n in ("sm_scale", "qk_scale") else "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n] != "constexpr" and (sig[n].startswith("*") or n.startswith("stride"))}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=4, num_stages=stages))
+    return "async_copy_global_to_local" in compiled.asm["ttgir"]
+
+for paged in (False, True):
+    tiles = dict(BLOCK_M=16, PAGED=paged, PAGE_SIZE=64 if paged else 1, BLOCK_N=64, HEAD_DIM=128,
+                 HEAD_DIM_PAD=128, DOT_PRECISION="tf32")
+    pipelined = compile_for_sm90(module.decode_split, dict(tiles, ONE_SPLIT=False), 3)
+    print("decode_split", "paged" if paged else "contiguous", "pipelined" if pipelined else "NOT PIPELINED")
+    compile_for_sm90(module.decode_append, dict(PAGED=paged, PAGE_SIZE=tiles["PAGE_SIZE"], BLOCK_T=16,
+                                                HEAD_DIM=128, HEAD_DIM_PAD=128), 1)
+compile_for_sm90(module.decode_merge, dict(HEAD_DIM=128, ROWS=4, D_BLOCK=64), 1)
+print("compiled")
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [ALIBI, NSA.replace("block 16", "block 64")], ids=["alibi", "nsa"])
+def test_decode_kernels_compile_for_hopper_and_pipeline_their_loads(spec, tmp_path):
+    # The interpreter runs kernels the compiler may refuse: compile them for sm_90 with the
+    # installed Triton (no GPU needed), and check that K and V loads are pipelined
+    # (asynchronous copies), which a branch or a loop in the key loop would prevent.
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("triton.backends.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER, spec, str(tmp_path / "m.py")],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "compiled" in result.stdout and "NOT PIPELINED" not in result.stdout, result.stdout
