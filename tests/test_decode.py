@@ -45,7 +45,7 @@ REL_BIAS = ("attention rel_bias { learnable input bias: f32[h, 63]  mask q >= k 
 
 # ------------------------------------------------------------------------- helpers
 def randn(gen, *shape):
-    return torch.randn(*shape, generator=gen)
+    return torch.randn(*shape, generator=gen).to(DEVICE)
 
 
 def make_inputs(variant, B, Hq, capacity, gen) -> dict:
@@ -132,12 +132,12 @@ def run_case(spec, *, heads=(4, 2), n_q=1, seqlens=(1, 37, 50), capacity=64, D=1
         config = dict(BLOCK_N=TILE, num_warps=4, num_stages=2, num_splits=num_splits or 3)
         num_splits = None
     gen = torch.Generator().manual_seed(seed)
-    q = randn(gen, B, Hq, n_q, D).to(DEVICE)
-    k = randn(gen, B, Hkv, capacity, D).to(DEVICE)
-    v = randn(gen, B, Hkv, capacity, D).to(DEVICE)
+    q = randn(gen, B, Hq, n_q, D)
+    k = randn(gen, B, Hkv, capacity, D)
+    v = randn(gen, B, Hkv, capacity, D)
     n_new = n_q if append else 0
-    k_new = randn(gen, B, Hkv, n_new, D).to(DEVICE) if append else None
-    v_new = randn(gen, B, Hkv, n_new, D).to(DEVICE) if append else None
+    k_new = randn(gen, B, Hkv, n_new, D) if append else None
+    v_new = randn(gen, B, Hkv, n_new, D) if append else None
     lens = torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
     inputs = make_inputs(variant, B, Hq, capacity, gen)
 
@@ -233,7 +233,7 @@ def test_append_leaves_the_rest_of_the_cache_alone():
     q = randn(gen, 2, 4, 2, 16)
     k, v = randn(gen, 2, 2, 32, 16), randn(gen, 2, 2, 32, 16)
     k_new, v_new = randn(gen, 2, 2, 2, 16), randn(gen, 2, 2, 2, 16)
-    lens = torch.tensor([5, 30], dtype=torch.int32)
+    lens = torch.tensor([5, 30], dtype=torch.int32, device=DEVICE)
     before_k, before_v = k.clone(), v.clone()
     kernel.decode(q, k, v, cache_seqlens=lens, k_new=k_new, v_new=v_new)
     expect_k, expect_v = before_k.clone(), before_v.clone()
@@ -258,7 +258,8 @@ def test_empty_rows_give_zero_and_minus_infinity():
     gen = torch.Generator().manual_seed(2)
     q = randn(gen, 2, 2, 3, 16)
     k, v = randn(gen, 2, 2, 32, 16), randn(gen, 2, 2, 32, 16)
-    out, lse = kernel.decode(q, k, v, cache_seqlens=torch.tensor([0, 2], dtype=torch.int32),
+    out, lse = kernel.decode(q, k, v, cache_seqlens=torch.tensor([0, 2], dtype=torch.int32,
+                                                                 device=DEVICE),
                              return_lse=True, num_splits=2)
     assert torch.equal(out[0], torch.zeros_like(out[0])) and bool((lse[0] == -math.inf).all())
     # Row 1 holds 2 keys for 3 tokens: token 0 would sit at position -1.
@@ -272,7 +273,7 @@ def test_a_bad_block_table_entry_cannot_fault():
     kernel = attncc.compile(CAUSAL)
     gen = torch.Generator().manual_seed(3)
     pages_k, pages_v = randn(gen, 4, 16, 2, 16), randn(gen, 4, 16, 2, 16)
-    table = torch.tensor([[0, 10 ** 6], [-7, 3]], dtype=torch.int32)
+    table = torch.tensor([[0, 10 ** 6], [-7, 3]], dtype=torch.int32, device=DEVICE)
     out = kernel.decode(randn(gen, 2, 4, 1, 16), pages_k, pages_v, cache_seqlens=30,
                         k_new=randn(gen, 2, 2, 1, 16), v_new=randn(gen, 2, 2, 1, 16),
                         block_table=table)
@@ -281,8 +282,8 @@ def test_a_bad_block_table_entry_cannot_fault():
 
 def test_decode_builds_no_graph():
     kernel = attncc.compile(CAUSAL)
-    q = torch.randn(1, 2, 1, 16, requires_grad=True)
-    k, v = torch.randn(1, 2, 16, 16), torch.randn(1, 2, 16, 16)
+    q = torch.randn(1, 2, 1, 16, device=DEVICE, requires_grad=True)
+    k, v = torch.randn(1, 2, 16, 16, device=DEVICE), torch.randn(1, 2, 16, 16, device=DEVICE)
     out = kernel.decode(q, k, v, cache_seqlens=9)
     assert not out.requires_grad and out.grad_fn is None
 
@@ -293,6 +294,7 @@ def _call(**overrides):
     args = dict(q=torch.randn(2, 4, 1, 16), k_cache=torch.randn(2, 2, 32, 16),
                 v_cache=torch.randn(2, 2, 32, 16), cache_seqlens=torch.tensor([3, 4], dtype=torch.int32))
     args.update(overrides)
+    args = {n: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for n, t in args.items()}
     q, kc, vc = args.pop("q"), args.pop("k_cache"), args.pop("v_cache")
     return kernel.decode(q, kc, vc, **args)
 
@@ -386,7 +388,7 @@ def test_bench_decode_counts_the_keys_a_step_must_read_and_matches_flex():
                              device="cpu")
     assert keys_read(allowed, B, heads) == (20 + 3) * 2 * B
     gen = torch.Generator().manual_seed(4)
-    q, k, v = randn(gen, B, 4, 2, D), randn(gen, B, 2, L, D), randn(gen, B, 2, L, D)
+    q, k, v = (torch.randn(B, h, n, D, generator=gen) for h, n in ((4, 2), (2, L), (2, L)))
     for spec, inputs in ((WINDOW_SINKS, {}), (ALIBI, {"slopes": torch.rand(4, generator=gen)})):
         variant = attncc.parse(spec)
         mask_mod, score_mod = flex_mods(variant, len_q=L, len_k=L, dim=D, inputs=inputs)
@@ -451,9 +453,9 @@ def test_every_example_decodes(path):
     B, D, n_q, cap = 2, 16, 3, max(96, 2 * (variant.block or 0))
     gen = torch.Generator().manual_seed(0)
     inputs = make_inputs(variant, B, Hq, cap, cap, gen)
-    q = randn(gen, B, Hq, n_q, D).to(DEVICE)
-    k, v = randn(gen, B, Hkv, cap, D).to(DEVICE), randn(gen, B, Hkv, cap, D).to(DEVICE)
-    k_new, v_new = randn(gen, B, Hkv, n_q, D).to(DEVICE), randn(gen, B, Hkv, n_q, D).to(DEVICE)
+    q = randn(gen, B, Hq, n_q, D)
+    k, v = randn(gen, B, Hkv, cap, D), randn(gen, B, Hkv, cap, D)
+    k_new, v_new = randn(gen, B, Hkv, n_q, D), randn(gen, B, Hkv, n_q, D)
     lens = torch.tensor([cap - n_q, 17], dtype=torch.int32, device=DEVICE)
 
     def reference(cast):
