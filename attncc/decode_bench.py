@@ -11,7 +11,6 @@ of do_bench, which flushes the L2 cache before each call.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 
 from . import ir
 from .arguments import Problem
-from .commands import default_heads, flex_mods, lower
+from .commands import default_heads, flex_mods
 from .errors import AttnccError
 from .samples import sample_inputs
 
