@@ -253,6 +253,12 @@ def test_variants(spec):
     run_case(spec, n_q=3, seqlens=(64, 23, 40), append=True, seed=11)
 
 
+def test_layout_with_key_tiles_larger_than_its_blocks():
+    # 32-key tiles over 16-blocks: the layout is evaluated per key, not once per tile.
+    run_case(NSA, n_q=3, seqlens=(64, 23, 40), append=True, seed=12,
+             config=dict(BLOCK_N=32, num_warps=4, num_stages=1, num_splits=2))
+
+
 def test_empty_rows_give_zero_and_minus_infinity():
     kernel = attncc.compile(CAUSAL)
     gen = torch.Generator().manual_seed(2)
