@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--decode", action="store_true",
                        help="time a decode step (kernel.decode) on caches of --len keys instead, "
                             "against FlexAttention's decoding kernel and SDPA")
-    bench.add_argument("--batch", type=int, default=1, help="--decode: batch rows")
+    bench.add_argument("--batch", type=int, default=1,
+                       help="--decode: batch rows (heads default to 32/8 there)")
     bench.add_argument("--new", type=int, default=1, help="--decode: new query tokens per row")
     bench.add_argument("--page", type=int, default=None,
                        help="--decode: also time a paged cache of this page size (shuffled pages)")

@@ -18,7 +18,7 @@ import torch
 
 from . import ir
 from .arguments import Problem
-from .commands import default_heads, flex_mods
+from .commands import flex_mods
 from .errors import AttnccError
 from .samples import sample_inputs
 
@@ -220,10 +220,14 @@ def bench_decode_command(args) -> int:
         return 2
     import attncc
     variant = attncc.load(args.spec)
-    heads = args.heads if args.heads is not None else default_heads(variant, 32)
+    # Without --heads or declared heads: 32 query heads sharing 8 kv heads (Llama-style GQA).
+    heads = args.heads or ((variant.heads.q, variant.heads.kv) if variant.heads else (32, 8))
     if variant.heads is not None and heads != (variant.heads.q, variant.heads.kv):
         raise AttnccError(f"--heads {heads[0]}/{heads[1]} differs from the variant's declared "
                           f"heads {variant.heads.q}/{variant.heads.kv}")
+    for flag, value in (("--batch", args.batch), ("--new", args.new), ("--page", args.page or 1)):
+        if value < 1:
+            raise AttnccError(f"{flag} must be at least 1, got {value}")
     if heads[1] < 1 or heads[0] % heads[1]:
         raise AttnccError(f"--heads {heads[0]}/{heads[1]}: the query heads must be a multiple "
                           "of the key/value heads")
