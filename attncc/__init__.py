@@ -5,6 +5,7 @@
 
 See README.md for the language and the Python decorator.
 """
+from .decoding import decode_reference
 from .decorator import chance, exp, isin, log, maximum, minimum, sqrt, tanh, variant, where
 from .errors import AttnccError, BackendError, CallError, NoGPUError, SpecError
 from .ir import Variant
@@ -71,6 +72,6 @@ def varlen(spec, **options):
     return make(spec, **options)
 
 
-__all__ = ["compile", "varlen", "load", "parse", "parse_file", "reference", "variant", "Variant",
-           "where", "isin", "chance", "minimum", "maximum", "exp", "log", "tanh", "sqrt",
-           "AttnccError", "SpecError", "CallError", "BackendError", "NoGPUError"]
+__all__ = ["compile", "varlen", "load", "parse", "parse_file", "reference", "decode_reference",
+           "variant", "Variant", "where", "isin", "chance", "minimum", "maximum", "exp", "log",
+           "tanh", "sqrt", "AttnccError", "SpecError", "CallError", "BackendError", "NoGPUError"]

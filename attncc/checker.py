@@ -248,15 +248,19 @@ def check_dropout(p):
         raise SpecError(f"dropout {p} is out of range: the probability must be in [0, 1)")
 
 
-# Keyword arguments of a kernel call (and of attncc.reference): an input of one of these
-# names could not be passed, since inputs are keyword arguments too.
-CALL_KEYWORDS = ("v", "return_lse", "dropout_seed", "training", "q_offset", "k_offset", "tables",
-                 "layout")
+# Keyword arguments of a kernel call, of kernel.decode (and of attncc.reference and
+# decode_reference): an input of one of these names could not be passed, since inputs are
+# keyword arguments too.
+DECODE_KEYWORDS = ("k_cache", "v_cache", "cache_seqlens", "k_new", "v_new", "block_table",
+                   "num_splits", "config")
+CALL_KEYWORDS = ("v", "return_lse", "dropout_seed", "training", "q_offset", "k_offset",
+                 "tables", "layout") + DECODE_KEYWORDS
 
 
 def check_input(inp: ir.InputDecl):
     if inp.name in CALL_KEYWORDS:
-        raise SpecError(f"an input cannot be named '{inp.name}': the kernel call already takes "
+        call = "kernel.decode" if inp.name in DECODE_KEYWORDS else "the kernel call"
+        raise SpecError(f"an input cannot be named '{inp.name}': {call} already takes "
                         f"{inp.name}= (inputs are passed as keyword arguments); choose another name")
     if inp.dtype not in ir.DTYPES:
         raise SpecError(f"unknown element type '{inp.dtype}': use one of {', '.join(ir.DTYPES)}"

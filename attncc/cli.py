@@ -75,13 +75,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="time forward and backward against SDPA and FlexAttention (GPU)")
     bench.add_argument("spec", help=SPEC_HELP)
     bench.add_argument("--len", type=_lengths, default=[4096, 16384], help="sequence lengths; "
-                       "each runs with batch 16384 // len")
+                       "each runs with batch 16384 // len (with --decode: cache lengths)")
     bench.add_argument("--dim", type=int, default=128, help="head dim")
     bench.add_argument("--heads", type=_heads, default=None, help=HEADS_HELP + "; default: the "
-                       "declared heads, else 16")
+                       "declared heads, else 16 (32/8 with --decode)")
     bench.add_argument("--json", metavar="FILE", help="write every timing to FILE as JSON")
     bench.add_argument("--plot", metavar="PNG", help="draw TFLOP/s per backend (needs "
                        "attncc[plot])")
+    bench.add_argument("--decode", action="store_true",
+                       help="time a decode step (kernel.decode) on caches of --len keys instead, "
+                            "against FlexAttention's decoding kernel and SDPA")
+    bench.add_argument("--batch", type=int, default=1,
+                       help="--decode: batch rows (heads default to 32/8 there)")
+    bench.add_argument("--new", type=int, default=1, help="--decode: new query tokens per row")
+    bench.add_argument("--page", type=int, default=None,
+                       help="--decode: also time a paged cache of this page size (shuffled pages)")
     return p
 
 
@@ -143,6 +151,9 @@ def cmd_check(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.decode:
+        from .decode_bench import bench_decode_command
+        return bench_decode_command(args)
     from .commands import bench_command
     return bench_command(args)
 

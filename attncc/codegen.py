@@ -14,6 +14,7 @@ import re
 import jinja2
 
 from . import bounds, dropout, ir, intervals
+from .decode_codegen import decode_context
 from .derivative import score_gradients
 from .elementwise import TritonEmitter, chance_threshold, input_arg_names
 from .generated import Generated
@@ -235,6 +236,7 @@ def template_context(variant: ir.Variant) -> dict:
         summary_specs=[[r.tensor, r.axis, r.var] for r in summary_reads],
         summary_bases=[_summary_base(r) for r in summary_reads],
         scale_code=scale_code,
+        **decode_context(variant, fwd_plan),
     )
     return context
 

@@ -143,6 +143,9 @@ def compile_command(args) -> int:
     print(f"strategy  {gen.strategy}")
     if backend != "triton":
         _write_gluon(variant, Path(args.out), backend, why)
+    from .bounds import plan_loops
+    from .decode_codegen import decode_strategy
+    print(f"decoding  {decode_strategy(variant, plan_loops(variant, 'k'))} (kernel.decode)")
     pinned = os.environ.get("ATTNCC_CONFIG")
     gpu = chosen_configs(variant, gen.source, ASSUMED_HEAD_DIM, interpreter=False)
     wide = chosen_configs(variant, gen.source, 256, interpreter=False)

@@ -398,6 +398,30 @@ class Kernel:
         them the config is keyed by shape, chosen on the first layout."""
         return (self._tuning_context(p, inputs, device, tables),
                 tables.density if tables is not None else None)
+    def decode(self, q, k_cache, v_cache, *, cache_seqlens=None, k_new=None, v_new=None,
+               block_table=None, return_lse: bool = False, num_splits: int | None = None,
+               config: dict | None = None, **inputs):
+        """Split-KV decoding: n_q new query tokens per batch row against a KV cache.
+
+        q (B, Hq, n_q, D). The cache is contiguous, k_cache and v_cache (B, Hkv, capacity,
+        D) (any strides: a (B, capacity, Hkv, D) cache passes as cache.transpose(1, 2)),
+        or paged, (num_pages, page_size, Hkv, D) with block_table (B, max_pages) int32.
+        cache_seqlens: keys cached per row, a (B,) int32 tensor or an int. k_new, v_new
+        (B, Hkv, n_new, D), optional: written into the cache in place at positions
+        cache_seqlens[b] + j first (the caller advances cache_seqlens afterwards).
+
+        Row b then holds L = cache_seqlens[b] + n_new keys, and the call computes the last
+        n_q rows of its self-attention over them: query token i at position L - n_q + i,
+        and len_q = len_k = L in the variant (so `q >= k` is causal). Input axes on
+        positions and tiles span the capacity. Returns (B, Hq, n_q, D), and with
+        return_lse the natural LSE (B, Hq, n_q) in float32; a row that attends to no key
+        gives 0 and LSE -inf. Inference only: no autograd graph, no dropout. num_splits
+        or config={"BLOCK_N", "num_warps", "num_stages", "num_splits"} pin what is
+        otherwise tuned (attncc/decoding.py)."""
+        from .decoding import decode
+        return decode(self, q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new,
+                      v_new=v_new, block_table=block_table, return_lse=return_lse,
+                      num_splits=num_splits, config=config, **inputs)
 
     def _tuning_context(self, p, inputs: dict, device, tables=None):
         """For the tuner's progress lines: the density of the layout a layout variant is

@@ -152,23 +152,26 @@ def _versions() -> str:
     return f"{gpu}-triton{triton.__version__}-torch{torch.__version__.split('+')[0]}-attncc{__version__}"
 
 
-def _cache_file(variant: ir.Variant):
+def _cache_file(variant: ir.Variant, suffix: str = ""):
+    """The variant's tuning file; decoding keeps its configs (other keys) in a file of its
+    own, suffix "-decode" (attncc/decoding.py)."""
     from .runtime import cache_dir
-    return cache_dir() / "tuning" / _versions() / f"{variant.name}-{variant.key()}.json"
+    return cache_dir() / "tuning" / _versions() / f"{variant.name}-{variant.key()}{suffix}.json"
 
 
-def _load(path) -> dict:
-    """The cached winners, or {} when the file is missing or damaged (then rebuilt)."""
+def _load(path, check=check_config) -> dict:
+    """The cached winners, or {} when the file is missing or damaged (then rebuilt).
+    `check(config, where)` validates each entry (raises ValueError on a bad one)."""
     try:
         data = json.loads(path.read_text())
         if isinstance(data, dict) and all(isinstance(v, dict) for v in data.values()):
-            return {k: check_config(v, str(path)) for k, v in data.items()}
+            return {k: check(v, str(path)) for k, v in data.items()}
     except (OSError, ValueError):
         pass
     return {}
 
 
-def _store(path, key: str, config: dict):
+def _store(path, key: str, config: dict, check=check_config):
     """Add one winner. The read-modify-write holds an exclusive lock on a file beside the
     cache file (filelock: fcntl on POSIX, msvcrt on Windows), so processes tuning at once
     keep each other's entries (readers need no lock: every write is an atomic replace)."""
@@ -176,7 +179,7 @@ def _store(path, key: str, config: dict):
     from .runtime import write_if_changed
     path.parent.mkdir(parents=True, exist_ok=True)
     with _LOCK, FileLock(path.with_name(path.name + ".lock")):
-        data = _load(path)
+        data = _load(path, check)
         data[key] = config
         write_if_changed(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
 
@@ -301,7 +304,16 @@ def first_that_runs(kernel, problem, dtype, direction: str, kept, run) -> dict:
 
 
 def _label(config: dict) -> str:
-    return f"{config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
+    tiles = (f"{config['BLOCK_M']}x{config['BLOCK_N']}" if "BLOCK_M" in config
+             else f"BLOCK_N {config['BLOCK_N']}")
+    splits = f" {config['num_splits']} splits" if "num_splits" in config else ""
+    return f"{tiles} w{config['num_warps']} s{config['num_stages']}{splits}"
+
+
+def _winner(config: dict) -> str:
+    text = " ".join(f"{k}={config[k]}" for k in ("BLOCK_M", "BLOCK_N") if k in config)
+    text += f" warps={config['num_warps']} stages={config['num_stages']}"
+    return text + (f" splits={config['num_splits']}" if "num_splits" in config else "")
 
 
 def tune(name: str, key: str, configs: list, run, context: str = "") -> dict:
@@ -329,7 +341,6 @@ def tune(name: str, key: str, configs: list, run, context: str = "") -> dict:
         raise RuntimeError(f"attncc: no tile config could run {name} ({key}); "
                            "pin one with ATTNCC_CONFIG to see its error")
     ms, best = min(timings, key=lambda t: t[0])
-    log.info("tuned %s %s in %.1f s: BLOCK_M=%d BLOCK_N=%d warps=%d stages=%d (%.3f ms)",
-             name, key, time.perf_counter() - start, best["BLOCK_M"], best["BLOCK_N"],
-             best["num_warps"], best["num_stages"], ms)
+    log.info("tuned %s %s in %.1f s: %s (%.3f ms)", name, key, time.perf_counter() - start,
+             _winner(best), ms)
     return dict(best)
