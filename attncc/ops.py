@@ -206,8 +206,10 @@ def _forward(kernel_id, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, t
                       "every replay drops the same elements", stacklevel=2)
     if tables is not None:
         tables.check_reads(values)
+    # Kept tables, or a store of this launch's own (built once, shared by its tuning runs):
+    # no cache between calls could see a write that bypasses the version counter.
     common = dict(q_offset=q_offset, k_offset=k_offset, seed=seed,
-                  tables=tables.store if tables is not None else None)
+                  tables=tables.store if tables is not None else {})
     run = lambda config: kernel.module.forward(q, k, v, values, config=config, **common)
     tune = kernel._tuning(p, values, q.device, tables)
     direction = "fwd"
@@ -234,8 +236,10 @@ def _backward(kernel_id, q, k, v, out, lse, dout, inputs, q_offset, k_offset, se
     values = dict(zip(kernel.input_names, inputs))
     p = _problem(q, k, v, q_offset, k_offset)
     module = kernel.module
+    # Kept tables, or a store of this launch's own (built once, shared by its tuning runs):
+    # no cache between calls could see a write that bypasses the version counter.
     common = dict(q_offset=q_offset, k_offset=k_offset, seed=seed,
-                  tables=tables.store if tables is not None else None)
+                  tables=tables.store if tables is not None else {})
     tune = kernel._tuning(p, values, q.device, tables)
     if module.USES_TABLES and TABLES_BACKWARD == "one-launch":
         # dK/dV and dQ as two roles of one grid, one config, both reading delta.

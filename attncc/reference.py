@@ -12,7 +12,7 @@ import torch
 
 from . import dropout as dropout_bits
 from . import ir
-from .arguments import Problem, as_bhsd, bind, refuse_positional
+from .arguments import Problem, as_bhsd, bind, check_seed, refuse_positional
 from .errors import CallError
 from .evaluate import evaluate
 
@@ -85,6 +85,8 @@ def reference(variant: ir.Variant, q, k, v, *positional, return_lse: bool = Fals
     if variant.dropout and dropout_seed is None:
         raise CallError(f"the variant has dropout {variant.dropout}: pass dropout_seed=int "
                         "so the reference draws the same mask as the kernel")
+    if dropout_seed is not None:
+        dropout_seed = check_seed(dropout_seed)
     dtype, device = q.dtype, q.device
     env = index_env(variant, p, inputs, device, dtype)
     group = p.group
