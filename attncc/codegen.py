@@ -52,7 +52,9 @@ class TorchEmitter(TritonEmitter):
     def Load(self, e):
         name = input_code(e.tensor)
         idx = ", ".join(f"_h_clamp({self(i)}, {name}.shape[{n}])" for n, i in enumerate(e.indices))
-        return f"{name}[{idx}]"
+        # Integers in 64 bits, as the language's are: an i32 read times a constant must not
+        # wrap in int32 here either.
+        return f"{name}[{idx}].long()" if self.inputs[e.tensor].type == ir.INT else f"{name}[{idx}]"
 
     def Member(self, e):
         rows = self.Load(ir.Load(e.tensor, e.indices))

@@ -193,7 +193,8 @@ def _interval(r: Range) -> str:
 def _big(n: int) -> str:
     if abs(n) < 10 ** 12:
         return str(n)
-    return f"about {'-' if n < 0 else ''}2**{math.log2(abs(n)):.1f}"
+    exponent = f"{math.log2(abs(n)):.1f}".removesuffix(".0")
+    return f"about {'-' if n < 0 else ''}2**{exponent}"
 
 
 def _context(variant: ir.Variant):
