@@ -53,6 +53,8 @@ def allowed_pairs(variant: ir.Variant, p: Problem, inputs: dict, device) -> torc
     """Which (b, h, q, k) attend: bool, broadcastable to [B, H, Lq, Lk]."""
     env = index_env(variant, p, inputs, device, torch.float64)
     allowed = torch.ones(1, 1, p.len_q, p.len_k, dtype=torch.bool, device=device)
+    if not allowed.numel():
+        return allowed  # an empty call: nothing to evaluate (`q // len_k` has no value at 0)
     if variant.mask is not None:
         allowed = allowed & evaluate(variant.mask, env)
     if variant.layout is not None:
@@ -94,7 +96,7 @@ def reference(variant: ir.Variant, q, k, v, *positional, return_lse: bool = Fals
     v_full = v.repeat_interleave(group, dim=1)  # [B, Hq, Lk, Dv]
 
     s = torch.matmul(q, k_full.transpose(-1, -2)) * scale_value(variant, p.dim)  # [B, Hq, Lq, Lk]
-    if variant.score is not None:
+    if variant.score is not None and s.numel():
         s = evaluate(variant.score, {**env, "s": s}, float_dtype=dtype).to(dtype)
         s = s.expand(p.batch, p.heads_q, p.len_q, p.len_k)
     allowed = allowed_pairs(variant, p, inputs, device).expand_as(s)

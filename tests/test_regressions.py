@@ -285,7 +285,7 @@ def test_a_mask_input_past_2_31_elements_gets_64_bit_offsets():
     assert (wide, narrow) == (True, False)
     # A learnable f32[h, q, k] bias of 32 heads at 8K tokens: its gradient too.
     q = meta(1, 32, 8192, 16)
-    assert kernel.module._wide(q, q, {}, 0, 0, whole=(meta(32, 8192, 8192),))
+    assert kernel.module._wide(q, q, {}, 0, 0, fresh=(meta(32, 8192, 8192),))
 
 
 @pytest.mark.parametrize("spec,inputs", [
