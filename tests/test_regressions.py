@@ -1,6 +1,8 @@
-"""Every failure the fuzzers and the reliability tests found, as a named test.
+"""Every failure the fuzzers, the reliability tests and an adversary (issue 17) found,
+as a named test.
 
-Each test names the bug it pins down; all of them are fixed. Nothing here is skipped.
+Each test names the bug it pins down; all of them are fixed. Nothing here is skipped
+(one test past 2**31 elements is marked slow: it needs 2 GiB of address space).
 """
 from __future__ import annotations
 
