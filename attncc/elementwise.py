@@ -58,7 +58,7 @@ def _int_literal(v: int) -> str:
     # fails): give it its 64-bit type. Such an expression is emitted wide (ranges.py).
     if -2 ** 31 <= v < 2 ** 31:
         return repr(v)
-    return f"tl.full((), {v}, tl.int64)"
+    return f"tl.cast({v}, tl.int64)"
 
 
 class TritonEmitter:

@@ -471,11 +471,12 @@ class Kernel:
                     layout: str = "bhsd", **inputs) -> "TileTables":
         """Tile tables for calls shaped like this one, to keep and pass as `tables=`.
 
-        The kernel caches tables itself (32 entries, keyed by the tensors they read), so
-        this is for when that is not enough: many layers with layouts of their own, or
-        building the tables (and checking index lists) once, outside a training step.
-        Building them reads their density (one sync); calls given them are tuned per
-        density bucket and make no host synchronisation (CUDA graphs can capture them)."""
+        Without them each call builds its own (no cache: one keyed by the tensors could
+        not see a write that bypasses their version counter), so keep them to build once
+        for many calls, outside a training step. They are your promise that the tensors
+        they read keep their contents. Building them reads their density (one sync);
+        calls given them are tuned per density bucket and make no host synchronisation
+        and no table work (CUDA graphs can capture them)."""
         p = self.check_call(q, k, v, inputs, q_offset, k_offset, layout)
         if not self.module.USES_TABLES:
             raise CallError(f"variant '{self.variant.name}' has no tile tables to keep: its "
@@ -506,9 +507,10 @@ class TileTables:
     """A kernel's tile tables for one problem shape and one state of the tensors the mask
     and layout read, built by `kernel.tile_tables(...)` and passed as `kernel(...,
     tables=t)`. Tables for each tile size the kernels use are built on first use and
-    kept here, not in the kernel's bounded cache. A call whose shapes differ, or whose
-    mask or layout tensors are other tensors or were written in place since, is refused:
-    such tables would skip the wrong tiles."""
+    kept here. A call whose shapes differ, or whose mask or layout tensors are other
+    tensors or were written in place since (their version counter moved), is refused:
+    such tables would skip the wrong tiles. A write that bypasses the version counter
+    is not seen: keeping the tables is the caller's promise that there is none."""
 
     def __init__(self, kernel: Kernel, problem, inputs: dict, device):
         self.kernel, self.problem, self.device = kernel, problem, device

@@ -54,8 +54,10 @@ def check_config(config: dict, where: str) -> dict:
         v = config[key]
         if not is_int(v) or v < 16 or v > 256 or v & (v - 1):
             raise ValueError(f"{where}: {key} must be a power of two from 16 to 256, got {v!r}")
-    if config["num_warps"] not in (1, 2, 4, 8, 16) or not is_int(config["num_warps"]):
-        raise ValueError(f"{where}: num_warps must be 1, 2, 4, 8 or 16, got {config['num_warps']!r}")
+    # 9: the Gluon forward's warp-specialized kernel (attncc/gluon.py, WS_WARPS).
+    if config["num_warps"] not in (1, 2, 4, 8, 9, 16) or not is_int(config["num_warps"]):
+        raise ValueError(f"{where}: num_warps must be 1, 2, 4, 8 or 16 (or 9: the Gluon "
+                         f"forward's warp-specialized kernel), got {config['num_warps']!r}")
     if not is_int(config["num_stages"]) or not 1 <= config["num_stages"] <= 8:
         raise ValueError(f"{where}: num_stages must be an int from 1 to 8, "
                          f"got {config['num_stages']!r}")
@@ -194,7 +196,10 @@ def usable(config: dict, variant: ir.Variant, head_dim: int, direction: str) -> 
         check_pinned(config, variant, "the tuning cache")
     except ValueError:
         return False
-    return keep(config, variant, head_dim, direction)
+    if direction == "gluon-fwd":
+        from . import gluon
+        return gluon.check_config(config, head_dim) is None
+    return config["num_warps"] != 9 and keep(config, variant, head_dim, direction)
 
 
 def _store(path, key: str, config: dict, check=check_config):
@@ -300,15 +305,20 @@ def faster_backend(kernel, problem, dtype, options: dict, density=None) -> str:
     _MEMORY[mem_key] = best
     from filelock import FileLock
     from .runtime import write_if_changed
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with _LOCK, FileLock(path.with_name(path.name + ".lock")):
-        try:
-            data = json.loads(path.read_text())
-            data = data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            data = {}
-        data[key] = best
-        write_if_changed(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _LOCK, FileLock(path.with_name(path.name + ".lock")):
+            try:
+                data = json.loads(path.read_text())
+                data = data if isinstance(data, dict) else {}
+            except (OSError, ValueError):
+                data = {}
+            data[key] = best
+            write_if_changed(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+    except OSError as e:
+        from .errors import CacheError
+        from .runtime import cache_unwritable
+        raise CacheError(cache_unwritable(path, e)) from None
     return best
 
 

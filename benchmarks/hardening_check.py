@@ -36,8 +36,11 @@ from attncc.tolerance import gradient_scales, max_abs_error, within_tolerance  #
 
 OUT = os.environ.get("OUT", "out")
 RESULTS: dict = {}
-# benchmarks/RESULTS.md runs 41-42 (H100, S = 16384, D = 128, 16 heads, bf16, tuned): ms.
-RECORDED = {"full": (4.321, 12.433), "causal": (2.187, 6.565)}
+# benchmarks/RESULTS.md, S = 16384, D = 128, 16 heads, bf16, tuned, ms: the portable
+# forward and backward on an H100 (runs 41-42); on an H200 the portable forward and the
+# Gluon ping-pong forward (run 79; no backward was timed there).
+RECORDED = {"H100": {"full": dict(fwd=4.321, bwd=12.433), "causal": dict(fwd=2.187, bwd=6.565)},
+            "H200": {"full": dict(fwd=4.402, gluon_fwd=3.782), "causal": dict(fwd=2.228, gluon_fwd=1.885)}}
 
 
 def run_tests(limit_s: int = 200):
@@ -153,15 +156,21 @@ def speed():
     dev, L, H, D = "cuda", 16384, 16, 128
     rows = {}
     for name, spec in (("full", "attention full { }"), ("causal", "attention causal { mask q >= k }")):
-        kernel = attncc.compile(spec)
+        kernel = attncc.compile(spec, backend="triton")  # the portable kernels, both ways
         q, k, v = (torch.randn(1, H, L, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
         do = torch.randn_like(q)
         torch.autograd.grad(kernel(q, k, v), (q, k, v), do)  # compile and tune
         fwd = timed(lambda: kernel(q, k, v))
         both = timed(lambda: torch.autograd.grad(kernel(q, k, v), (q, k, v), do))
-        rows[name] = dict(fwd_ms=fwd, bwd_ms=both - fwd, recorded_fwd_ms=RECORDED[name][0],
-                          recorded_bwd_ms=RECORDED[name][1])
+        rows[name] = dict(fwd_ms=fwd, bwd_ms=both - fwd)
+        try:  # the forward attncc runs by default (the Gluon one on sm_90)
+            auto = attncc.compile(spec)
+            auto(q, k, v)
+            rows[name].update(auto_fwd_ms=timed(lambda: auto(q, k, v)),
+                              auto_backend=getattr(auto, "backend", "triton"))
+        except Exception as e:
+            rows[name]["auto_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         del q, k, v, do
     # Tile tables on every call (no implicit cache) against kept ones, document mask.
     spec = "attention document { input doc: i32[q] mask doc[q] == doc[k] and q >= k }"
@@ -213,11 +222,18 @@ def main():
         print(f"  {label:44s} " + "  ".join(f"{k} {v:.2e}" if not isinstance(v, bool) else
                                             f"{k} {v}" for k, v in errors.items()))
     if rows:
-        print("== speed, S = 16384, D = 128, 16 heads, bf16 (ms; RESULTS.md runs 41-42 beside)")
+        gpu = torch.cuda.get_device_name()
+        recorded = next((r for kind, r in RECORDED.items() if kind in gpu), {})
+        print(f"== speed on {gpu}, S = 16384, D = 128, 16 heads, bf16, ms (RESULTS.md beside, "
+              "same GPU kind only: runs 41-42 on an H100, 79 on an H200)")
+        was = lambda name, key: (f" (was {recorded[name][key]:.3f})"
+                                 if key in recorded.get(name, {}) else "")
         for name in ("full", "causal"):
             r = rows[name]
-            print(f"  {name:8s} fwd {r['fwd_ms']:7.3f} (was {r['recorded_fwd_ms']:.3f})   "
-                  f"bwd {r['bwd_ms']:7.3f} (was {r['recorded_bwd_ms']:.3f})")
+            auto = (f"   default fwd ({r['auto_backend']}) {r['auto_fwd_ms']:7.3f}{was(name, 'gluon_fwd')}"
+                    if "auto_fwd_ms" in r else "")
+            print(f"  {name:8s} portable fwd {r['fwd_ms']:7.3f}{was(name, 'fwd')}   "
+                  f"bwd {r['bwd_ms']:7.3f}{was(name, 'bwd')}{auto}")
         d = rows["document_tables"]
         print(f"  document, tables per call vs kept: fwd {d['fwd_ms']:.3f} vs {d['fwd_kept_ms']:.3f}, "
               f"fwd+bwd {d['fwd_bwd_ms']:.3f} vs {d['fwd_bwd_kept_ms']:.3f}; one build "

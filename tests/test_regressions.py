@@ -202,6 +202,10 @@ def test_a_tuning_entry_with_tiles_past_an_index_list_block_is_not_used():
     good = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=2)
     assert not tuning.usable(bad, v, 64, "fwd")
     assert tuning.usable(good, v, 64, "fwd")
+    # The Gluon forward's warp-specialized config (9 warps) is its own, not the portable one's.
+    ws = dict(BLOCK_M=128, BLOCK_N=128, num_warps=9, num_stages=2)
+    causal = attncc.parse("attention c { mask q >= k }")
+    assert tuning.usable(ws, causal, 128, "gluon-fwd") and not tuning.usable(ws, causal, 128, "fwd")
 
 
 def test_one_bad_tuning_entry_does_not_hide_or_drop_the_others(tmp_path):
