@@ -158,8 +158,10 @@ def check_seed(seed) -> int:
     seeds never give one mask by accident)."""
     if isinstance(seed, bool):
         raise CallError(f"dropout_seed must be an int in [0, 2**32), got {seed!r}")
-    if isinstance(seed, torch.SymInt):
-        return seed  # symbolic under torch.compile: reading its value would specialise on it
+    if isinstance(seed, torch.SymInt) or torch.compiler.is_compiling():
+        # Traced by torch.compile: reading its value would specialise the graph on it.
+        # The operator checks the real value when it runs (attncc/ops.py).
+        return seed
     try:
         value = operator.index(seed)  # int, numpy integers, 0-d integer tensors
     except TypeError:

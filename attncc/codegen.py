@@ -274,7 +274,7 @@ def template_context(variant: ir.Variant) -> dict:
         summary_specs=[[r.tensor, r.axis, r.var] for r in summary_reads],
         summary_bases=[_summary_base(r) for r in summary_reads],
         scale_code=scale_code,
-        **decode_context(variant, fwd_plan),
+        **decode_context(variant, fwd_plan, widths["layout"][0]),
     )
     return context
 

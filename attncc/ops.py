@@ -34,7 +34,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import tuning
-from .arguments import Problem
+from .arguments import Problem, check_seed
 from .errors import CallError
 
 _KERNELS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
@@ -99,8 +99,9 @@ def _tables(op_id: int):
 
 def _seed(seed: int, drawn_seed) -> int:
     # A seed drawn by the call (no dropout_seed given) is a CPU tensor, so that under
-    # torch.compile it is drawn on every run, in the graph; reading it syncs nothing.
-    return seed if drawn_seed is None else int(drawn_seed)
+    # torch.compile it is drawn on every run, in the graph; reading it syncs nothing. A
+    # given seed is checked here too: a traced call could not read its value.
+    return check_seed(seed) if drawn_seed is None else int(drawn_seed)
 
 
 def _problem(q, k, v, q_offset, k_offset) -> Problem:
