@@ -373,3 +373,27 @@ def test_check_dim_0_and_plot_into_a_missing_folder_are_clean_errors(tmp_path, c
     assert "--dim 0" in capsys.readouterr().err
     assert main(["show", str(spec), "--plot", str(tmp_path / "missing" / "c.png")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ decoding
+@pytest.mark.parametrize("spec,inputs", [
+    ("attention w { param window: int = 2147483647 mask q >= k and q - k < window }", {}),
+    ("attention n { input def: f32[h] input off_h: i64[k] "
+     "mask off_h[k] == off_h[q] score s + def[h] }",
+     {"def": torch.tensor([0.5, -1.0, 0.25, 2.0]),
+      "off_h": torch.tensor([7] * 20 + [7 + 2 ** 32] * 20)}),
+], ids=["window_2_31", "hostile_names_i64"])
+def test_decoding_has_the_same_integers_and_names(spec, inputs):
+    # The decode kernels evaluate the variant's mask and score too (split-KV decoding).
+    from attncc import decode_reference
+    v = attncc.parse(spec)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 2, 16, generator=gen)
+    k_cache, v_cache = (torch.randn(2, 2, 40, 16, generator=gen) for _ in range(2))
+    lens = torch.tensor([37, 40], dtype=torch.int32)
+    inputs = {n: t.to(DEVICE) for n, t in inputs.items()}
+    q, k_cache, v_cache, lens = (t.to(DEVICE) for t in (q, k_cache, v_cache, lens))
+    out = attncc.compile(v).decode(q, k_cache, v_cache, cache_seqlens=lens, **inputs)
+    ref = decode_reference(v, q.double(), k_cache.double(), v_cache.double(), cache_seqlens=lens,
+                           **inputs)
+    assert (out.double() - ref).abs().max() < 1e-5
