@@ -60,12 +60,11 @@ class Range:
 class _Analysis:
     """Ranges of every integer node of one expression at one extent."""
 
-    def __init__(self, params: dict, inputs: dict, block, extent: int, on_error=None):
+    def __init__(self, params: dict, inputs: dict, block, extent: int):
         self.params = params  # name -> value
         self.inputs = inputs  # name -> InputDecl
         self.block = block
         self.extent = extent
-        self.on_error = on_error  # (node, SpecError) -> None: locates, then it is raised
         self.ranges: dict = {}  # id(node) -> Range, for integer nodes
         self.problems: list = []  # (node, message): division by zero, 64-bit overflow
 
