@@ -7,12 +7,14 @@ what was expected.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
 
 from . import ir
 from .errors import CallError
+from .ranges import MAX_EXTENT
 
 TORCH_DTYPES = {
     "bool": torch.bool, "i8": torch.int8, "i16": torch.int16, "i32": torch.int32,
@@ -124,6 +126,9 @@ def _bind(variant, q, k, v, inputs, q_offset, k_offset, exact_float_inputs, layo
                         f"v {_shape(v)}, {read}")
     if Dk != D:
         raise CallError(f"q and k must have the same head dim, got q {_shape(q)} and k {_shape(k)}")
+    if Hq == 0 or Hkv == 0:
+        raise CallError(f"q has {Hq} heads and k, v have {Hkv}: attention needs at least one head "
+                        f"(q {_shape(q)}, k {_shape(k)})")
     if variant.heads is not None:
         if (Hq, Hkv) != (variant.heads.q, variant.heads.kv):
             raise CallError(f"the variant declares heads {variant.heads.q} / {variant.heads.kv}, "
@@ -136,9 +141,36 @@ def _bind(variant, q, k, v, inputs, q_offset, k_offset, exact_float_inputs, layo
     for name, off in (("q_offset", q_offset), ("k_offset", k_offset)):
         if not isinstance(off, int) or isinstance(off, bool) or off < 0:
             raise CallError(f"{name} must be a non-negative int, got {off!r}")
+    # Positions, and every size an expression reads, stay below 2**31: the range analysis
+    # that keeps the kernels' integers from wrapping (attncc/ranges.py) assumes it.
+    for what, extent in (("q_offset + len_q", q_offset + Lq), ("k_offset + len_k", k_offset + Lk),
+                         ("the batch", B), ("the head count", Hq), ("the head dim", D)):
+        if extent > MAX_EXTENT:
+            raise CallError(f"{what} is {extent}; positions and sizes must stay below 2**31 "
+                            f"(at most {MAX_EXTENT})")
     problem = Problem(B, Hq, Hkv, Lq, Lk, D, Dv, q_offset, k_offset)
     check_inputs(variant, problem, inputs, device=q.device, exact_float_inputs=exact_float_inputs)
     return problem
+
+
+def check_seed(seed) -> int:
+    """A dropout seed: an int in [0, 2**32), the 32 bits the dropout hash reads (so two
+    seeds never give one mask by accident)."""
+    if isinstance(seed, bool):
+        raise CallError(f"dropout_seed must be an int in [0, 2**32), got {seed!r}")
+    if isinstance(seed, torch.SymInt) or torch.compiler.is_compiling():
+        # Traced by torch.compile: reading its value would specialise the graph on it.
+        # The operator checks the real value when it runs (attncc/ops.py).
+        return seed
+    try:
+        value = operator.index(seed)  # int, numpy integers, 0-d integer tensors
+    except TypeError:
+        raise CallError(f"dropout_seed must be an int in [0, 2**32), got {type(seed).__name__} "
+                        f"{seed!r}") from None
+    if not 0 <= value < 2 ** 32:
+        raise CallError(f"dropout_seed={value} is out of range: the dropout hash reads 32 bits, "
+                        "so a seed is an int in [0, 2**32); reduce it, as in seed % 2**32")
+    return value
 
 
 def axis_extent(axis, variant: ir.Variant, p: Problem) -> int:

@@ -27,6 +27,10 @@ import sympy
 from . import ir
 
 MAX_SEGMENTS = 2  # a union of more key intervals is looped over as its hull
+# Comparisons with larger coefficients are left to the tile classification: with these,
+# every bound the kernels compute from positions below 2**31 stays far inside 64 bits.
+MAX_COEFFICIENT = 2 ** 20  # of q, k, len_q and len_k
+MAX_CONSTANT = 2 ** 40
 
 Q, K, LEN_Q, LEN_K = sympy.symbols("q k len_q len_k", integer=True)
 _VARS = {"q": Q, "k": K, "len_q": LEN_Q, "len_k": LEN_K}
@@ -106,6 +110,11 @@ def _atoms_of_cmp(e: ir.Cmp, params: dict) -> list:
         raise _NotAffine
     c = sympy.expand(diff - a * Q - b * K)
     if c.free_symbols - {LEN_Q, LEN_K}:
+        raise _NotAffine
+    c_poly = sympy.Poly(c, LEN_Q, LEN_K)
+    if (max(abs(a), abs(b), abs(c_poly.coeff_monomial(LEN_Q)), abs(c_poly.coeff_monomial(LEN_K)))
+            > MAX_COEFFICIENT or abs(c_poly.coeff_monomial(1)) > MAX_CONSTANT
+            or c_poly.total_degree() > 1):
         raise _NotAffine
     # Integers: x < 0 is x + 1 <= 0, x > 0 is -x + 1 <= 0, x >= 0 is -x <= 0.
     if e.op == "<=":

@@ -6,9 +6,10 @@ knows where each node came from), the decorator reports the Python function inst
 """
 from __future__ import annotations
 
+import math
 import re
 
-from . import ir
+from . import ir, ranges
 from .errors import SpecError, did_you_mean
 from .random_blocks import probability
 
@@ -318,12 +319,25 @@ def check_name_free(name: str, taken: set):
         raise SpecError(f"'{name}' is declared twice")
 
 
+def check_param_value(p: ir.ParamDecl):
+    """A param's value must be a finite number of its type, an int within 64 bits."""
+    want = {ir.INT: int, ir.FLOAT: float, ir.BOOL: bool}[p.type]
+    if not isinstance(p.value, want) or (want is int and isinstance(p.value, bool)):
+        raise SpecError(f"param '{p.name}' is declared {p.type} but its value is {p.value!r}")
+    if p.type == ir.FLOAT and not math.isfinite(p.value):
+        raise SpecError(f"param '{p.name}' is {p.value}: a param must be a finite number; "
+                        "the language has no infinities")
+    if p.type == ir.INT and not -2 ** 63 <= p.value < 2 ** 63:
+        raise SpecError(f"param '{p.name}' is {p.value}, too large: integers must fit in 64 bits")
+
+
 def check_variant(v: ir.Variant) -> ir.Variant:
     """Check a whole variant (the decorator's path: the parser checks as it goes)."""
     check_identifier(v.name, "the variant name")
     taken = set()
     for p in v.params:
         check_name_free(p.name, taken)
+        check_param_value(p)
         taken.add(p.name)
     for i in v.inputs:
         check_name_free(i.name, taken)
@@ -339,6 +353,7 @@ def check_variant(v: ir.Variant) -> ir.Variant:
             check_depth(e)
             check_declared_type(decl, check_expr(e, Scope(decl, params, inputs)))
     check_structure(v)
+    ranges.check_variant(v)
     return v
 
 

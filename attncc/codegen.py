@@ -13,15 +13,19 @@ import re
 
 import jinja2
 
-from . import bounds, dropout, ir, intervals
+from . import bounds, dropout, ir, intervals, ranges
 from .decode_codegen import decode_context
 from .derivative import score_gradients
-from .elementwise import TritonEmitter, chance_threshold, input_arg_names
-from .generated import Generated
+from .elementwise import (TritonEmitter, chance_threshold, element_offset, grad_arg_name,
+                          input_arg_names, input_code)
+from .generated import Generated, module_name
 from .printer import print_variant
 from .resources import templates_dir
 
-BIG = str(1 << 30)  # "unbounded" inside loop-bound code; positions stay far below it
+BIG = str(1 << 62)  # "unbounded" inside loop-bound code, which runs in 64 bits
+# An expression whose integers fit 32 bits only below an extent this small is always
+# computed in 64 bits: one compiled kernel, not two, for variants that are wide anyway.
+ALWAYS_WIDE_BELOW = 1 << 16
 
 
 @functools.lru_cache(maxsize=1)
@@ -39,9 +43,18 @@ class TorchEmitter(TritonEmitter):
     def __init__(self, variant, var_code):
         super().__init__(variant, var_code)
 
+    def Const(self, e):
+        return repr(e.value)  # torch computes in int64 (or float64) already
+
+    def Param(self, e):
+        return repr(self.params[e.name])
+
     def Load(self, e):
-        idx = ", ".join(f"_h_clamp({self(i)}, {e.tensor}.shape[{n}])" for n, i in enumerate(e.indices))
-        return f"{e.tensor}[{idx}]"
+        name = input_code(e.tensor)
+        idx = ", ".join(f"_h_clamp({self(i)}, {name}.shape[{n}])" for n, i in enumerate(e.indices))
+        # Integers in 64 bits, as the language's are: an i32 read times a constant must not
+        # wrap in int32 here either.
+        return f"{name}[{idx}].long()" if self.inputs[e.tensor].type == ir.INT else f"{name}[{idx}]"
 
     def Member(self, e):
         rows = self.Load(ir.Load(e.tensor, e.indices))
@@ -77,7 +90,10 @@ class TorchEmitter(TritonEmitter):
 
 # --------------------------------------------------------------- the plan
 def _segment_code(seg: bounds.Segment) -> bounds.Segment:
-    fix = lambda c: None if c is None else c.replace("_BIG", BIG)
+    # Loop bounds run in 64 bits (once per program): a window of 2**31 - 1 must not wrap.
+    # The template defines len_q64 and len_k64; q_lo, q_hi, k_lo, k_hi are 64-bit there.
+    fix = lambda c: None if c is None else re.sub(r"\blen_(q|k)\b", r"len_\g<1>64",
+                                                  c.replace("_BIG", BIG))
     return bounds.Segment(fix(seg.reach_lo), fix(seg.reach_hi), fix(seg.full_lo),
                           fix(seg.full_hi), seg.full_known)
 
@@ -94,7 +110,8 @@ def heavy_tiles_last(plan: bounds.LoopPlan, other: str) -> bool:
 
 
 def _summary_base(read: intervals.SummaryRead) -> str:
-    return f"{read.tensor}__{read.axis}{read.var}"
+    # The per-block summary of one input along one axis, blocked by q or k tiles.
+    return f"blocks_{input_code(read.tensor)}_a{read.axis}{read.var}"
 
 
 def _torch_summary(read, others, which):
@@ -107,13 +124,23 @@ def _input_grads(variant, emit: TritonEmitter, grads) -> list:
     out = []
     for load, d_code in grads.d_inputs:
         decl = variant.input(load.tensor)
-        offset = " + ".join(f"_clamp({emit(i)}, {decl.name}_size{n}) * {decl.name}_stride{n}"
-                            for n, i in enumerate(load.indices))
         used = set().union(*(ir.free_vars(i) for i in load.indices)) if load.indices else set()
         reduce = {(False, False): "all", (True, False): "cols", (False, True): "rows",
                   (True, True): "none"}[("q" in used, "k" in used)]
-        out.append({"name": decl.name, "d_code": d_code, "offset": offset, "reduce": reduce})
+        out.append({"name": decl.name, "ptr": grad_arg_name(decl), "d_code": d_code,
+                    "offset": element_offset(emit, decl, load.indices), "reduce": reduce})
     return out
+
+
+def integer_width(e, variant: ir.Variant):
+    """(flag, extent): how `e`'s integers are emitted (TritonEmitter's `wide`) and the
+    largest call extent at which 32 bits suffice (ranges.int32_extent)."""
+    extent = ranges.int32_extent(e, variant)
+    if extent == ranges.MAX_EXTENT:
+        return None, extent
+    if extent is None or extent < ALWAYS_WIDE_BELOW:
+        return "True", ranges.MAX_EXTENT
+    return "WIDE", extent
 
 
 def common_params(variant: ir.Variant, uses_tables: bool) -> list:
@@ -122,7 +149,7 @@ def common_params(variant: ir.Variant, uses_tables: bool) -> list:
              "qk_scale", "seed"]
     for decl in variant.inputs:
         names += input_arg_names(decl)
-    names += [f"d_{d.name}_ptr" for d in variant.learnable_inputs]
+    names += [grad_arg_name(d) for d in variant.learnable_inputs]
     if uses_tables:
         for side in ("row", "col"):
             names += [f"{side}_full_count", f"{side}_full_list", f"{side}_part_count",
@@ -161,8 +188,7 @@ def generate(variant: ir.Variant) -> Generated:
     """The Triton module source for `variant`."""
     context = template_context(variant)
     source = _environment().get_template("attention.py.jinja").render(**context)
-    return Generated(source=source, strategy=context["strategy"],
-                     module_name=f"attncc_{variant.name}_{context['key']}")
+    return Generated(source=source, strategy=context["strategy"], module_name=module_name(variant))
 
 
 def render(template: str, context: dict) -> str:
@@ -174,7 +200,12 @@ def template_context(variant: ir.Variant) -> dict:
     """Everything the templates fill in for `variant`: the expressions, the loop plans,
     the tile-classification code and the kernel parameter list. Every backend's
     template renders from this one dict, so the pieces exist once."""
-    emit = TritonEmitter(variant)
+    # Each expression in 32-bit integers where that cannot wrap, else in 64 (ranges.py).
+    widths = {decl: integer_width(getattr(variant, decl), variant)
+              for decl in ("mask", "score", "layout")}
+    int32_extent = min(extent for _, extent in widths.values())
+    emit_mask = TritonEmitter(variant, wide=widths["mask"][0])
+    emit = TritonEmitter(variant, wide=widths["score"][0])  # the score and its derivatives
     fwd_plan = bounds.plan_loops(variant, "k")
     bwd_plan = bounds.plan_loops(variant, "q")
     # Tiles the analytic plan cannot decide are classified on the device into tables.
@@ -200,7 +231,8 @@ def template_context(variant: ir.Variant) -> dict:
     layout_elem = None
     if variant.layout is not None and not ir.index_lists(variant.layout):
         layout_elem = TritonEmitter(variant, {"qb": f"_fdiv(q_pos, {variant.block})",
-                                              "kb": f"_fdiv(k_pos, {variant.block})"})(variant.layout)
+                                              "kb": f"_fdiv(k_pos, {variant.block})"},
+                                    wide=widths["layout"][0])(variant.layout)
     context = dict(
         version=_package_version(),
         spec_comment="\n".join(f"#   {line}" for line in spec_text.rstrip().splitlines()),
@@ -209,6 +241,8 @@ def template_context(variant: ir.Variant) -> dict:
         variant_name=variant.name,
         key=key,
         input_names=[i.name for i in variant.inputs],
+        input_codes={i.name: input_code(i.name) for i in variant.inputs},
+        int32_extent=int32_extent,
         learnable_names=[i.name for i in variant.learnable_inputs],
         dropout=bool(variant.dropout),
         dropout_p=repr(float(variant.dropout or 0.0)),
@@ -219,8 +253,12 @@ def template_context(variant: ir.Variant) -> dict:
         host_classify_lines=host_cls.lines,
         host_classify_may=host_cls.may,
         host_classify_must=host_cls.must,
-        mask=emit(variant.mask) if variant.mask is not None else None,
+        mask=emit_mask(variant.mask) if variant.mask is not None else None,
         score=emit(variant.score) if variant.score is not None else None,
+        # A score that does not vary over both q and k (`score 0.0`, `score x[h]`) is
+        # broadcast to the tile: the softmax sums over the tile's columns.
+        score_is_tile=variant.score is not None and (
+            "s" in ir.free_vars(variant.score) or {"q", "k"} <= ir.free_vars(variant.score)),
         d_score=grads.d_ds,
         input_grads=_input_grads(variant, emit, grads),
         layout=variant.layout is not None,
@@ -236,7 +274,7 @@ def template_context(variant: ir.Variant) -> dict:
         summary_specs=[[r.tensor, r.axis, r.var] for r in summary_reads],
         summary_bases=[_summary_base(r) for r in summary_reads],
         scale_code=scale_code,
-        **decode_context(variant, fwd_plan),
+        **decode_context(variant, fwd_plan, widths["layout"][0]),
     )
     return context
 

@@ -381,7 +381,10 @@ def check_command(args) -> int:
                               "of the key/value heads")
     else:
         heads = default_heads(variant, 3)
-    dim = args.dim or (64 if on_gpu else 32)
+    if args.dim is not None and args.dim < 1:
+        raise AttnccError(f"--dim {args.dim}: the head dim must be a positive number (the "
+                          "kernels take 16 to 256)")
+    dim = args.dim if args.dim is not None else (64 if on_gpu else 32)
     if args.len:
         shapes = [(n, n) for n in args.len]
     elif on_gpu:

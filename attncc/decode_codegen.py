@@ -10,22 +10,22 @@ tables.
 from __future__ import annotations
 
 from . import bounds, ir
-from .elementwise import TritonEmitter, input_arg_names
+from .elementwise import TritonEmitter, element_offset, input_arg_names, input_code
 
 
 class DecodeLayoutEmitter(TritonEmitter):
-    """The layout as Triton code over a decode tile (qb -> q_blk, kb -> k_blk)."""
+    """The layout as Triton code over a decode tile (qb -> q_blk, kb -> k_blk); `wide`
+    as the main kernels' layout (codegen.integer_width)."""
 
-    def __init__(self, variant: ir.Variant):
-        super().__init__(variant, {"qb": "q_blk", "kb": "k_blk"})
+    def __init__(self, variant: ir.Variant, wide: str | None = None):
+        super().__init__(variant, {"qb": "q_blk", "kb": "k_blk"}, wide=wide)
 
     def Member(self, e):
         decl = self.inputs[e.tensor]
-        offset = " + ".join(f"_clamp({self(i)}, {decl.name}_size{n}) * {decl.name}_stride{n}"
-                            for n, i in enumerate(e.indices))
+        base = input_code(decl.name)
         last = len(decl.axes) - 1  # the list axis: a fixed size (checker._type_of_member)
-        return (f"_in_list({self(e.item)}, {decl.name}_ptr + {offset}, {decl.axes[last]}, "
-                f"{decl.name}_stride{last})")
+        return (f"_in_list({self(e.item)}, {base}_ptr + {element_offset(self, decl, e.indices)}, "
+                f"{decl.axes[last]}, {base}_stride{last})")
 
 
 def decode_params(variant: ir.Variant) -> list:
@@ -58,11 +58,11 @@ def decode_strategy(variant: ir.Variant, plan: bounds.LoopPlan) -> str:
     return text
 
 
-def decode_context(variant: ir.Variant, fwd_plan: bounds.LoopPlan) -> dict:
+def decode_context(variant: ir.Variant, fwd_plan: bounds.LoopPlan, layout_wide=None) -> dict:
     params = decode_params(variant)
     return dict(
         decode_classify=fwd_plan.needs_classify,
-        decode_layout=(DecodeLayoutEmitter(variant)(variant.layout)
+        decode_layout=(DecodeLayoutEmitter(variant, layout_wide)(variant.layout)
                        if variant.layout is not None else None),
         decode_args=", ".join(params),
         decode_param_list=params,

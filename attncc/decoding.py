@@ -22,6 +22,7 @@ import torch
 from . import ir, tuning
 from .arguments import Problem, check_input_names, check_inputs
 from .errors import CallError
+from .ranges import MAX_EXTENT
 
 CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "num_splits")
 MAX_SPLITS = 256
@@ -157,6 +158,10 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
             raise CallError(f"k_new {_shape(k_new)} and v_new {_shape(v_new)} must have the same shape")
         n_new = k_new.shape[2]
     seqlens = _seqlens(cache_seqlens, B, q.device)
+    if capacity > MAX_EXTENT:
+        raise CallError(f"the cache holds {capacity} positions; positions must stay below 2**31 "
+                        f"(at most {MAX_EXTENT}), as the range analysis of the variant's "
+                        "integers assumes (attncc/ranges.py)")
     problem = DecodeProblem(B, Hq, Hkv, n_q, n_new, D, capacity, page_size)
     # Input axes on positions (q, k) and tiles (qb, kb) span the cache's capacity: every
     # position a call may place a key or a query at.

@@ -224,12 +224,51 @@ def _parse_input_type(name: str, text: str, learnable: bool) -> ir.InputDecl:
 
 def _param_decl(name, value) -> ir.ParamDecl:
     if isinstance(value, bool):
-        return ir.ParamDecl(name, ir.BOOL, value)
-    if isinstance(value, int):
-        return ir.ParamDecl(name, ir.INT, value)
-    if isinstance(value, float):
-        return ir.ParamDecl(name, ir.FLOAT, value)
-    raise SpecError(f"param '{name}' must be an int, float or bool, got {type(value).__name__}")
+        decl = ir.ParamDecl(name, ir.BOOL, value)
+    elif isinstance(value, int):
+        decl = ir.ParamDecl(name, ir.INT, value)
+    elif isinstance(value, float):
+        decl = ir.ParamDecl(name, ir.FLOAT, value)
+    else:
+        raise SpecError(f"param '{name}' must be an int, float or bool, got "
+                        f"{type(value).__name__} {value!r}")
+    checker.check_param_value(decl)
+    return decl
+
+
+def _check_arguments(name, heads, params, inputs, learnable, block, dropout):
+    """The decorator's own arguments, each of the type it must have: a wrong one is named
+    here, not met later as a Python error inside attncc."""
+    if heads is not None and not (isinstance(heads, (tuple, list)) and len(heads) == 2
+                                  and all(_is_int(h) for h in heads)):
+        raise SpecError(f"heads must be a pair of ints (query heads, key/value heads), as in "
+                        f"heads=(32, 8); got {heads!r}")
+    for what, value in (("params", params), ("inputs", inputs)):
+        if value is not None and not isinstance(value, dict):
+            example = "params={'window': 256}" if what == "params" else "inputs={'slopes': 'f32[h]'}"
+            raise SpecError(f"{what} must be a dict of names, as in {example}; got "
+                            f"{type(value).__name__}")
+        for key in value or {}:
+            if not isinstance(key, str):
+                raise SpecError(f"{what}: names must be strings, got {key!r}")
+    for key, text in (inputs or {}).items():
+        if not isinstance(text, str):
+            raise SpecError(f"input '{key}': its type must be a string 'dtype[axes]', as in "
+                            f"'f32[h]'; got {type(text).__name__} {text!r}")
+    if isinstance(learnable, str) or not isinstance(learnable, (list, tuple, set, frozenset)) \
+            or not all(isinstance(n, str) for n in learnable):
+        hint = f"; write learnable=[{learnable!r}]" if isinstance(learnable, str) else ""
+        raise SpecError(f"learnable must be a list of input names, got {learnable!r}{hint}")
+    if block is not None and not _is_int(block):
+        raise SpecError(f"block must be an int (a power of two from 16 to 256), got {block!r}")
+    if dropout is not None and (isinstance(dropout, bool) or not isinstance(dropout, (int, float))):
+        raise SpecError(f"dropout must be a probability in [0, 1), got {dropout!r}")
+    if dropout is not None and not math.isfinite(dropout):
+        raise SpecError(f"dropout {dropout} is out of range: the probability must be in [0, 1)")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _trace(fn, decl: str, params: dict, inputs: dict):
@@ -267,6 +306,7 @@ def _where_is(fn) -> str:
 def build_variant(name: str, *, mask=None, score=None, layout=None, scale=None, heads=None,
                   params=None, inputs=None, learnable=(), block=None, dropout=None) -> ir.Variant:
     """The Variant for these Python pieces; the decorator's engine, usable directly."""
+    _check_arguments(name, heads, params, inputs, learnable, block, dropout)
     params = dict(params or {})
     param_decls = tuple(_param_decl(n, v) for n, v in params.items())
     input_decls = tuple(_parse_input_type(n, t, n in learnable) for n, t in (inputs or {}).items())
@@ -279,16 +319,19 @@ def build_variant(name: str, *, mask=None, score=None, layout=None, scale=None, 
     for decl, fn in (("scale", scale), ("mask", mask), ("layout", layout), ("score", score)):
         if fn is None:
             continue
-        if isinstance(fn, (int, float)) and decl == "scale":
+        if isinstance(fn, (int, float)) and not isinstance(fn, bool) and decl == "scale":
             fields[decl] = lift(float(fn))
             continue
+        if not callable(fn):
+            raise SpecError(f"{decl} must be a function of the names it reads"
+                            + (" or a number" if decl == "scale" else "")
+                            + f", got {type(fn).__name__} {fn!r}")
         try:
             fields[decl] = _trace(fn, decl, pmap, imap)
         except SpecError as err:
             raise SpecError(f"in {decl}() at {_where_is(fn)}: {err.message}") from None
     if heads is not None:
-        hq, hkv = heads
-        heads = ir.Heads(int(hq), int(hkv))
+        heads = ir.Heads(*heads)
     v = ir.Variant(name=name, heads=heads, params=param_decls, inputs=input_decls, block=block,
                    dropout=None if dropout is None else float(dropout), **fields)
     try:
@@ -311,8 +354,11 @@ def variant(_obj=None, *, name=None, heads=None, params=None, inputs=None, learn
             if unknown:
                 raise SpecError(f"variant class '{obj.__name__}' has {unknown}; it may define "
                                 "only mask, score, layout and scale")
-        else:
+        elif callable(obj):
             parts = {"mask": obj}
+        else:
+            raise SpecError(f"@attncc.variant decorates a function (the mask) or a class of "
+                            f"mask/score/layout/scale functions, not a {type(obj).__name__}")
         if scale is not None:
             parts["scale"] = scale
         return build_variant(name or obj.__name__, heads=heads, params=params, inputs=inputs,

@@ -2,8 +2,15 @@
 
 Inside a tile, `q` is a [BLOCK_M, 1] column of global query positions and `k` a
 [1, BLOCK_N] row of key positions, so an expression broadcasts to the tile's shape.
-Tensor reads clamp their indices into range (the host proves them in range where it
-can; see runtime.check_input_ranges), so a read can never fault.
+Tensor reads clamp their indices into range, so a read can never fault.
+
+Names a user chooses never meet the generated code's own: an input `x` is `in_x` in
+generated code (`in_x_ptr`, `in_x_stride0`, `in_x_size0`, its gradient `d_in_x_ptr`),
+and no generated name starts with `in_` or `d_in_`. Params are inlined as values.
+
+Integers: an expression whose integer values may leave 32 bits (attncc/ranges.py) is
+emitted with each integer leaf widened by `_int(x, FLAG)`: FLAG is the kernels'
+constexpr WIDE (64 bits on calls past the expression's int32 extent) or True (always).
 """
 from __future__ import annotations
 
@@ -19,48 +26,82 @@ VAR_CODE = {"q": "q_pos", "k": "k_pos", "b": "off_b", "h": "off_h", "s": "s",
             "dim": "HEAD_DIM", "len_q": "len_q", "len_k": "len_k"}
 
 
+def input_code(name: str) -> str:
+    """An input's name in generated code (host and kernels)."""
+    return f"in_{name}"
+
+
 def input_arg_names(decl: ir.InputDecl) -> list:
     """The kernel arguments one input tensor needs: pointer, then stride and size per axis."""
-    names = [f"{decl.name}_ptr"]
+    base = input_code(decl.name)
+    names = [f"{base}_ptr"]
     for i in range(len(decl.axes)):
-        names += [f"{decl.name}_stride{i}", f"{decl.name}_size{i}"]
+        names += [f"{base}_stride{i}", f"{base}_size{i}"]
     return names
 
 
-class TritonEmitter:
-    """Emits an expression as one Triton expression string."""
+def grad_arg_name(decl: ir.InputDecl) -> str:
+    """The kernel argument of a learnable input's gradient."""
+    return f"d_{input_code(decl.name)}_ptr"
 
-    def __init__(self, variant: ir.Variant, var_code: dict | None = None):
+
+def element_offset(emit, decl: ir.InputDecl, indices) -> str:
+    """The offset of one element of an input: each index clamped into its axis, in 64
+    bits on calls whose tensors are too large for 32-bit offsets (WIDE)."""
+    base = input_code(decl.name)
+    return " + ".join(f"_index({emit(i)}, {base}_size{n}, WIDE) * {base}_stride{n}"
+                      for n, i in enumerate(indices))
+
+
+def _int_literal(v: int) -> str:
+    # Triton types a literal past 32 bits as int32 where it meets an int32 tensor (and
+    # fails): give it its 64-bit type. Such an expression is emitted wide (ranges.py).
+    if -2 ** 31 <= v < 2 ** 31:
+        return repr(v)
+    return f"tl.cast({v}, tl.int64)"
+
+
+class TritonEmitter:
+    """Emits an expression as one Triton expression string. `wide`: None (integers fit
+    32 bits), "WIDE" (64 bits on wide calls) or "True" (always 64 bits)."""
+
+    def __init__(self, variant: ir.Variant, var_code: dict | None = None, wide: str | None = None):
         self.params = {p.name: p.value for p in variant.params}
         self.inputs = {i.name: i for i in variant.inputs}
         self.var_code = dict(VAR_CODE, **(var_code or {}))
+        self.wide = wide
 
     def __call__(self, e) -> str:
         return getattr(self, type(e).__name__)(e)
 
+    def _int(self, code: str) -> str:
+        return code if self.wide is None else f"_int({code}, {self.wide})"
+
     def Var(self, e):
-        return self.var_code[e.name]
+        code = self.var_code[e.name]
+        return code if e.name == "s" else self._int(code)
 
     def Const(self, e):
         if e.type == ir.BOOL:
             return "True" if e.value else "False"
-        return repr(e.value)
+        return _int_literal(e.value) if e.type == ir.INT else repr(e.value)
 
     def Param(self, e):
         v = self.params[e.name]
-        return ("True" if v else "False") if isinstance(v, bool) else repr(v)
+        if isinstance(v, bool):
+            return "True" if v else "False"
+        return _int_literal(v) if isinstance(v, int) else repr(v)
 
     def Load(self, e):
         decl = self.inputs[e.tensor]
-        offset = " + ".join(
-            f"_clamp({self(i)}, {decl.name}_size{n}) * {decl.name}_stride{n}"
-            for n, i in enumerate(e.indices))
-        value = f"tl.load({decl.name}_ptr + {offset})"
+        value = f"tl.load({input_code(decl.name)}_ptr + {element_offset(self, decl, e.indices)})"
         if decl.type == ir.FLOAT:
             return f"{value}.to(tl.float32)"
         if decl.type == ir.BOOL:
             return f"({value} != 0)"
-        return f"{value}.to(tl.int32)"
+        if decl.dtype == "i64":
+            return value  # all 64 bits: ids 7 and 7 + 2**32 differ
+        return self._int(f"{value}.to(tl.int32)")
 
     def BinOp(self, e):
         a, b = self(e.lhs), self(e.rhs)

@@ -71,6 +71,10 @@ class BackendError(AttnccError, ValueError):
     names what it cannot take, and the way out."""
 
 
+class CacheError(AttnccError, OSError):
+    """attncc's cache directory cannot be written: names the directory and the fix."""
+
+
 class NoGPUError(AttnccError):
     """Something that needs a CUDA GPU was asked for on a machine without one."""
 

@@ -71,7 +71,11 @@ class _Evaluator:
                                 "for these shapes")
         shape = torch.broadcast_shapes(*(i.shape for i in idx))
         out = tensor[tuple(i.expand(shape) for i in idx)]
-        return out.to(self.float_dtype) if out.is_floating_point() else out
+        if out.is_floating_point():
+            return out.to(self.float_dtype)
+        # The language's integers are 64-bit: an i8 or i32 read must not make `x[q] * c`
+        # wrap in its own dtype (attncc/ranges.py).
+        return out if out.dtype == torch.bool else out.long()
 
     def Member(self, e):
         tensor = self.env["inputs"][e.tensor]

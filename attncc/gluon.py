@@ -136,8 +136,8 @@ def check_config(config: dict, head_dim: int) -> str | None:
 def generate(variant: ir.Variant):
     """The Gluon module source for `variant` (no GPU needed: rendering only)."""
     from .codegen import render, template_context
-    from .generated import Generated
+    from .generated import Generated, module_name
     context = template_context(variant)
     source = render("attention_gluon.py.jinja", context)
     return Generated(source=source, strategy=context["strategy"],
-                     module_name=f"attncc_gluon_{variant.name}_{context['key']}")
+                     module_name=module_name(variant, "gluon"))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import ir
+from . import ir, ranges
 
 UNKNOWN = None
 
@@ -39,9 +39,10 @@ class IntervalCode:
 
 
 class _Emitter:
-    def __init__(self, params: dict, inputs: dict, summary_code, prefix: str):
+    def __init__(self, params: dict, inputs: dict, summary_code, prefix: str, wrapped=frozenset()):
         self.params = params
         self.inputs = inputs
+        self.wrapped = wrapped  # ids of nodes whose value may have wrapped (i64 arithmetic)
         self.summary_code = summary_code  # (SummaryRead, other index codes, "lo"|"hi") -> code
         self.prefix = prefix
         self.out = IntervalCode()
@@ -57,6 +58,8 @@ class _Emitter:
 
     # ---- numbers: (lo, hi) code, or UNKNOWN
     def num(self, e):
+        if id(e) in self.wrapped:
+            return UNKNOWN  # a wrapped value is not between its operands' bounds
         if isinstance(e, ir.Const):
             v = int(e.value) if e.type == ir.INT else float(e.value)
             return (repr(v), repr(v))
@@ -263,8 +266,9 @@ class _Emitter:
 
 def classify_code(mask, variant: ir.Variant, summary_code, prefix: str = "_iv") -> IntervalCode:
     """Straight-line code computing `may` and `must` for one tile of `mask`."""
+    wrapped = ranges.wraps(mask, variant) if mask is not None else set()
     em = _Emitter({p.name: p.value for p in variant.params}, {i.name: i for i in variant.inputs},
-                  summary_code, prefix)
+                  summary_code, prefix, wrapped)
     if mask is None:
         em.out.may, em.out.must = "True", "True"
     else:

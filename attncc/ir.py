@@ -227,6 +227,10 @@ class InputDecl:
         return DTYPES[self.dtype]
 
 
+# Names may be long (64 KiB of spec); a file name may not (255 bytes on most systems).
+NAME_IN_FILES = 48
+
+
 @dataclass(frozen=True)
 class Variant:
     """One attention variant: everything a kernel needs to know at compile time.
@@ -257,6 +261,12 @@ class Variant:
     @property
     def learnable_inputs(self) -> tuple:
         return tuple(i for i in self.inputs if i.learnable)
+
+    @property
+    def short_name(self) -> str:
+        """The name as file and module names carry it: cut to NAME_IN_FILES characters,
+        since the key beside it (a hash of the whole variant) keeps those unique."""
+        return self.name[:NAME_IN_FILES]
 
     def key(self) -> str:
         """A short stable hash of everything in the variant, for module names and caches."""

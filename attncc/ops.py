@@ -34,7 +34,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import tuning
-from .arguments import Problem
+from .arguments import Problem, check_seed
 from .errors import CallError
 
 _KERNELS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
@@ -99,8 +99,9 @@ def _tables(op_id: int):
 
 def _seed(seed: int, drawn_seed) -> int:
     # A seed drawn by the call (no dropout_seed given) is a CPU tensor, so that under
-    # torch.compile it is drawn on every run, in the graph; reading it syncs nothing.
-    return seed if drawn_seed is None else int(drawn_seed)
+    # torch.compile it is drawn on every run, in the graph; reading it syncs nothing. A
+    # given seed is checked here too: a traced call could not read its value.
+    return check_seed(seed) if drawn_seed is None else int(drawn_seed)
 
 
 def _problem(q, k, v, q_offset, k_offset) -> Problem:
@@ -206,8 +207,10 @@ def _forward(kernel_id, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, t
                       "every replay drops the same elements", stacklevel=2)
     if tables is not None:
         tables.check_reads(values)
+    # Kept tables, or a store of this launch's own (built once, shared by its tuning runs):
+    # no cache between calls could see a write that bypasses the version counter.
     common = dict(q_offset=q_offset, k_offset=k_offset, seed=seed,
-                  tables=tables.store if tables is not None else None)
+                  tables=tables.store if tables is not None else {})
     run = lambda config: kernel.module.forward(q, k, v, values, config=config, **common)
     tune = kernel._tuning(p, values, q.device, tables)
     direction = "fwd"
@@ -234,8 +237,10 @@ def _backward(kernel_id, q, k, v, out, lse, dout, inputs, q_offset, k_offset, se
     values = dict(zip(kernel.input_names, inputs))
     p = _problem(q, k, v, q_offset, k_offset)
     module = kernel.module
+    # Kept tables, or a store of this launch's own (built once, shared by its tuning runs):
+    # no cache between calls could see a write that bypasses the version counter.
     common = dict(q_offset=q_offset, k_offset=k_offset, seed=seed,
-                  tables=tables.store if tables is not None else None)
+                  tables=tables.store if tables is not None else {})
     tune = kernel._tuning(p, values, q.device, tables)
     if module.USES_TABLES and TABLES_BACKWARD == "one-launch":
         # dK/dV and dQ as two roles of one grid, one config, both reading delta.

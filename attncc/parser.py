@@ -14,7 +14,7 @@ from pathlib import Path
 import lark
 from lark import Token, Tree
 
-from . import checker, ir
+from . import checker, ir, ranges
 from .errors import SpecError, did_you_mean
 from .resources import grammar_path
 
@@ -257,6 +257,7 @@ class _Builder:
         self.inputs: dict = {}
         self.scope: checker.Scope | None = None
         self.types: dict = {}  # id(IR node) -> its type, filled bottom-up
+        self.trees: dict = {}  # id(IR node) -> the parse tree it came from, to locate errors
 
     def _locate(self, err: SpecError, where) -> SpecError:
         if isinstance(where, Token):
@@ -297,6 +298,7 @@ class _Builder:
             getattr(self, f"decl_{kind}")(d, fields)
         v = ir.Variant(name=str(name_tok), params=tuple(self.params.values()),
                        inputs=tuple(self.inputs.values()), **fields)
+        self._check_ranges(v, seen)
         try:
             checker.check_structure(v)
         except SpecError as err:
@@ -305,6 +307,20 @@ class _Builder:
                 culprit = next((d for d in decls if d.data == "input_decl"), tree)
             raise self._locate(err, culprit)
         return v
+
+    def _check_ranges(self, v: ir.Variant, seen: dict):
+        """Divisions by zero and integers past 64 bits (attncc/ranges.py), located at the
+        operator; once every declaration is known, since ranges depend on params and block."""
+        params = {p.name: p.value for p in v.params}
+        for kind in ("scale", "mask", "layout", "score"):
+            e = getattr(v, kind)
+            if e is None:
+                continue
+            where = lambda node, err: self._locate(err, self.trees.get(id(node), seen[kind]))
+            try:
+                ranges.check(e, params, self.inputs, v.block, on_error=where)
+            except SpecError as err:
+                raise self._locate(err, seen[kind])
 
     def decl_heads(self, d, fields):
         hq, hkv = (self.integer(t) for t in d.children)
@@ -409,6 +425,7 @@ class _Builder:
         if node is None:
             raise self.fail(f"internal: no rule for {getattr(t, 'data', t)!r}", t)
         e, kids = node(t)
+        self.trees[id(e)] = t
         try:
             if isinstance(e, ir.Var):
                 self.scope.resolve(e.name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -145,6 +146,10 @@ def plot_variant(variant: ir.Variant, path, *, len_q: int, len_k: int | None = N
             raise AttnccError(f"{flag} must be at least 1, got {n}")
     if tile < 1:
         raise AttnccError(f"--tile must be at least 1, got {tile}")
+    folder = Path(path).resolve().parent
+    if not folder.is_dir():
+        raise AttnccError(f"cannot write {path}: the folder {folder} does not exist; create it "
+                          "first")
 
     per_head = is_per_head(variant)
     heads_q = variant.heads.q if variant.heads else (PER_HEAD_DEFAULT_HEADS if per_head else 1)

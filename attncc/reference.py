@@ -12,7 +12,7 @@ import torch
 
 from . import dropout as dropout_bits
 from . import ir
-from .arguments import Problem, as_bhsd, bind, refuse_positional
+from .arguments import Problem, as_bhsd, bind, check_seed, refuse_positional
 from .errors import CallError
 from .evaluate import evaluate
 
@@ -53,6 +53,8 @@ def allowed_pairs(variant: ir.Variant, p: Problem, inputs: dict, device) -> torc
     """Which (b, h, q, k) attend: bool, broadcastable to [B, H, Lq, Lk]."""
     env = index_env(variant, p, inputs, device, torch.float64)
     allowed = torch.ones(1, 1, p.len_q, p.len_k, dtype=torch.bool, device=device)
+    if not allowed.numel():
+        return allowed  # an empty call: nothing to evaluate (`q // len_k` has no value at 0)
     if variant.mask is not None:
         allowed = allowed & evaluate(variant.mask, env)
     if variant.layout is not None:
@@ -85,6 +87,8 @@ def reference(variant: ir.Variant, q, k, v, *positional, return_lse: bool = Fals
     if variant.dropout and dropout_seed is None:
         raise CallError(f"the variant has dropout {variant.dropout}: pass dropout_seed=int "
                         "so the reference draws the same mask as the kernel")
+    if dropout_seed is not None:
+        dropout_seed = check_seed(dropout_seed)
     dtype, device = q.dtype, q.device
     env = index_env(variant, p, inputs, device, dtype)
     group = p.group
@@ -92,7 +96,7 @@ def reference(variant: ir.Variant, q, k, v, *positional, return_lse: bool = Fals
     v_full = v.repeat_interleave(group, dim=1)  # [B, Hq, Lk, Dv]
 
     s = torch.matmul(q, k_full.transpose(-1, -2)) * scale_value(variant, p.dim)  # [B, Hq, Lq, Lk]
-    if variant.score is not None:
+    if variant.score is not None and s.numel():
         s = evaluate(variant.score, {**env, "s": s}, float_dtype=dtype).to(dtype)
         s = s.expand(p.batch, p.heads_q, p.len_q, p.len_k)
     allowed = allowed_pairs(variant, p, inputs, device).expand_as(s)

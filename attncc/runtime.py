@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import secrets
 import sys
 from pathlib import Path
@@ -20,10 +21,10 @@ from pathlib import Path
 import torch
 
 from . import gluon, ir, ops, tuning
-from .arguments import _shape, as_bhsd, axis_extent, bind, refuse_positional
-from .errors import CallError
+from .arguments import _shape, as_bhsd, axis_extent, bind, check_seed, refuse_positional
+from .errors import CacheError, CallError
 from .evaluate import check_index_list
-from .generated import Generated
+from .generated import Generated, module_name
 from .resources import grammar_path, templates_dir
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -96,16 +97,26 @@ def generator_digest() -> str:
 def _index_path(variant: ir.Variant, backend: str = "triton") -> Path:
     suffix = "" if backend == "triton" else f"-{backend}"
     return (cache_dir() / "modules" / "index"
-            / f"{variant.name}-{variant.key()}-{generator_digest()}{suffix}.json")
+            / f"{variant.short_name}-{variant.key()}-{generator_digest()}{suffix}.json")
 
 
 def _load_indexed(variant: ir.Variant, backend: str = "triton"):
     """(generated, module) from the cache without generating, or None on any miss: no
-    index entry, a damaged one, or a module file whose bytes are not the ones indexed."""
+    index entry, a damaged one, or a module file whose bytes are not the ones indexed.
+    Nothing the index says is trusted: the module it names must be this variant's, by
+    the name codegen gives it (so no path of its choosing is imported), with the
+    digest of the file's bytes."""
+    modules = cache_dir() / "modules"
     try:
         entry = json.loads(_index_path(variant, backend).read_text())
         name, strategy, digest = entry["module"], entry["strategy"], entry["sha256"]
-        path = cache_dir() / "modules" / f"{name}.py"
+        if not (isinstance(strategy, str) and isinstance(digest, str)
+                and re.fullmatch(r"[0-9a-f]{64}", digest)
+                and name == f"{module_name(variant, backend)}_{digest[:12]}"):
+            return None
+        path = modules / f"{name}.py"
+        if path.resolve().parent != modules.resolve():
+            return None  # a link out of the cache
         data = path.read_bytes()
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -113,6 +124,19 @@ def _load_indexed(variant: ir.Variant, backend: str = "triton"):
         return None
     gen = Generated(source=data.decode(), strategy=strategy, module_name=name.rsplit("_", 1)[0])
     return gen, _import_module(name, path)
+
+
+def write_to_cache(path: Path, text: str) -> bool:
+    """write_if_changed into attncc's cache, with an error that names the fix."""
+    try:
+        return write_if_changed(path, text)
+    except OSError as e:
+        raise CacheError(cache_unwritable(path, e)) from None
+
+
+def cache_unwritable(path: Path, e: OSError) -> str:
+    return (f"cannot write attncc's cache at {cache_dir()} ({path.name}: {e.strerror or e}); "
+            "set ATTNCC_CACHE_DIR to a writable directory")
 
 
 def load_generated(variant: ir.Variant, backend: str = "triton"):
@@ -132,9 +156,9 @@ def load_generated(variant: ir.Variant, backend: str = "triton"):
     digest = hashlib.sha256(gen.source.encode()).hexdigest()
     name = f"{gen.module_name}_{digest[:12]}"
     path = cache_dir() / "modules" / f"{name}.py"
-    write_if_changed(path, gen.source)
+    write_to_cache(path, gen.source)
     entry = {"module": name, "strategy": gen.strategy, "sha256": digest}
-    write_if_changed(_index_path(variant, backend), json.dumps(entry, indent=1) + "\n")
+    write_to_cache(_index_path(variant, backend), json.dumps(entry, indent=1) + "\n")
     return gen, _import_module(name, path)
 
 
@@ -312,6 +336,13 @@ class Kernel:
                             "them equal")
         if p.batch == 0 or p.heads_q == 0:
             raise CallError(f"q has shape {_shape(q)}: batch and heads must be at least 1")
+        # Every launch is one grid axis of programs per tile and batch·head (at least
+        # 16-row tiles), which CUDA caps at 2**31 - 1.
+        tiles = -(-p.len_q // 16) + -(-p.len_k // 16)
+        if tiles * p.batch * p.heads_q >= 2 ** 31:
+            raise CallError(f"batch {p.batch} x {p.heads_q} heads x {tiles} tiles of 16 positions "
+                            "is more programs than one launch can hold (2**31 - 1); split the "
+                            "batch into several calls")
         if self.variant.layout is not None:
             b = self.variant.block
             if q_offset % b or k_offset % b:
@@ -350,6 +381,8 @@ class Kernel:
             refuse_positional(self.variant, positional)
         if not isinstance(training, bool):
             raise CallError(f"training must be True or False, got {training!r}")
+        if dropout_seed is not None:
+            dropout_seed = check_seed(dropout_seed)
         if not training and self.variant.dropout:
             # Evaluation: the same attention with no dropout (as nn.Dropout in eval mode).
             return self.evaluation_kernel()(q, k, v, return_lse=return_lse, q_offset=q_offset,
@@ -438,11 +471,12 @@ class Kernel:
                     layout: str = "bhsd", **inputs) -> "TileTables":
         """Tile tables for calls shaped like this one, to keep and pass as `tables=`.
 
-        The kernel caches tables itself (32 entries, keyed by the tensors they read), so
-        this is for when that is not enough: many layers with layouts of their own, or
-        building the tables (and checking index lists) once, outside a training step.
-        Building them reads their density (one sync); calls given them are tuned per
-        density bucket and make no host synchronisation (CUDA graphs can capture them)."""
+        Without them each call builds its own (no cache: one keyed by the tensors could
+        not see a write that bypasses their version counter), so keep them to build once
+        for many calls, outside a training step. They are your promise that the tensors
+        they read keep their contents. Building them reads their density (one sync);
+        calls given them are tuned per density bucket and make no host synchronisation
+        and no table work (CUDA graphs can capture them)."""
         p = self.check_call(q, k, v, inputs, q_offset, k_offset, layout)
         if not self.module.USES_TABLES:
             raise CallError(f"variant '{self.variant.name}' has no tile tables to keep: its "
@@ -473,9 +507,10 @@ class TileTables:
     """A kernel's tile tables for one problem shape and one state of the tensors the mask
     and layout read, built by `kernel.tile_tables(...)` and passed as `kernel(...,
     tables=t)`. Tables for each tile size the kernels use are built on first use and
-    kept here, not in the kernel's bounded cache. A call whose shapes differ, or whose
-    mask or layout tensors are other tensors or were written in place since, is refused:
-    such tables would skip the wrong tiles."""
+    kept here. A call whose shapes differ, or whose mask or layout tensors are other
+    tensors or were written in place since (their version counter moved), is refused:
+    such tables would skip the wrong tiles. A write that bypasses the version counter
+    is not seen: keeping the tables is the caller's promise that there is none."""
 
     def __init__(self, kernel: Kernel, problem, inputs: dict, device):
         self.kernel, self.problem, self.device = kernel, problem, device

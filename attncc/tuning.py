@@ -45,13 +45,22 @@ def env_config():
 
 
 def check_config(config: dict, where: str) -> dict:
+    """A config a launch can take: tiles and warps powers of two in range, stages >= 1."""
     want = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
     if not isinstance(config, dict) or set(config) != want:
         raise ValueError(f"{where} must be a dict with exactly the keys {sorted(want)}, got {config!r}")
+    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
     for key in ("BLOCK_M", "BLOCK_N"):
         v = config[key]
-        if not isinstance(v, int) or v < 16 or v & (v - 1):
-            raise ValueError(f"{where}: {key} must be a power of two >= 16, got {v!r}")
+        if not is_int(v) or v < 16 or v > 256 or v & (v - 1):
+            raise ValueError(f"{where}: {key} must be a power of two from 16 to 256, got {v!r}")
+    # 9: the Gluon forward's warp-specialized kernel (attncc/gluon.py, WS_WARPS).
+    if config["num_warps"] not in (1, 2, 4, 8, 9, 16) or not is_int(config["num_warps"]):
+        raise ValueError(f"{where}: num_warps must be 1, 2, 4, 8 or 16 (or 9: the Gluon "
+                         f"forward's warp-specialized kernel), got {config['num_warps']!r}")
+    if not is_int(config["num_stages"]) or not 1 <= config["num_stages"] <= 8:
+        raise ValueError(f"{where}: num_stages must be an int from 1 to 8, "
+                         f"got {config['num_stages']!r}")
     return dict(config)
 
 
@@ -156,19 +165,41 @@ def _cache_file(variant: ir.Variant, suffix: str = ""):
     """The variant's tuning file; decoding keeps its configs (other keys) in a file of its
     own, suffix "-decode" (attncc/decoding.py)."""
     from .runtime import cache_dir
-    return cache_dir() / "tuning" / _versions() / f"{variant.name}-{variant.key()}{suffix}.json"
+    return (cache_dir() / "tuning" / _versions()
+            / f"{variant.short_name}-{variant.key()}{suffix}.json")
 
 
 def _load(path, check=check_config) -> dict:
-    """The cached winners, or {} when the file is missing or damaged (then rebuilt).
-    `check(config, where)` validates each entry (raises ValueError on a bad one)."""
+    """The cached winners that `check(config, where)` accepts (it raises ValueError on a
+    bad one): {} when the file is missing or damaged; a damaged entry is skipped, and
+    dropped by the next store, but the others are kept. Whether a config suits its
+    variant is checked where it is used (usable)."""
     try:
         data = json.loads(path.read_text())
-        if isinstance(data, dict) and all(isinstance(v, dict) for v in data.values()):
-            return {k: check(v, str(path)) for k, v in data.items()}
     except (OSError, ValueError):
-        pass
-    return {}
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    kept = {}
+    for key, config in data.items():
+        try:
+            kept[key] = check(config, str(path))
+        except (ValueError, TypeError, KeyError):
+            continue
+    return kept
+
+
+def usable(config: dict, variant: ir.Variant, head_dim: int, direction: str) -> bool:
+    """Whether a config read back from the cache may run this variant: keep() and the
+    pinned-config rule (an edited file must not put tiles past an index list's block)."""
+    try:
+        check_pinned(config, variant, "the tuning cache")
+    except ValueError:
+        return False
+    if direction == "gluon-fwd":
+        from . import gluon
+        return gluon.check_config(config, head_dim) is None
+    return config["num_warps"] != 9 and keep(config, variant, head_dim, direction)
 
 
 def _store(path, key: str, config: dict, check=check_config):
@@ -220,13 +251,18 @@ def config_for(kernel, problem, dtype, direction: str, run=None, context=None,
         return _MEMORY[mem_key]
     path = _cache_file(kernel.variant)
     cached = _load(path).get(key)
-    if cached:
+    if cached and usable(cached, kernel.variant, problem.dim, direction):
         _MEMORY[mem_key] = cached
         return cached
     best = tune(kernel.variant.name, key, kept()[:TUNE_AT_MOST], run,
                 context=context() if context else "")
     _MEMORY[mem_key] = best
-    _store(path, key, best)
+    try:
+        _store(path, key, best)
+    except OSError as e:
+        from .errors import CacheError
+        from .runtime import cache_unwritable
+        raise CacheError(cache_unwritable(path, e)) from None
     return best
 
 
@@ -269,15 +305,20 @@ def faster_backend(kernel, problem, dtype, options: dict, density=None) -> str:
     _MEMORY[mem_key] = best
     from filelock import FileLock
     from .runtime import write_if_changed
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with _LOCK, FileLock(path.with_name(path.name + ".lock")):
-        try:
-            data = json.loads(path.read_text())
-            data = data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            data = {}
-        data[key] = best
-        write_if_changed(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _LOCK, FileLock(path.with_name(path.name + ".lock")):
+            try:
+                data = json.loads(path.read_text())
+                data = data if isinstance(data, dict) else {}
+            except (OSError, ValueError):
+                data = {}
+            data[key] = best
+            write_if_changed(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+    except OSError as e:
+        from .errors import CacheError
+        from .runtime import cache_unwritable
+        raise CacheError(cache_unwritable(path, e)) from None
     return best
 
 

@@ -91,8 +91,8 @@ def _ws(kernel):
 def _reverse(kernel):
     # The longest rows of a causal mask are the last query tiles: start them first, so
     # the last wave of programs holds short ones.
-    first = "    tile_q = tl.program_id(0)\n" if kernel != "dkdv" else None
-    return [(first, "    tile_q = tl.num_programs(0) - 1 - tl.program_id(0)\n", 1)] if first else None
+    first = "    tile_q = pid % n_tiles\n" if kernel != "dkdv" else None
+    return [(first, "    tile_q = n_tiles - 1 - pid % n_tiles\n", 1)] if first else None
 
 
 # Full forward tiles (every pair allowed): the row max from the raw products, then one

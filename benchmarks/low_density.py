@@ -110,7 +110,8 @@ def persistent(flatten: bool):
         signature = source[start:sig_end]
         params = [p.split(":")[0].strip() for p in signature[signature.index("def attn_fwd(") + 13:-3].split(",")]
         params = [p for p in params if p]
-        head = "\n    tile_q = tl.program_id(0)\n    pid_bh = tl.program_id(1)\n"
+        head = ("    pid = tl.program_id(0)\n    n_tiles = tl.cdiv(len_q, BLOCK_M)\n"
+                "    pid_bh = pid // n_tiles\n    tile_q = pid % n_tiles\n")
         assert source[sig_end:].startswith(head), "the forward does not start as expected"
         program = signature.replace("@triton.jit(do_not_specialize=SEED)\ndef attn_fwd(",
                                     "@triton.jit\ndef _fwd_program(tile_q, pid_bh, ")
@@ -124,8 +125,8 @@ def persistent(flatten: bool):
         body_end = source.index("# ------------------------------------------------------------------ backward: preprocess")
         source = (source[:start] + program + source[sig_end + len(head):body_end] + kernel
                   + source[body_end:])
-        launch = ("    grid = (triton.cdiv(len_q, bm), B * H)\n"
-                  "    attn_fwd[grid](q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *args,\n")
+        launch = ("    attn_fwd[_grid(triton.cdiv(len_q, bm), B * H)](\n"
+                  "        q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *args,\n")
         assert source.count(launch) == 1, "the forward launch is not as expected"
         return source.replace(launch, (
             "    n_query_tiles = triton.cdiv(len_q, bm)\n"

@@ -502,8 +502,8 @@ def compile_for_sm90(fn, consts, stages):
             sig[n] = "constexpr"
         elif n in POINTERS:
             sig[n] = POINTERS[n]
-        elif n.endswith("_ptr"):
-            sig[n] = DTYPES[variant.input(n[:-4]).dtype]
+        elif n.endswith("_ptr"):  # an input x is in_x_ptr (attncc/elementwise.py)
+            sig[n] = DTYPES[variant.input(n[len("in_"):-len("_ptr")]).dtype]
         else:
             sig[n] = "fp32" if n in ("sm_scale", "qk_scale") else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -515,7 +515,7 @@ def compile_for_sm90(fn, consts, stages):
 
 for paged in (False, True):
     tiles = dict(BLOCK_M=16, PAGED=paged, PAGE_SIZE=64 if paged else 1, BLOCK_N=64, HEAD_DIM=128,
-                 HEAD_DIM_PAD=128, DOT_PRECISION="tf32")
+                 HEAD_DIM_PAD=128, DOT_PRECISION="tf32", WIDE=False)
     pipelined = compile_for_sm90(module.decode_split, dict(tiles, ONE_SPLIT=False), 3)
     print("decode_split", "paged" if paged else "contiguous", "pipelined" if pipelined else "NOT PIPELINED")
     compile_for_sm90(module.decode_append, dict(PAGED=paged, PAGE_SIZE=tiles["PAGE_SIZE"], BLOCK_T=16,

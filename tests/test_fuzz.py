@@ -5,10 +5,15 @@ masks from affine comparisons of q, k, len_q and len_k (small integer coefficien
 constants), `%` and `//` by small constants and document-id reads, joined by and/or/not;
 score modifications (scaling, softcap, ALiBi, a leaky `where`); a block layout, some
 with random blocks from `chance(p, seed, h, qb, kb)`; GQA groups of 1, 2 and 4; params;
-dropout. Each is compiled and run on random shapes (len_q
-!= len_k, lengths 1 to 70 that are not multiples of 16, head dims 16/32/48/80), and the
-forward (out, lse) and backward (dq, dk, dv) are held to `attncc.tolerance`'s rule
-against `attncc.reference` in float64 (float32 under the interpreter).
+dropout. And what an adversary tries (issue 17): constants and windows from 2**31 up,
+hash-like masks with coefficients near 2**31, i64 document ids that agree in their low
+32 bits, scores constant over a tile (`0.0`, `x[h]`, `0.01 * q`), input and variant
+names that are Python keywords, builtins or names of the generated code, and calls
+placed near position 2**31 by q_offset/k_offset. Each is compiled and run on random
+shapes (len_q != len_k, lengths 1 to 70 that are not multiples of 16, head dims
+16/32/48/80), and the forward (out, lse) and backward (dq, dk, dv) are held to
+`attncc.tolerance`'s rule against `attncc.reference` in float64 (float32 under the
+interpreter).
 
 The front end is fuzzed against itself with the same strategy: printing a variant and
 parsing the text gives the same IR, and so does building it with the decorator from
@@ -24,12 +29,14 @@ times as many). A failure hypothesis finds becomes a named test in test_regressi
 """
 from __future__ import annotations
 
+import dataclasses
+import keyword
 import math
 import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import attncc
@@ -84,7 +91,7 @@ def affine(draw, params=()):
             term = var if mag == 1 else ir.BinOp("*", c_int(mag), var)
             expr = ir.BinOp("+" if coef > 0 else "-", expr, term)
     const = draw(st.sampled_from([None, None, 1, 2, 3, 5, 8, 17, "param"] if params
-                                 else [None, None, 1, 2, 3, 5, 8, 17]))
+                                 else [None, None, 1, 2, 3, 5, 8, 17]) | LARGE)
     if const == "param":
         expr = ir.BinOp(draw(st.sampled_from("+-")), expr, ir.Param(params[0]))
     elif const is not None:
@@ -94,17 +101,34 @@ def affine(draw, params=()):
 
 CMP = st.sampled_from(ir.CMP_OPS)
 SMALL = st.sampled_from([2, 3, 4, 5, 7, 8, 16])
+# Constants past 32 bits, now and then: a kernel computing in int32 gets them wrong.
+LARGE = st.sampled_from([2 ** 31 - 1, 2 ** 31, 3_000_000_000, -2 ** 31 - 5])
+BIG_COEFFICIENT = st.sampled_from([1103515245, 2 ** 31 - 1, 65599, 12345, 1])
 
 
 @st.composite
 def atom(draw, params=(), docs=False):
-    kinds = ["affine", "affine", "affine_const", "mod", "floordiv"] + (["doc"] * 2 if docs else [])
+    # The adversary's atoms (hash, doc_arith) come now and then: they leave every tile
+    # partial, so each costs the interpreter a full pass over the tiles.
+    kinds = (["affine"] * 4 + ["affine_const", "mod", "floordiv"] * 2 + ["hash"]
+             + (["doc"] * 4 + ["doc_arith"] if docs else []))
     kind = draw(st.sampled_from(kinds))
+    if kind == "hash":
+        # (a*q + b*k) % m, with a and b up to 2**31: past 32 bits, inside 64.
+        expr = ir.BinOp("+", ir.BinOp("*", Q, c_int(draw(BIG_COEFFICIENT))),
+                        ir.BinOp("*", K, c_int(draw(BIG_COEFFICIENT))))
+        m = draw(SMALL)
+        return ir.Cmp(draw(CMP), ir.BinOp("%", expr, c_int(m)), c_int(draw(st.integers(0, m - 1))))
+    if kind == "doc_arith":
+        # Arithmetic on document ids (i64 ones are far past 32 bits).
+        lhs = ir.BinOp("%", ir.BinOp("+", ir.Load("doc_q", (Q,)), K), c_int(draw(SMALL)))
+        return ir.Cmp(draw(CMP), lhs, c_int(draw(st.integers(0, 2))))
     if kind == "affine":
         return ir.Cmp(draw(CMP), draw(affine(params)), draw(affine(params)))
     if kind == "affine_const":
         return ir.Cmp(draw(CMP), draw(affine(params)),
-                      draw(st.sampled_from([c_int(0), c_int(4), c_int(-3), c_int(30)])))
+                      draw(st.sampled_from([c_int(0), c_int(4), c_int(-3), c_int(30)])
+                           | LARGE.map(c_int)))
     if kind == "mod":
         m = draw(SMALL)
         lhs = ir.BinOp("%", draw(affine()), c_int(m))
@@ -133,13 +157,37 @@ def boolean(draw, params=(), docs=False, depth=2):
     return ir.And(a, b) if op == "and" else ir.Or(a, b)
 
 
+# Names an input or a variant may take that the generated code, Python or its imports
+# also use: none may change what the kernels compute.
+HOSTILE_NAMES = ["def", "torch", "tl", "triton", "inputs", "off_h", "off_b", "q_pos", "grid",
+                 "device", "in_doc", "d_in_slope", "lambda", "math", "B", "H", "_c0",
+                 "row_full_list", "LEARNABLE", "self"]
+VARIANT_NAMES = ["fuzz", "fuzz", "fuzz", "torch", "def", "n" * 300]
+
+
+def renamed(e, names: dict):
+    """`e` with its input reads renamed by `names`."""
+    if e is None or isinstance(e, (ir.Var, ir.Const, ir.Param)):
+        return e
+    changes = {}
+    for f in dataclasses.fields(e):
+        value = getattr(e, f.name)
+        if f.name == "tensor":
+            changes[f.name] = names.get(value, value)
+        elif isinstance(value, tuple):
+            changes[f.name] = tuple(renamed(x, names) for x in value)
+        elif dataclasses.is_dataclass(value):
+            changes[f.name] = renamed(value, names)
+    return dataclasses.replace(e, **changes)
+
+
 @st.composite
 def variants(draw):
     """A random Variant, checked by attncc's checker as both front ends would."""
     params, inputs = [], []
     use_window_param = draw(st.booleans())
     if use_window_param:
-        params.append(ir.ParamDecl("w", ir.INT, draw(st.sampled_from([0, 1, 4, 9, 33]))))
+        params.append(ir.ParamDecl("w", ir.INT, draw(st.sampled_from([0, 1, 4, 9, 33, 2 ** 31 - 1]))))
     docs = draw(st.booleans())
     mask = draw(st.one_of(st.none(), boolean(("w",) if use_window_param else (), docs)))
     if mask is not None and docs and not ({"doc_q", "doc_k"} & ir.loaded_tensors(mask)):
@@ -147,9 +195,11 @@ def variants(draw):
     if mask is None or "w" not in {n.name for n in ir.walk(mask) if isinstance(n, ir.Param)}:
         params = []
     if docs:
-        inputs += [ir.InputDecl("doc_q", "i32", ("q",)), ir.InputDecl("doc_k", "i32", ("k",))]
+        dtype = draw(st.sampled_from(["i32", "i32", "i64"]))  # i64 ids differ past 32 bits
+        inputs += [ir.InputDecl("doc_q", dtype, ("q",)), ir.InputDecl("doc_k", dtype, ("k",))]
 
-    score_kind = draw(st.sampled_from(["none", "scale", "softcap", "alibi", "leaky"]))
+    score_kind = draw(st.sampled_from(["none", "scale", "softcap", "alibi", "leaky", "constant",
+                                       "per_head", "per_row"]))
     score = None
     if score_kind in ("scale", "softcap"):
         value = draw(st.sampled_from([0.5, 2.0, 3.0, -1.0] if score_kind == "scale"
@@ -166,6 +216,14 @@ def variants(draw):
         score = ir.BinOp("+", S, ir.BinOp("*", ir.Load("slope", (H,)), ir.BinOp("-", K, Q)))
     elif score_kind == "leaky":
         score = ir.Where(ir.Cmp(">", S, c_int(0)), S, ir.BinOp("*", c_float(0.5), S))
+    # Scores that do not vary over the whole tile: the kernels broadcast them.
+    elif score_kind == "constant":
+        score = c_float(draw(st.sampled_from([0.0, 1.5])))
+    elif score_kind == "per_head":
+        inputs.append(ir.InputDecl("slope", "f32", ("h",)))
+        score = ir.Load("slope", (H,))
+    elif score_kind == "per_row":
+        score = ir.BinOp("*", c_float(0.25), ir.BinOp("%", Q, c_int(5)))
 
     layout = block = None
     if draw(st.integers(0, 3)) == 0:
@@ -186,14 +244,51 @@ def variants(draw):
         heads = ir.Heads(hkv * group, hkv)
     scale = draw(st.sampled_from([None, None, None, c_float(0.125), c_float(0.3)]))
     dropout = draw(st.sampled_from([None, None, None, 0.1, 0.3]))
-    v = ir.Variant(name="fuzz", heads=heads, scale=scale, params=tuple(params),
-                   inputs=tuple(inputs), mask=mask, layout=layout, block=block,
-                   score=score, dropout=dropout)
+    # Hostile names, now and then, for the inputs and the variant.
+    names = {}
+    if inputs and draw(st.integers(0, 2)) == 0:
+        chosen = draw(st.lists(st.sampled_from(HOSTILE_NAMES), min_size=len(inputs),
+                               max_size=len(inputs), unique=True))
+        names = {decl.name: name for decl, name in zip(inputs, chosen)}
+        inputs = [dataclasses.replace(decl, name=names[decl.name]) for decl in inputs]
+        mask, score = renamed(mask, names), renamed(score, names)
+    v = ir.Variant(name=draw(st.sampled_from(VARIANT_NAMES)), heads=heads, scale=scale,
+                   params=tuple(params), inputs=tuple(inputs), mask=mask, layout=layout,
+                   block=block, score=score, dropout=dropout)
     return checker.check_variant(v)
 
 
 # Lengths 1..70 that are not multiples of the 16-wide tiles, one token included.
 LENGTHS = st.sampled_from([n for n in range(1, 71) if n % 16])
+
+
+def _extent_inputs(variant) -> bool:
+    """Whether an input is as long as the positions (then offsets must stay small)."""
+    return any(a in ("q", "k", "qb", "kb") for d in variant.inputs for a in d.axes)
+
+
+@st.composite
+def offsets(draw, variant):
+    """q_offset, k_offset: mostly 0; small; or near 2**31 for one side or both, where
+    positions and the arithmetic on them leave 32 bits (not with inputs as long as the
+    positions, nor with a layout, whose tables and reference cover every block from 0)."""
+    kind = draw(st.sampled_from(["zero", "zero", "small", "near_q", "near_k", "near_both"]))
+    if kind.startswith("near") and (_extent_inputs(variant) or variant.layout is not None):
+        kind = "small"
+    if kind in ("near_q", "near_k") and variant.score is not None and (
+            {"q", "k"} & ir.free_vars(variant.score)):
+        # ALiBi's slope * (k - q) at q - k ~ 2**31 is a score of ~1e8: float precision,
+        # not integers, would decide the result.
+        kind = "near_both"
+    step = variant.block or 1  # a layout's offsets are multiples of its block
+    small = lambda: step * draw(st.integers(0, 40 // step + 1))
+    near = lambda: 2 ** 31 - 80 - draw(st.integers(0, 60))  # + a length of at most 70
+    if kind == "zero":
+        return 0, 0
+    if kind == "small":
+        return small(), small()
+    return (near() if kind in ("near_q", "near_both") else 0,
+            near() if kind in ("near_k", "near_both") else 0)
 
 
 @st.composite
@@ -206,8 +301,13 @@ def shapes(draw, variant):
     batch = 1 if hq >= 4 else draw(st.sampled_from([1, 2]))
     lq = draw(LENGTHS)
     lk = draw(LENGTHS.filter(lambda n: n != lq) if draw(st.integers(0, 4)) else LENGTHS)
+    q_offset, k_offset = draw(offsets(variant))
     return dict(B=batch, H=hq, Hkv=hkv, Lq=lq, Lk=lk, D=draw(st.sampled_from([16, 32, 48, 80])),
-                seed=draw(st.integers(0, 2 ** 16)))
+                seed=draw(st.integers(0, 2 ** 16)), q_offset=q_offset, k_offset=k_offset)
+
+
+# i64 document ids that agree in their low 32 bits: read as int32 they are one document.
+I64_IDS = torch.tensor([7, 7 + 2 ** 32, 7 - 2 ** 33, 7 + 2 ** 40])
 
 
 def random_inputs(variant, shape, data):
@@ -216,15 +316,16 @@ def random_inputs(variant, shape, data):
     gen = torch.Generator().manual_seed(shape["seed"] + 1)
     out = {}
     for decl in variant.inputs:
-        n = {"q": shape["Lq"], "k": shape["Lk"], "h": shape["H"]}[decl.axes[0]]
-        if decl.name == "slope":
+        n = {"q": shape["q_offset"] + shape["Lq"], "k": shape["k_offset"] + shape["Lk"],
+             "h": shape["H"]}[decl.axes[0]]
+        if decl.type == ir.FLOAT:  # the slopes
             out[decl.name] = torch.rand(n, generator=gen) * 0.5
         else:
             docs = data.draw(st.integers(1, 4), label=f"{decl.name} documents")
             ids = torch.randint(0, docs, (n,), generator=gen)
             if data.draw(st.integers(0, 3), label=f"{decl.name} sorted"):
                 ids = torch.sort(ids).values
-            out[decl.name] = ids.to(torch.int32)
+            out[decl.name] = I64_IDS[ids] if decl.dtype == "i64" else ids.to(torch.int32)
     return out
 
 
@@ -300,6 +401,8 @@ def python_function(decl: str, e):
 @front_end_settings
 @given(variants())
 def test_decorator_builds_the_same_ir_as_the_text(variant):
+    # A Python keyword cannot name a function's parameter: the .attn text only.
+    assume(not any(keyword.iskeyword(i.name) for i in variant.inputs))
     pieces = {d: python_function(d, getattr(variant, d))
               for d in ("mask", "score", "layout") if getattr(variant, d) is not None}
     built = build_variant(
@@ -333,9 +436,37 @@ def test_the_strategy_covers_what_it_promises():
         seen.update(["params"] if v.params else [])
         seen.update(["scale"] if v.scale is not None else [])
 
+        seen.update(["int_past_32_bits"] if any(
+            isinstance(n, (ir.Const, ir.Param)) and not isinstance(n, ir.Param)
+            and isinstance(n.value, int) and not -2 ** 31 <= n.value < 2 ** 31 for n in nodes)
+            or any(isinstance(p.value, int) and p.value >= 2 ** 31 - 1 for p in v.params) else [])
+        seen.update(["i64_input"] if any(i.dtype == "i64" for i in v.inputs) else [])
+        seen.update(["constant_score"] if v.score is not None
+                    and not ({"s", "k"} & ir.free_vars(v.score)) else [])
+        seen.update(["hostile_name"] if any(i.name in HOSTILE_NAMES for i in v.inputs) else [])
+        seen.update(["long_name"] if len(v.name) > 100 else [])
+
     collect()
     promised = {"And", "Or", "Not", "Cmp", "Load", "Param", "Where", "Call", "Neg",
                 "op%", "op//", "op*", "op==", "op<", "op>=", "op!=",
                 "var_q", "var_k", "var_len_q", "var_len_k", "var_s", "var_h",
-                "layout", "fn_chance", "group1", "group2", "group4", "dropout", "params", "scale"}
+                "layout", "fn_chance", "group1", "group2", "group4", "dropout", "params", "scale",
+                "int_past_32_bits", "i64_input", "constant_score", "hostile_name", "long_name"}
     assert promised <= seen, sorted(promised - seen)
+
+
+def test_the_shapes_cover_offsets_near_2_31():
+    seen = set()
+
+    @settings(max_examples=200, deadline=None, derandomize=True, database=None)
+    @given(st.data())
+    def collect(data):
+        variant = data.draw(variants())
+        shape = data.draw(shapes(variant))
+        for name in ("q_offset", "k_offset"):
+            seen.add(f"{name}_near_2_31" if shape[name] > 2 ** 30 else
+                     f"{name}_small" if shape[name] else f"{name}_zero")
+        assert max(shape["q_offset"] + shape["Lq"], shape["k_offset"] + shape["Lk"]) < 2 ** 31
+
+    collect()
+    assert seen >= {f"{n}_{k}" for n in ("q_offset", "k_offset") for k in ("zero", "small", "near_2_31")}

@@ -82,7 +82,9 @@ def compare(variant, *, B=2, H=None, Hkv=None, Lq=37, Lk=45, D=32, dtype=torch.f
         ins = {n: (t.to(cast if cast == torch.float64 else t.dtype).requires_grad_()
                    if n in learnable else t) for n, t in inputs.items()}
         out, lse = fn(*qkv, return_lse=True, **ins, **extra)
-        grads = torch.autograd.grad(out, qkv + [ins[n] for n in learnable], do.to(DEVICE, cast))
+        # A score that ignores s (`score 0.0`) leaves q and k out of the graph: zeros.
+        grads = torch.autograd.grad(out, qkv + [ins[n] for n in learnable], do.to(DEVICE, cast),
+                                    allow_unused=True, materialize_grads=True)
         return [out, lse, *grads]
 
     kernel = attncc.compile(variant, config=config)

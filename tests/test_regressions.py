@@ -1,19 +1,25 @@
-"""Every failure the fuzzers and the reliability tests found, as a named test.
+"""Every failure the fuzzers, the reliability tests and an adversary (issue 17) found,
+as a named test.
 
-Each test names the bug it pins down; all of them are fixed. Nothing here is skipped.
+Each test names the bug it pins down; all of them are fixed. Nothing here is skipped
+(one test past 2**31 elements is marked slow: it needs 2 GiB of address space).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import attncc
-from attncc import tuning
+from attncc import runtime, tuning
 
 from test_caches import CALL_AND_CHECK, SPEC, _cached_module, env_for
+from test_kernels import DEVICE, compare
 
 
 # ------------------------------------------------------------------ layouts of one tile index
@@ -50,3 +56,344 @@ def test_module_file_with_bytes_that_are_not_utf8_is_rewritten(tmp_path):
                             env=env_for(cache), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert path.read_bytes() == whole
+
+
+# ================================================================== issue 17, as an adversary
+# Each case the issue found, with the class it stands for. Kernel cases run small shapes
+# under the interpreter; cases past 2**31 elements use meta tensors or a forced WIDE.
+def _qkv(B=1, H=2, Lq=24, Lk=24, D=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, h, n, D, generator=gen).to(DEVICE) for h, n in ((H, Lq), (H, Lk), (H, Lk))]
+
+
+# ------------------------------------------------------------------ integers that wrapped
+def test_a_window_of_2_31_minus_1_keeps_dk_and_dv():
+    # The dK/dV loop bound k_hi + window - 1 wrapped in 32 bits: no query tile, dK = dV = 0.
+    spec = "attention w { param window: int = 2147483647 mask q >= k and q - k < window }"
+    compare(attncc.parse(spec), B=1, H=2, Lq=24, Lk=24, D=16)
+
+
+@pytest.mark.parametrize("offset", [0, 2 ** 31 - 40], ids=["small", "near_2_31"])
+def test_mask_arithmetic_past_32_bits_is_64_bit_as_in_the_reference(offset):
+    # (q * 1103515245 + ...) % 100 was computed in 32 bits in the kernels.
+    spec = "attention h { mask (q * 1103515245 + k * 12345) % 100 < 50 or q == k }"
+    compare(attncc.parse(spec), B=1, H=2, Lq=20, Lk=20, D=16, q_offset=offset, k_offset=offset)
+
+
+def test_positions_near_2_31_through_offsets():
+    # q + len_k passes 2**31 here: the mask is computed in 64 bits on such calls (WIDE).
+    spec = attncc.parse("attention br { mask q + len_k - len_q >= k }")
+    compare(spec, B=1, H=2, Lq=20, Lk=60, D=16, q_offset=2 ** 31 - 40)
+    assert attncc.compile(spec).module.INT32_EXTENT < 2 ** 31 - 20
+
+
+def test_i64_inputs_keep_64_bits():
+    # Document ids 7 and 7 + 2**32 were one document: the kernels read i64 as int32.
+    spec = attncc.parse("attention d { input doc: i64[q] mask doc[q] == doc[k] }")
+    doc = torch.tensor([7] * 12 + [7 + 2 ** 32] * 12, dtype=torch.int64)
+    compare(spec, B=1, H=2, Lq=24, Lk=24, D=16, inputs={"doc": doc})
+
+
+def test_reference_reads_narrow_integers_as_64_bit():
+    # x[q] * 100000 * 1000 on an i32 x wrapped inside the reference itself (in int32),
+    # and in the kernels.
+    spec = attncc.parse("attention r { input x: i32[q] mask x[q] * 100000 * 1000 > k }")
+    x = torch.tensor([0, 30] * 12, dtype=torch.int32)  # 30 * 10**8 wraps negative in 32 bits
+    compare(spec, B=1, H=1, Lq=24, Lk=24, D=16, inputs={"x": x})
+
+
+@pytest.mark.parametrize("spec", [
+    "attention c { mask q + 2147483648 > k + 2147483600 }",
+    "attention c { param big: int = 3000000000 mask q * big >= k * big }",
+], ids=["literal", "param"])
+def test_integer_constants_from_2_31_up(spec):
+    compare(attncc.parse(spec), B=1, H=1, Lq=20, Lk=20, D=16)
+
+
+@pytest.mark.parametrize("spec,where", [
+    ("mask q % 0 == 0", "2:6"), ("mask q // 0 == 0", "2:6"), ("score s + 1 / 0", "2:11"),
+    ("mask q // k == 1", "2:6"), ("mask q * 9223372036854775807 > k", "2:6"),
+])
+def test_a_division_by_zero_or_a_value_past_64_bits_is_a_located_error(spec, where):
+    with pytest.raises(attncc.SpecError) as info:
+        attncc.parse(f"attention z {{\n{spec}\n}}")
+    assert f"<spec>:{where}:" in str(info.value)
+
+
+# ------------------------------------------------------------------ names
+HOSTILE_NAMES = ["off_h", "def", "torch", "inputs", "tl", "triton", "in_x_ptr", "grid",
+                 "device", "tile_q", "B", "lambda", "len", "math", "_c0", "blocks_in_x_a0q"]
+
+
+def _named(name):
+    return attncc.parse(f"attention n {{ input {name}: i32[1] "
+                        f"layout qb >= kb or (h == 1 and kb == {name}[0]) block 16 }}")
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES[:4])
+def test_an_input_name_cannot_replace_a_name_of_the_generated_code(name):
+    # `input off_h: i32[1]` in a layout variant replaced the head index of the tables.
+    compare(_named(name), B=1, H=3, Lq=40, Lk=40, D=16,
+            inputs={name: torch.tensor([1], dtype=torch.int32)})
+
+
+def test_every_hostile_input_name_compiles_and_builds_its_tables():
+    q, k, w = _qkv(H=3, Lq=40, Lk=40)
+    one = torch.tensor([1], dtype=torch.int32)
+    for name in HOSTILE_NAMES:
+        v = _named(name)
+        kernel = attncc.compile(v)
+        # The tables decide which tiles run: built from the user's input, not a shadow.
+        assert kernel.density(q, k, w, **{name: one}) == pytest.approx(
+            attncc.compile(_named("x")).density(q, k, w, x=one)), name
+
+
+def test_learnable_x_beside_an_input_named_d_x():
+    spec = attncc.parse("attention g { learnable input x: f32[h] input d_x: f32[h] "
+                        "score s + x[h] * d_x[h] }")
+    gen = torch.Generator().manual_seed(1)
+    compare(spec, B=1, H=2, Lq=20, Lk=20, D=16,
+            inputs={"x": torch.randn(2, generator=gen), "d_x": torch.randn(2, generator=gen)})
+
+
+def test_a_very_long_name_fits_in_file_names(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
+    kernel = attncc.compile(f"attention {'n' * 400} {{ mask q >= k }}")
+    q, k, v = _qkv(Lq=5, Lk=5)
+    kernel(q, k, v)
+    names = [p.name for p in tmp_path.rglob("*")]
+    assert names and max(len(n) for n in names) < 200
+
+
+# ------------------------------------------------------------------ scores constant over a tile
+@pytest.mark.parametrize("score,inputs", [
+    ("0.0", {}), ("x[h]", {"x": torch.tensor([0.5, -1.0])}), ("0.01 * q", {}), ("where(k < 3, 1.0, 0.0)", {}),
+], ids=["zero", "per_head", "per_row", "per_column"])
+def test_a_score_constant_over_the_tile_is_broadcast(score, inputs):
+    decl = "input x: f32[h] " if inputs else ""
+    v = attncc.parse(f"attention c {{ {decl}score {score} }}")
+    q, k, w = _qkv(Lq=20, Lk=30)
+    out = attncc.compile(v)(q, k, w, **inputs)
+    ref = attncc.reference(v, q.double(), k.double(), w.double(), **inputs)
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+# ------------------------------------------------------------------ tables and caches
+def test_tables_follow_a_layout_written_without_a_version_bump():
+    # An NSA-style selection written in place by a custom kernel (here through .data,
+    # which autograd's version counter does not see) was read as the old layout.
+    v = attncc.parse("attention sel { input blocks: bool[h, qb, kb] layout blocks[h, qb, kb] block 16 }")
+    kernel = attncc.compile(v)
+    q, k, w = _qkv(Lq=40, Lk=40)
+    blocks = torch.zeros(2, 3, 3, dtype=torch.bool, device=DEVICE)
+    blocks[:, :, 0] = True
+    kernel(q, k, w, blocks=blocks)
+    version = blocks._version
+    blocks.data[:, :, 1] = True
+    assert blocks._version == version
+    out = kernel(q, k, w, blocks=blocks)
+    ref = attncc.reference(v, q.double(), k.double(), w.double(), blocks=blocks)
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+def test_a_tuning_entry_with_tiles_past_an_index_list_block_is_not_used():
+    v = attncc.parse("attention t { input top: i32[h, qb, 2] layout kb in top[h, qb] block 16 }")
+    bad = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+    good = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=2)
+    assert not tuning.usable(bad, v, 64, "fwd")
+    assert tuning.usable(good, v, 64, "fwd")
+    # The Gluon forward's warp-specialized config (9 warps) is its own, not the portable one's.
+    ws = dict(BLOCK_M=128, BLOCK_N=128, num_warps=9, num_stages=2)
+    causal = attncc.parse("attention c { mask q >= k }")
+    assert tuning.usable(ws, causal, 128, "gluon-fwd") and not tuning.usable(ws, causal, 128, "fwd")
+
+
+def test_one_bad_tuning_entry_does_not_hide_or_drop_the_others(tmp_path):
+    path = tmp_path / "v.json"
+    good = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    path.write_text(json.dumps({"fwd-a": good, "fwd-b": dict(good, BLOCK_M=48), "fwd-c": 7,
+                                "fwd-d": dict(good, num_warps=3)}))
+    assert tuning._load(path) == {"fwd-a": good}
+    tuning._store(path, "dq-e", good)
+    assert json.loads(path.read_text()) == {"fwd-a": good, "dq-e": good}
+
+
+def test_a_module_index_entry_cannot_import_a_file_outside_the_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(cache))
+    v = attncc.parse("attention idx { mask q >= k and q - k < 7 }")
+    runtime.load_generated(v)
+    marker = tmp_path / "imported"
+    evil = tmp_path / "evil.py"
+    evil.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    digest = hashlib.sha256(evil.read_bytes()).hexdigest()
+    index = runtime._index_path(v)
+    for module in ("../../evil", f"../../evil_{digest[:12]}", str(tmp_path / "evil")):
+        index.write_text(json.dumps({"module": module, "strategy": "", "sha256": digest}))
+        assert runtime._load_indexed(v) is None, module
+        gen, mod = runtime.load_generated(v)  # a miss: generated again, into the cache
+        assert Path(mod.__file__).parent == cache / "modules"
+    assert not marker.exists()
+
+
+def test_an_unwritable_cache_directory_names_the_fix(tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(blocker / "cache"))  # a folder under a file
+    with pytest.raises(attncc.AttnccError, match="ATTNCC_CACHE_DIR") as info:
+        attncc.compile("attention unwritable { mask q >= k and q - k < 3 }")
+    assert isinstance(info.value, OSError)
+
+
+# ------------------------------------------------------------------ calls
+def test_zero_heads_is_a_call_error():
+    q = torch.randn(1, 0, 8, 16)
+    v = attncc.parse("attention z { mask q >= k }")
+    for fn in (attncc.compile(v), lambda *a: attncc.reference(v, *a)):
+        with pytest.raises(attncc.CallError, match="at least one head"):
+            fn(q, q, q)
+
+
+@pytest.mark.parametrize("seed", [2 ** 64, 2 ** 32, -1, "7", 1.5, True])
+def test_a_dropout_seed_out_of_range_is_a_call_error(seed):
+    v = attncc.parse("attention d { dropout 0.1 }")
+    q, k, w = _qkv(Lq=4, Lk=4)
+    for fn in (attncc.compile(v), lambda *a, **kw: attncc.reference(v, *a, **kw)):
+        with pytest.raises(attncc.CallError, match="dropout_seed"):
+            fn(q, k, w, dropout_seed=seed)
+
+
+def test_the_largest_dropout_seed_matches_the_reference():
+    v = attncc.parse("attention d { mask q >= k dropout 0.3 }")
+    q, k, w = _qkv(Lq=20, Lk=20)
+    out = attncc.compile(v)(q, k, w, dropout_seed=2 ** 32 - 1)
+    ref = attncc.reference(v, q.double(), k.double(), w.double(), dropout_seed=2 ** 32 - 1)
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+def test_positions_past_2_31_are_a_call_error():
+    v = attncc.parse("attention p { mask q >= k }")
+    q, k, w = _qkv(Lq=4, Lk=4)
+    for fn in (attncc.compile(v), lambda *a, **kw: attncc.reference(v, *a, **kw)):
+        with pytest.raises(attncc.CallError, match="below 2\\*\\*31"):
+            fn(q, k, w, q_offset=2 ** 31 - 2)
+
+
+# ------------------------------------------------------------------ past 2**31 elements, grids
+def test_a_mask_input_past_2_31_elements_gets_64_bit_offsets():
+    # bool[q, k] at 46440**2 elements: its offsets were 32-bit (the interpreter segfaulted).
+    kernel = attncc.compile("attention big { input keep: bool[q, k] mask keep[q, k] }")
+    assert "_index(" in kernel.source and "WIDE" in kernel.source
+    meta = lambda *shape, dtype=torch.float32: torch.empty(*shape, dtype=dtype, device="meta")
+    q = meta(1, 1, 46440, 16)
+    wide = kernel.module._wide(q, q, {"keep": meta(46440, 46440, dtype=torch.bool)}, 0, 0)
+    narrow = kernel.module._wide(q, q, {"keep": meta(46340, 46340, dtype=torch.bool)}, 0, 0)
+    assert (wide, narrow) == (True, False)
+    # A learnable f32[h, q, k] bias of 32 heads at 8K tokens: its gradient too.
+    q = meta(1, 32, 8192, 16)
+    assert kernel.module._wide(q, q, {}, 0, 0, fresh=(meta(32, 8192, 8192),))
+
+
+@pytest.mark.parametrize("spec,inputs", [
+    ("attention wide { mask (q * 3 + k) % 5 < 3 or q == k score s + 0.01 * (q - k) }", {}),
+    ("attention wide_tables { input doc: i64[q] mask doc[q] == doc[k] and q >= k }",
+     {"doc": torch.tensor([5] * 10 + [5 + 2 ** 33] * 14)}),
+], ids=["analytic", "tables"])
+def test_the_64_bit_kernels_match_the_reference(spec, inputs, monkeypatch):
+    # WIDE is what calls past 2**31 positions or elements run; force it on a small call.
+    v = attncc.parse(spec)
+    module = attncc.compile(v).module
+    monkeypatch.setattr(module, "_wide", lambda *a, **kw: True)
+    compare(v, B=1, H=2, Lq=24, Lk=24, D=16, inputs=inputs or None)
+
+
+def test_every_launch_is_one_grid_axis(monkeypatch):
+    # Batch x heads was grid axis 1, which CUDA caps at 65535.
+    kernel = attncc.compile("attention grid { input doc: i32[q] mask doc[q] == doc[k] and q >= k }")
+    grids = []
+    for name in ("attn_fwd", "attn_bwd", "attn_bwd_delta", "attn_bwd_dq", "attn_bwd_dkdv"):
+        fn = getattr(kernel.module, name)
+
+        class Recorder:
+            def __getitem__(self, grid, fn=fn, name=name):
+                grids.append((name, grid))
+                return fn[grid]
+        monkeypatch.setattr(kernel.module, name, Recorder())
+    q, k, w = (t.requires_grad_() for t in _qkv(B=2, H=3, Lq=20, Lk=20))
+    kernel(q, k, w, doc=torch.zeros(20, dtype=torch.int32)).sum().backward()
+    assert {name for name, _ in grids} >= {"attn_fwd", "attn_bwd", "attn_bwd_delta"}
+    assert all(len(grid) == 1 for _, grid in grids), grids
+    assert kernel.module._grid(4, 70000) == (280000,)
+
+
+@pytest.mark.slow
+def test_a_real_mask_input_past_2_31_elements(tmp_path):
+    # The real thing: a bool[q, k] input of 46440**2 bytes (virtual; only the rows the
+    # call reads are touched), read near its end through the offsets.
+    n, L = 46440, 16
+    keep = torch.empty(n, n, dtype=torch.bool)
+    keep[n - L:, n - L:] = torch.rand(L, L, generator=torch.Generator().manual_seed(0)) < 0.5
+    v = attncc.parse("attention big { input keep: bool[q, k] mask keep[q, k] }")
+    q, k, w = _qkv(Lq=L, Lk=L)
+    out = attncc.compile(v)(q, k, w, keep=keep, q_offset=n - L, k_offset=n - L)
+    ref = attncc.reference(v, q.double(), k.double(), w.double(), keep=keep, q_offset=n - L,
+                           k_offset=n - L)
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+# ------------------------------------------------------------------ the API and the commands
+def test_a_path_containing_a_brace_is_read_as_a_path(tmp_path):
+    path = tmp_path / "run{1}" / "causal.attn"
+    path.parent.mkdir()
+    path.write_text("attention from_file { mask q >= k }\n")
+    assert attncc.load(str(path)).name == "from_file"
+    assert attncc.load("# a comment\nattention from_text { mask q >= k }").name == "from_text"
+    with pytest.raises(attncc.SpecError, match="no such file"):
+        attncc.load(str(tmp_path / "run{2}" / "causal.attn"))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(heads="32/8"), "heads must be a pair of ints"), (dict(heads=(32.5, 8)), "pair of ints"),
+    (dict(params=[("w", 1)]), "params must be a dict"), (dict(inputs={"x": 3}), "dtype\\[axes\\]"),
+    (dict(inputs={"x": "f32[h]"}, learnable="x"), "learnable=\\['x'\\]"),
+    (dict(block="16"), "block must be an int"), (dict(dropout="0.1"), "dropout must be"),
+    (dict(scale="big"), "scale must be"), (dict(params={"c": float("inf")}), "finite"),
+    (dict(params={"c": float("nan")}), "finite"), (dict(params={"w": 2 ** 64}), "64 bits"),
+], ids=lambda x: str(x)[:30])
+def test_decorator_arguments_of_the_wrong_type_are_named(kwargs, message):
+    with pytest.raises(attncc.SpecError, match=message):
+        attncc.variant(**kwargs)(lambda q, k: q >= k)
+
+
+def test_check_dim_0_and_plot_into_a_missing_folder_are_clean_errors(tmp_path, capsys):
+    from attncc.cli import main
+    spec = tmp_path / "c.attn"
+    spec.write_text("attention c { mask q >= k }\n")
+    assert main(["check", str(spec), "--dim", "0"]) == 2
+    assert "--dim 0" in capsys.readouterr().err
+    assert main(["show", str(spec), "--plot", str(tmp_path / "missing" / "c.png")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ decoding
+@pytest.mark.parametrize("spec,inputs", [
+    ("attention w { param window: int = 2147483647 mask q >= k and q - k < window }", {}),
+    ("attention n { input def: f32[h] input off_h: i64[k] "
+     "mask off_h[k] == off_h[q] score s + def[h] }",
+     {"def": torch.tensor([0.5, -1.0, 0.25, 2.0]),
+      "off_h": torch.tensor([7] * 20 + [7 + 2 ** 32] * 20)}),
+], ids=["window_2_31", "hostile_names_i64"])
+def test_decoding_has_the_same_integers_and_names(spec, inputs):
+    # The decode kernels evaluate the variant's mask and score too (split-KV decoding).
+    from attncc import decode_reference
+    v = attncc.parse(spec)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 2, 16, generator=gen)
+    k_cache, v_cache = (torch.randn(2, 2, 40, 16, generator=gen) for _ in range(2))
+    lens = torch.tensor([37, 40], dtype=torch.int32)
+    inputs = {n: t.to(DEVICE) for n, t in inputs.items()}
+    q, k_cache, v_cache, lens = (t.to(DEVICE) for t in (q, k_cache, v_cache, lens))
+    out = attncc.compile(v).decode(q, k_cache, v_cache, cache_seqlens=lens, **inputs)
+    ref = decode_reference(v, q.double(), k_cache.double(), v_cache.double(), cache_seqlens=lens,
+                           **inputs)
+    assert (out.double() - ref).abs().max() < 1e-5

@@ -214,6 +214,9 @@ HELPERS = {
     "_max": lambda a, b: torch.maximum(_t(a), _t(b)),
     "_where": lambda c, a, b: torch.where(_t(c), _t(a), _t(b)),
     "_BIG": int(codegen.BIG),
+    # The template's 64-bit bound arithmetic: torch computes in int64 already.
+    "_int": lambda x, wide: _t(x),
+    "_tile_index": lambda x: _t(x),
 }
 
 
@@ -247,7 +250,8 @@ def segment_ranges(plan: bounds.LoopPlan, solve_for: str, p: Problem, bm: int, b
     """The template's `segment_ranges` macro in Python, for every tile of the other side
     at once: a list of (start, end, full_start, full_end) per segment, each [T]."""
     other, (_, off, length, B) = sides(solve_for, p, bm, bn)
-    env = {**HELPERS, **tile_env(other), "len_q": p.len_q, "len_k": p.len_k}
+    env = {**HELPERS, **tile_env(other), "len_q": p.len_q, "len_k": p.len_k,
+           "len_q64": p.len_q, "len_k64": p.len_k}
     n = env[f"{other[0]}_lo"].shape
     ev = lambda code, default: _eval(code if code else str(default), env, n)
     fdiv = HELPERS["_fdiv"]
@@ -289,6 +293,7 @@ def template_ranges(source: str, solve_for: str, p: Problem, bm: int, bn: int):
     code = "\n".join(l.strip() for l in lines[first:last])
     other, _ = sides(solve_for, p, bm, bn)
     env = {**HELPERS, **tile_env(other), "tl": _TritonShim, "len_q": p.len_q, "len_k": p.len_k,
+           "len_q64": p.len_q, "len_k64": p.len_k,
            "q_offset": p.q_offset, "k_offset": p.k_offset, "BLOCK_M": bm, "BLOCK_N": bn}
     exec(code, env)
     n = len(re.findall(r"^# segment \d+:", code, flags=re.M))
@@ -351,7 +356,8 @@ def check_plan_positions(name, p, some_bh, every_bh, block):
         pos = torch.arange(length) + off  # solved positions, [N]
         # Single rows: the reach.
         rows = torch.arange(o_len) + o_off
-        env = {**HELPERS, f"{O}_lo": rows, f"{O}_hi": rows, "len_q": p.len_q, "len_k": p.len_k}
+        env = {**HELPERS, f"{O}_lo": rows, f"{O}_hi": rows, "len_q": p.len_q, "len_k": p.len_k,
+               "len_q64": p.len_q, "len_k64": p.len_k}
         inside = torch.zeros(o_len, length, dtype=torch.bool)
         for seg in map(codegen._segment_code, plan.segments):
             lo = _eval(seg.reach_lo, env, rows.shape)[:, None] if seg.reach_lo else -math.inf
