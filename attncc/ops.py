@@ -193,6 +193,16 @@ def _define(name: str, variant):
     return Operators(forward, backward, autograd_kernel)
 
 
+def _table_store(tables):
+    """Where a launch finds its tile tables: kept tables' store; else None, the generated
+    module's cache of recent calls; or, with ATTNCC_TABLE_CACHE=0, a store of this launch's
+    own (built once, shared by its tuning runs)."""
+    from .runtime import TABLE_CACHE
+    if tables is not None:
+        return tables.store
+    return None if TABLE_CACHE == "1" else {}
+
+
 def _forward(kernel_id, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, tables_id):
     kernel = _kernel(kernel_id)
     seed = _seed(seed, drawn_seed)
@@ -207,10 +217,8 @@ def _forward(kernel_id, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, t
                       "every replay drops the same elements", stacklevel=2)
     if tables is not None:
         tables.check_reads(values)
-    # Kept tables, or a store of this launch's own (built once, shared by its tuning runs):
-    # no cache between calls could see a write that bypasses the version counter.
     common = dict(q_offset=q_offset, k_offset=k_offset, seed=seed,
-                  tables=tables.store if tables is not None else {})
+                  tables=_table_store(tables))
     run = lambda config: kernel.module.forward(q, k, v, values, config=config, **common)
     tune = kernel._tuning(p, values, q.device, tables)
     direction = "fwd"
@@ -237,10 +245,8 @@ def _backward(kernel_id, q, k, v, out, lse, dout, inputs, q_offset, k_offset, se
     values = dict(zip(kernel.input_names, inputs))
     p = _problem(q, k, v, q_offset, k_offset)
     module = kernel.module
-    # Kept tables, or a store of this launch's own (built once, shared by its tuning runs):
-    # no cache between calls could see a write that bypasses the version counter.
     common = dict(q_offset=q_offset, k_offset=k_offset, seed=seed,
-                  tables=tables.store if tables is not None else {})
+                  tables=_table_store(tables))
     tune = kernel._tuning(p, values, q.device, tables)
     if module.USES_TABLES and TABLES_BACKWARD == "one-launch":
         # dK/dV and dQ as two roles of one grid, one config, both reading delta.

@@ -97,7 +97,9 @@ def reference(variant: ir.Variant, q, k, v, *positional, return_lse: bool = Fals
 
     s = torch.matmul(q, k_full.transpose(-1, -2)) * scale_value(variant, p.dim)  # [B, Hq, Lq, Lk]
     if variant.score is not None and s.numel():
-        s = evaluate(variant.score, {**env, "s": s}, float_dtype=dtype).to(dtype)
+        # A score that does not read s (`score 0.0`) evaluates to a CPU scalar: place it.
+        s = torch.as_tensor(evaluate(variant.score, {**env, "s": s}, float_dtype=dtype),
+                            device=device).to(dtype)
         s = s.expand(p.batch, p.heads_q, p.len_q, p.len_k)
     allowed = allowed_pairs(variant, p, inputs, device).expand_as(s)
     row_any = allowed.any(dim=-1, keepdim=True)  # [B, Hq, Lq, 1]

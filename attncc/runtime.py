@@ -167,6 +167,17 @@ def load_generated(variant: ir.Variant, backend: str = "triton"):
 # run sequentially. The one launch beat both the sequential kernels and the two kernels
 # side by side on two streams on every problem measured (RESULTS.md run 51: at tile
 # density 0.03 the backward ran 1.26x faster than with streams, BigBird's 1.04x).
+# Tile tables of calls without kept tables: "1" (default) reuses those of the kernel's 32
+# latest calls whose tensors are the same ones, unwritten since (autograd's version
+# counter: a write that bypasses it, through a custom kernel or `.data`, must call
+# torch.autograd.graph.increment_version); "0" builds them on every call, for code that
+# cannot. Building costs ~100 small launches: a document mask's forward at 16K tokens ran
+# 3.9x slower with tables built per call (benchmarks/RESULTS.md run 82).
+TABLE_CACHE = os.environ.get("ATTNCC_TABLE_CACHE", "1")
+if TABLE_CACHE not in ("0", "1"):
+    raise ValueError(f"ATTNCC_TABLE_CACHE={TABLE_CACHE!r}: expected 1 (reuse the tables of "
+                     "recent calls, the default) or 0 (build them on every call)")
+
 BACKWARD_SCHEDULES = ("one-launch", "sequential")
 TABLES_BACKWARD = os.environ.get("ATTNCC_BACKWARD", "one-launch")
 if TABLES_BACKWARD not in BACKWARD_SCHEDULES:
@@ -471,10 +482,12 @@ class Kernel:
                     layout: str = "bhsd", **inputs) -> "TileTables":
         """Tile tables for calls shaped like this one, to keep and pass as `tables=`.
 
-        Without them each call builds its own (no cache: one keyed by the tensors could
-        not see a write that bypasses their version counter), so keep them to build once
-        for many calls, outside a training step. They are your promise that the tensors
-        they read keep their contents. Building them reads their density (one sync);
+        Without them the kernel keeps the tables of its 32 latest calls, keyed by the
+        tensors they read and their version counters (ATTNCC_TABLE_CACHE=0 builds them on
+        every call instead). Keep them yourself to hold more (many layers with layouts of
+        their own) or to build them once, outside a training step. They are your promise
+        that the tensors they read keep their contents. Building them reads their
+        density (one sync);
         calls given them are tuned per density bucket and make no host synchronisation
         and no table work (CUDA graphs can capture them)."""
         p = self.check_call(q, k, v, inputs, q_offset, k_offset, layout)

@@ -496,7 +496,10 @@ def test_low_density_edits_apply_to_the_template_and_keep_the_results(monkeypatc
     for name in ld.EDITS:
         got = results(ld.edited_module(kernel.module, name))
         for a, b in zip(got, want):
-            assert torch.equal(a, b), name
+            # Compiled, an edit may sum in another order (fused_delta's delta is summed in
+            # the kernel): equal to fp32 rounding there, bit for bit under the interpreter.
+            same = torch.equal(a, b) if DEVICE == "cpu" else torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+            assert same, name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on one)")
