@@ -5,13 +5,13 @@
 
 See README.md for the language and the Python decorator.
 """
-from .decoding import decode_reference
-from .decorator import chance, exp, isin, log, maximum, minimum, sqrt, tanh, variant, where
+from .runtime.decoding import decode_reference
+from .frontend.decorator import chance, exp, isin, log, maximum, minimum, sqrt, tanh, variant, where
 from .errors import AttnccError, BackendError, CallError, NoGPUError, SpecError
 from .ir import Variant
-from .parser import parse, parse_file
-from .reference import reference
-from . import flash  # attncc.flash.flash_attn_func, flash_attn_varlen_func
+from .frontend.parser import parse, parse_file
+from .semantics.reference import reference
+from . import flash
 
 __version__ = "0.1.0"
 
@@ -23,7 +23,7 @@ def load(spec) -> Variant:
     if isinstance(spec, Variant):
         return spec
     if isinstance(spec, os.PathLike) or (isinstance(spec, str) and not _is_spec_text(spec)):
-        from .variant_files import is_python_spec, load_python_variant
+        from .frontend.variant_files import is_python_spec, load_python_variant
         if is_python_spec(str(os.fspath(spec))):
             return load_python_variant(str(os.fspath(spec)))
         return parse_file(spec)
@@ -57,7 +57,7 @@ def compile(spec, *, backend: str = "auto", config: dict | None = None, **unknow
     about the attention is part of the variant."""
     if unknown:
         raise TypeError(_compile_option_hint(*next(iter(unknown.items()))))
-    from .runtime import compile_variant
+    from .runtime.kernel import compile_variant
     return compile_variant(load(spec), backend=backend, config=config)
 
 
@@ -84,7 +84,7 @@ def _compile_option_hint(name: str, value) -> str:
 def varlen(spec, **options):
     """A kernel over packed variable-length sequences (flash-attn's cu_seqlens form):
     vk(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **inputs)."""
-    from .packed import varlen as make
+    from .runtime.packed import varlen as make
     return make(spec, **options)
 
 

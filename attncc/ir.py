@@ -273,5 +273,5 @@ class Variant:
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
 
     def __str__(self) -> str:
-        from .printer import print_variant
+        from .frontend.printer import print_variant
         return print_variant(self)

@@ -3,7 +3,7 @@
     python benchmarks/bwd_schedules.py [--len 16384] [--problems bigbird,document,d0.03,d0.06]
                                        [--schedules one-launch,sequential]
 
-Schedules (attncc.runtime.TABLES_BACKWARD): "one-launch" (dK/dV and dQ programs in one
+Schedules (attncc.runtime.settings.TABLES_BACKWARD): "one-launch" (dK/dV and dQ programs in one
 grid, after the delta pass) and "sequential" (dQ computing delta, then dK/dV). Run 51
 (RESULTS.md) also timed "streams", the dK/dV kernel on a side stream beside dQ, which
 the one launch replaced; that schedule is gone from the runtime. Problems: the ANCHORS variants
@@ -25,7 +25,7 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attncc  # noqa: E402
-from attncc import runtime  # noqa: E402
+from attncc.runtime import settings
 from density_curve import BLOCK, random_layout, sparse_spec  # noqa: E402
 from gpu_suite import anchor_problem  # noqa: E402
 
@@ -49,13 +49,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--len", type=int, default=16384)
     ap.add_argument("--problems", default="bigbird,document,d0.03,d0.06")
-    ap.add_argument("--schedules", default=",".join(runtime.BACKWARD_SCHEDULES))
+    ap.add_argument("--schedules", default=",".join(settings.BACKWARD_SCHEDULES))
     args = ap.parse_args()
     L, D = args.len, 128
     schedules = args.schedules.split(",")
-    unknown = set(schedules) - set(runtime.BACKWARD_SCHEDULES)
+    unknown = set(schedules) - set(settings.BACKWARD_SCHEDULES)
     if unknown:
-        ap.error(f"unknown schedules {sorted(unknown)}; the runtime has {runtime.BACKWARD_SCHEDULES}")
+        ap.error(f"unknown schedules {sorted(unknown)}; the runtime has {settings.BACKWARD_SCHEDULES}")
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "len": L, "dim": D}
     print(meta, flush=True)
@@ -66,7 +66,7 @@ def main():
         do = torch.randn(q.shape, device=q.device, dtype=q.dtype)
         first = None
         for schedule in schedules:
-            runtime.TABLES_BACKWARD = schedule
+            settings.TABLES_BACKWARD = schedule
             out = kernel(q, k, v, **inputs)
             grads = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # tunes
             bwd = bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))

@@ -20,7 +20,7 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import attncc  # noqa: E402
-from attncc import tuning  # noqa: E402
+from attncc.runtime import tuning
 from gpu_suite import anchor_problem  # noqa: E402
 
 

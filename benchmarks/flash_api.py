@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import attncc  # noqa: E402
-from attncc.flash import flash_attn_func, flash_attn_varlen_func  # noqa: E402
-from attncc.tolerance import gradient_scales, max_abs_error, within_tolerance  # noqa: E402
+from attncc.flash import flash_attn_func, flash_attn_varlen_func
+from attncc.tools.tolerance import gradient_scales, max_abs_error, within_tolerance
 
 OUT = os.environ.get("OUT", "out")
 

@@ -28,7 +28,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import attncc  # noqa: E402
-from attncc.runtime import load_generated  # noqa: E402
+from attncc.runtime.cache import load_generated
 
 SPECS = {"full": "attention full { }", "causal": "attention causal { mask q >= k }"}
 

@@ -34,7 +34,7 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import attncc  # noqa: E402
-from attncc import tuning  # noqa: E402
+from attncc.runtime import tuning
 from density_curve import BLOCK, DENSE_SPEC, model_ms, random_layout, sparse_spec  # noqa: E402
 
 # bwd: dK/dV and dQ in one launch (layouts only); bwd+delta: the delta kernel, then bwd

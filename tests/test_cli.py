@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import attncc
-from attncc import commands
-from attncc.arguments import Problem
-from attncc.cli import main
-from attncc.codegen import generate
-from attncc.reference import allowed_pairs, reference, scale_value
+from attncc.tools import commands
+from attncc.runtime.arguments import Problem
+from attncc.tools.cli import main
+from attncc.codegen.portable import generate
+from attncc.semantics.reference import allowed_pairs, reference, scale_value
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -31,7 +31,7 @@ ALL_EXAMPLES = sorted(EXAMPLES.glob("*.attn"))
 def run_cli(*argv, env_extra=None, drop=(), timeout=120):
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "attncc.cli", *argv], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "attncc", *argv], capture_output=True,
                           text=True, env=env, timeout=timeout, cwd=ROOT)
 
 
@@ -185,7 +185,7 @@ def test_gradient_slack_covers_the_rounded_output_of_a_one_key_row():
     # delta from the stored bf16 O: dk keeps |dO * O| * u noise (GPU run 12 measured
     # 8.4e-3 against a unit-scale slack of 8e-3). The gradient scale covers that noise
     # in every draw, and an error of a real bug's size still fails.
-    from attncc.tolerance import gradient_scales, within_tolerance
+    from attncc.tools.tolerance import gradient_scales, within_tolerance
     gen = torch.Generator().manual_seed(0)
     worst = 0.0
     for _ in range(50):

@@ -287,7 +287,7 @@ def test_the_autograd_graph_keeps_its_kernel_and_tables_alive():
 
 
 def test_a_graph_outliving_its_kernel_says_so():
-    from attncc import ops
+    from attncc.runtime import ops
     kernel = attncc.compile(WINDOW)
     q, k, v, _ = qkv(20)
     forward = kernel._ops.forward

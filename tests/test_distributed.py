@@ -22,10 +22,10 @@ import torch.multiprocessing as mp
 
 import attncc
 from attncc import distributed as cp
-from attncc.arguments import Problem
+from attncc.runtime.arguments import Problem
 from attncc.errors import CallError
-from attncc.reference import allowed_pairs, scale_value
-from attncc.tolerance import gradient_scales, max_abs_error, slack, within_tolerance
+from attncc.semantics.reference import allowed_pairs, scale_value
+from attncc.tools.tolerance import gradient_scales, max_abs_error, slack, within_tolerance
 
 D = 16
 SPECS = {

@@ -18,7 +18,7 @@ import torch
 import attncc
 from attncc.errors import CallError
 from attncc.flash import flash_attn_func, flash_attn_varlen_func, variant_text
-from attncc.tolerance import gradient_scales, max_abs_error, within_tolerance
+from attncc.tools.tolerance import gradient_scales, max_abs_error, within_tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

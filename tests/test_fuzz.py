@@ -40,9 +40,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import attncc
-from attncc import checker, ir
-from attncc.decorator import build_variant
-from attncc.printer import print_variant
+from attncc.frontend import checker
+from attncc import ir
+from attncc.frontend.decorator import build_variant
+from attncc.frontend.printer import print_variant
 from test_kernels import compare
 
 KERNEL_SHARDS = 4  # parametrized, so `pytest -n 2` spreads the kernel examples over workers

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import attncc
-from attncc import gluon, tuning
-from attncc.cli import main
-from attncc.codegen import generate, template_context
+from attncc.codegen import gluon
+from attncc.runtime import tuning
+from attncc.tools.cli import main
+from attncc.codegen.portable import generate, template_context
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

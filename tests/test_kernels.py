@@ -16,10 +16,10 @@ import torch
 
 import attncc
 from attncc import ir
-from attncc.codegen import generate
+from attncc.codegen.portable import generate
 from attncc.errors import CallError
-from attncc.reference import scale_value
-from attncc.tolerance import gradient_scales, max_abs_error, within_tolerance
+from attncc.semantics.reference import scale_value
+from attncc.tools.tolerance import gradient_scales, max_abs_error, within_tolerance
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.attn"))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -36,7 +36,7 @@ def max_err(x, ref) -> float:
 def make_inputs(variant: ir.Variant, B, H, Lq, Lk, gen, device=DEVICE) -> dict:
     """Fresh random stand-ins for a variant's runtime inputs (documents as sorted ids,
     index lists as distinct random tiles padded with -1)."""
-    from attncc.arguments import Problem, TORCH_DTYPES, axis_extent, random_index_lists
+    from attncc.runtime.arguments import Problem, TORCH_DTYPES, axis_extent, random_index_lists
     p = Problem(B, H, H, Lq, Lk, 16, 16)
     lists = ir.index_lists(variant.layout)
     out = {}
@@ -71,7 +71,7 @@ def compare(variant, *, B=2, H=None, Hkv=None, Lq=37, Lk=45, D=32, dtype=torch.f
     v = torch.randn(B, Hkv, Lk, D, generator=gen)
     do = torch.randn(B, H, Lq, D, generator=gen)
     if inputs is None:
-        from attncc.arguments import Problem, axis_extent
+        from attncc.runtime.arguments import Problem, axis_extent
         inputs = make_inputs(variant, B, H, Lq + q_offset, Lk + k_offset, gen)
     inputs = {n: t.to(DEVICE) for n, t in inputs.items()}
     learnable = [d.name for d in variant.learnable_inputs]
@@ -326,7 +326,7 @@ def test_learnable_bias_gets_gradients():
 
 
 def test_generated_source_is_deterministic_and_standalone():
-    from attncc.codegen import generate
+    from attncc.codegen.portable import generate
     for path in EXAMPLES:
         v = attncc.parse_file(path)
         a, b = generate(v).source, generate(attncc.parse_file(path)).source

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import attncc
-from attncc import dropout as dropout_bits
-from attncc.arguments import bind
+from attncc.semantics import dropout as dropout_bits
+from attncc.runtime.arguments import bind
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 F64 = torch.float64

@@ -24,10 +24,12 @@ import pytest
 import torch
 
 import attncc
-from attncc import bounds, codegen, intervals, ir
-from attncc.arguments import TORCH_DTYPES, Problem, axis_extent
-from attncc.reference import allowed_pairs
-from attncc.runtime import load_generated
+from attncc.analysis import bounds, intervals
+from attncc.codegen import portable as codegen
+from attncc import ir
+from attncc.runtime.arguments import TORCH_DTYPES, Problem, axis_extent
+from attncc.semantics.reference import allowed_pairs
+from attncc.runtime.cache import load_generated
 
 BATCH, HEADS, HEAD_DIM = 2, 3, 64
 LENGTHS = [(1, 1), (7, 7), (16, 16), (33, 33), (100, 100), (257, 257),

@@ -15,9 +15,9 @@ import torch
 
 import attncc
 from attncc.errors import CallError
-from attncc.packed import varlen_variant
-from attncc.reference import scale_value
-from attncc.tolerance import gradient_scales, max_abs_error, within_tolerance
+from attncc.runtime.packed import varlen_variant
+from attncc.semantics.reference import scale_value
+from attncc.tools.tolerance import gradient_scales, max_abs_error, within_tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,0 +1,282 @@
+"""Call-time arguments: checks q, k, v and the variant's inputs, and derives the problem shape.
+
+Shared by the reference and the kernels so that both accept exactly the same calls and
+word their errors the same way. Every error names the argument, what was given and
+what was expected.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+
+from .. import ir
+from ..errors import CallError
+from ..analysis.ranges import MAX_EXTENT
+
+TORCH_DTYPES = {
+    "bool": torch.bool, "i8": torch.int8, "i16": torch.int16, "i32": torch.int32,
+    "i64": torch.int64, "f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32,
+    "f64": torch.float64,
+}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The sizes of one call: what the kernel grid and the index ranges come from."""
+    batch: int
+    heads_q: int
+    heads_kv: int
+    len_q: int
+    len_k: int
+    dim: int
+    dim_v: int
+    q_offset: int = 0
+    k_offset: int = 0
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_kv
+
+
+def _shape(t) -> str:
+    # An f-string, not str(): under torch.compile the checks run at trace time, where
+    # sizes are symbolic, and Dynamo formats those but cannot call str() on them.
+    return "(" + ", ".join(f"{s}" for s in t.shape) + ")"
+
+
+# How q, k, v (and the output) lay out their axes. "bhsd" is scaled_dot_product_attention's
+# and the default; "bshd" is flash-attn's, read through a transposed view (no copy).
+LAYOUTS = {"bhsd": "(batch, heads, seq, dim)", "bshd": "(batch, seq, heads, dim)"}
+
+
+def check_layout(layout) -> str:
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise CallError(f"layout={layout!r} is not a layout attncc knows: pass layout='bhsd' for "
+                        f"{LAYOUTS['bhsd']} tensors (the default, as scaled_dot_product_attention) "
+                        f"or layout='bshd' for {LAYOUTS['bshd']} tensors (as flash-attn)")
+    return layout
+
+
+def as_bhsd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """q, k, v or the output as (batch, heads, seq, dim): a view, never a copy."""
+    return t.transpose(1, 2) if layout == "bshd" else t
+
+
+def refuse_positional(variant: ir.Variant, extra: tuple):
+    """Inputs are keyword arguments; a positional one gets a message, not a TypeError."""
+    names = [d.name for d in variant.inputs]
+    given = f"{len(extra)} positional argument{'s' if len(extra) > 1 else ''} after q, k, v"
+    if not names:
+        raise CallError(f"got {given}, but the variant '{variant.name}' declares no inputs; "
+                        "the call takes q, k, v and keyword options only")
+    raise CallError(f"got {given}: the variant's inputs are keyword arguments; pass "
+                    + ", ".join(f"{n}={n}" for n in names))
+
+
+def bind(variant: ir.Variant, q, k, v, inputs: dict, *, q_offset: int = 0,
+         k_offset: int = 0, exact_float_inputs: bool = True, layout: str = "bhsd") -> Problem:
+    """Check a call and return its Problem; raises CallError naming what is wrong.
+
+    A call whose tensors fit the other layout (the declared heads, or an input on the
+    heads or position axes, tell them apart) is refused with a hint to pass it."""
+    check_layout(layout)
+    check_input_names(variant, inputs)  # wrong whatever the layout: said first
+    try:
+        return _bind(variant, q, k, v, inputs, q_offset, k_offset, exact_float_inputs, layout)
+    except CallError as err:
+        other = "bshd" if layout == "bhsd" else "bhsd"
+        try:
+            _bind(variant, q, k, v, inputs, q_offset, k_offset, exact_float_inputs, other)
+        except CallError:
+            raise err from None
+        raise CallError(f"{err}; q, k and v look like {LAYOUTS[other]} tensors: pass "
+                        f"layout='{other}'") from None
+
+
+def _bind(variant, q, k, v, inputs, q_offset, k_offset, exact_float_inputs, layout) -> Problem:
+    axes = LAYOUTS[layout]
+    read = f"read as {axes} (layout='{layout}')"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise CallError(f"{name} must be a torch.Tensor of shape {axes}, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise CallError(f"{name} must have 4 dimensions {axes} (layout='{layout}'), "
+                            f"got shape {_shape(t)}")
+        if not t.is_floating_point():
+            raise CallError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise CallError(f"q, k and v must have the same dtype, got q {q.dtype}, k {k.dtype}, "
+                        f"v {v.dtype}; convert them with .to(dtype)")
+    if not (q.device == k.device == v.device):
+        raise CallError(f"q, k and v must be on the same device, got q on {q.device}, "
+                        f"k on {k.device}, v on {v.device}")
+    B, Hq, Lq, D = as_bhsd(q, layout).shape
+    (_, Hkv, Lk, Dk), (_, Hv, Lv, Dv) = as_bhsd(k, layout).shape, as_bhsd(v, layout).shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise CallError(f"batch sizes differ: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}; "
+                        "dimension 0 must agree")
+    if Hv != Hkv:
+        raise CallError(f"k and v must have the same number of heads, got k {_shape(k)} and "
+                        f"v {_shape(v)}, {read}")
+    if Lv != Lk:
+        raise CallError(f"k and v must have the same sequence length, got k {_shape(k)} and "
+                        f"v {_shape(v)}, {read}")
+    if Dk != D:
+        raise CallError(f"q and k must have the same head dim, got q {_shape(q)} and k {_shape(k)}")
+    if Hq == 0 or Hkv == 0:
+        raise CallError(f"q has {Hq} heads and k, v have {Hkv}: attention needs at least one head "
+                        f"(q {_shape(q)}, k {_shape(k)})")
+    if variant.heads is not None:
+        if (Hq, Hkv) != (variant.heads.q, variant.heads.kv):
+            raise CallError(f"the variant declares heads {variant.heads.q} / {variant.heads.kv}, "
+                            f"but q has {Hq} heads and k, v have {Hkv} (q {_shape(q)}, k "
+                            f"{_shape(k)}, {read})")
+    elif Hkv == 0 or Hq % Hkv:
+        raise CallError(f"q has {Hq} heads, which is not a multiple of the {Hkv} heads of k and v "
+                        f"(q {_shape(q)}, k {_shape(k)}, {read}); each key/value head must serve "
+                        "a whole group of query heads")
+    for name, off in (("q_offset", q_offset), ("k_offset", k_offset)):
+        if not isinstance(off, int) or isinstance(off, bool) or off < 0:
+            raise CallError(f"{name} must be a non-negative int, got {off!r}")
+    # Positions, and every size an expression reads, stay below 2**31: the range analysis
+    # that keeps the kernels' integers from wrapping (attncc/ranges.py) assumes it.
+    for what, extent in (("q_offset + len_q", q_offset + Lq), ("k_offset + len_k", k_offset + Lk),
+                         ("the batch", B), ("the head count", Hq), ("the head dim", D)):
+        if extent > MAX_EXTENT:
+            raise CallError(f"{what} is {extent}; positions and sizes must stay below 2**31 "
+                            f"(at most {MAX_EXTENT})")
+    problem = Problem(B, Hq, Hkv, Lq, Lk, D, Dv, q_offset, k_offset)
+    check_inputs(variant, problem, inputs, device=q.device, exact_float_inputs=exact_float_inputs)
+    return problem
+
+
+def check_seed(seed) -> int:
+    """A dropout seed: an int in [0, 2**32), the 32 bits the dropout hash reads (so two
+    seeds never give one mask by accident)."""
+    if isinstance(seed, bool):
+        raise CallError(f"dropout_seed must be an int in [0, 2**32), got {seed!r}")
+    if isinstance(seed, torch.SymInt) or torch.compiler.is_compiling():
+        # Traced by torch.compile: reading its value would specialise the graph on it.
+        # The operator checks the real value when it runs (attncc/ops.py).
+        return seed
+    try:
+        value = operator.index(seed)  # int, numpy integers, 0-d integer tensors
+    except TypeError:
+        raise CallError(f"dropout_seed must be an int in [0, 2**32), got {type(seed).__name__} "
+                        f"{seed!r}") from None
+    if not 0 <= value < 2 ** 32:
+        raise CallError(f"dropout_seed={value} is out of range: the dropout hash reads 32 bits, "
+                        "so a seed is an int in [0, 2**32); reduce it, as in seed % 2**32")
+    return value
+
+
+def axis_extent(axis, variant: ir.Variant, p: Problem) -> int:
+    """The length an input axis must have for this call."""
+    if isinstance(axis, int):
+        return axis
+    if axis == "b":
+        return p.batch
+    if axis == "h":
+        return p.heads_q
+    # Position axes cover every position the call sees: offset + length.
+    if axis == "q":
+        return p.q_offset + p.len_q
+    if axis == "k":
+        return p.k_offset + p.len_k
+    if axis == "qb":
+        return math.ceil((p.q_offset + p.len_q) / variant.block)
+    if axis == "kb":
+        return math.ceil((p.k_offset + p.len_k) / variant.block)
+    raise ValueError(axis)
+
+
+def _number(value, placeholder: str) -> str:
+    return repr(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else placeholder
+
+
+# What to write instead of scaled_dot_product_attention's keywords: in attncc they are
+# part of the variant, declared in the spec, so the kernel is compiled for them.
+SDPA_KEYWORDS = {
+    "is_causal": lambda value: (
+        "the mask is part of the variant; declare `mask q >= k` in the spec (SDPA's is_causal, "
+        "top-left) or `mask q + len_k - len_q >= k` (bottom-right, for a KV cache)"),
+    "scale": lambda value: (
+        f"declare it in the spec, as in `scale {_number(value, '0.125')}` (scale= in "
+        "@attncc.variant); the default is 1 / sqrt(dim), as SDPA's"),
+    "attn_mask": lambda value: (
+        "declare the mask in the spec: as an expression (`mask q >= k`), or as a tensor "
+        "input, `input keep: bool[b, h, q, k]` with `mask keep[b, h, q, k]` (a float mask that "
+        "SDPA adds: `input bias: f32[b, h, q, k]` with `score s + bias[b, h, q, k]`)"),
+    "dropout_p": lambda value: (
+        f"declare `dropout {_number(value, '0.1')}` in the spec (dropout= in @attncc.variant); "
+        "calls then take dropout_seed= and training="),
+    "enable_gqa": lambda value: (
+        "nothing to enable: k and v may have fewer heads than q (declare `heads 32 / 8` in the "
+        "spec to have the counts checked)"),
+}
+
+
+def check_input_names(variant: ir.Variant, inputs: dict):
+    """Every declared input given, nothing else: SDPA's keywords say what to do instead."""
+    declared = {i.name: i for i in variant.inputs}
+    extra = sorted(set(inputs) - set(declared))
+    for name in extra:
+        if name in SDPA_KEYWORDS:
+            raise CallError(f"{name}= is an argument of scaled_dot_product_attention, not of an "
+                            f"attncc call: {SDPA_KEYWORDS[name](inputs[name])}")
+    if extra:
+        raise CallError(f"unexpected input{'s' if len(extra) > 1 else ''} "
+                        f"{', '.join(repr(e) for e in extra)}: the variant '{variant.name}' declares "
+                        + (", ".join(repr(d) for d in declared) if declared else "no inputs"))
+    missing = [d for d in declared if d not in inputs]
+    if missing:
+        decl = declared[missing[0]]
+        raise CallError(f"missing input '{decl.name}': the variant declares "
+                        f"`input {decl.name}: {decl.dtype}[{', '.join(map(str, decl.axes))}]`; "
+                        f"pass it as {decl.name}=tensor")
+
+
+def check_inputs(variant: ir.Variant, p: Problem, inputs: dict, *, device,
+                 exact_float_inputs: bool = True):
+    """Check the variant's runtime inputs. The reference passes exact_float_inputs=False:
+    it computes in the dtype of q, so float inputs of any precision (float64 for
+    gradient checks) are fine there. Their names were checked first (check_input_names)."""
+    declared = {i.name: i for i in variant.inputs}
+    for name, decl in declared.items():
+        t = inputs[name]
+        if not isinstance(t, torch.Tensor):
+            raise CallError(f"input '{name}' must be a torch.Tensor, got {type(t).__name__}")
+        want = tuple(axis_extent(a, variant, p) for a in decl.axes)
+        if tuple(t.shape) != want:
+            names = ", ".join(f"{a}={n}" for a, n in zip(decl.axes, want))
+            raise CallError(f"input '{name}' has shape {_shape(t)}, expected {want} "
+                            f"({names}) for axes [{', '.join(map(str, decl.axes))}]")
+        lenient = not exact_float_inputs and decl.type == ir.FLOAT and t.is_floating_point()
+        if t.dtype != TORCH_DTYPES[decl.dtype] and not lenient:
+            raise CallError(f"input '{name}' has dtype {t.dtype}, but the variant declares "
+                            f"{decl.dtype} ({TORCH_DTYPES[decl.dtype]}); convert it with "
+                            f".to({TORCH_DTYPES[decl.dtype]})")
+        if t.device != device:
+            raise CallError(f"input '{name}' is on {t.device} but q is on {device}; "
+                            f"move it with .to(q.device)")
+        if t.requires_grad and not decl.learnable and torch.is_grad_enabled():
+            # The kernels give gradients to learnable inputs only: refuse rather than
+            # leave .grad silently empty.
+            raise CallError(f"input '{name}' requires grad, but the variant does not declare it "
+                            f"learnable, so it would get no gradient; declare `learnable input "
+                            f"{name}: {decl.dtype}[{', '.join(map(str, decl.axes))}]` (learnable="
+                            f"[{name!r}] in @attncc.variant), or pass {name}.detach()")
+
+
+def random_index_lists(shape: tuple, n_tiles: int, gen: torch.Generator) -> torch.Tensor:
+    """Sample index lists (int64, `shape`, the list on the last axis): distinct random
+    tiles in [0, n_tiles), padded with -1 where a list is longer than there are tiles."""
+    *rows, length = shape
+    order = torch.rand(*rows, n_tiles, generator=gen).argsort(-1)[..., :length]
+    if length > n_tiles:
+        pad = torch.full((*rows, length - n_tiles), -1, dtype=order.dtype)
+        order = torch.cat([order, pad], -1)
+    return order

@@ -1,0 +1,387 @@
+"""Tile configurations: candidates, the keep() rule, autotuning, and the on-disk cache.
+
+A config is BLOCK_M, BLOCK_N, num_warps, num_stages. `keep(config, variant, ...)`
+filters the candidates (tiles within an index-list layout's block, shared memory that
+fits); `kept_candidates` orders them (tiles within a layout's block first). On a GPU the first call of a variant for a (head dim, dtype, length bucket,
+direction) times every kept candidate on the real inputs, keeps the fastest, and
+writes it to disk keyed by the variant, GPU, Triton and attncc versions, so a second
+process does no tuning. Configs that fail to compile or launch are skipped, never
+silently used. `ATTNCC_CONFIG` (JSON) or `attncc.compile(..., config=...)` pins one;
+`ATTNCC_TUNE=0` takes the first kept candidate without timing.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+
+from .. import ir
+
+# Candidates timed per key: compiles dominate cold-start time. ATTNCC_TUNE_CANDIDATES
+# raises it (to search more widely once; the winner is cached either way).
+TUNE_AT_MOST = int(os.environ.get("ATTNCC_TUNE_CANDIDATES", "4"))
+TUNE_WARMUP_MS, TUNE_REP_MS = 25, 100  # per candidate; do_bench's own defaults
+_MEMORY: dict = {}  # tuning key -> config, for this process
+_LOCK = threading.Lock()
+# Progress and skipped candidates, at INFO: quiet unless the program shows attncc's logs
+# (logging.basicConfig(level=logging.INFO)); the attncc command shows them on stderr.
+log = logging.getLogger("attncc.tuning")  # a public name: the README tells users to filter it
+
+
+def env_config():
+    """ATTNCC_CONFIG='{"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}'."""
+    text = os.environ.get("ATTNCC_CONFIG")
+    if not text:
+        return None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"ATTNCC_CONFIG is not JSON ({e}); expected e.g. "
+                         '{"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}') from None
+    return check_config(config, "ATTNCC_CONFIG")
+
+
+def check_config(config: dict, where: str) -> dict:
+    """A config a launch can take: tiles and warps powers of two in range, stages >= 1."""
+    want = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+    if not isinstance(config, dict) or set(config) != want:
+        raise ValueError(f"{where} must be a dict with exactly the keys {sorted(want)}, got {config!r}")
+    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
+    for key in ("BLOCK_M", "BLOCK_N"):
+        v = config[key]
+        if not is_int(v) or v < 16 or v > 256 or v & (v - 1):
+            raise ValueError(f"{where}: {key} must be a power of two from 16 to 256, got {v!r}")
+    # 9: the Gluon forward's warp-specialized kernel (attncc/gluon.py, WS_WARPS).
+    if config["num_warps"] not in (1, 2, 4, 8, 9, 16) or not is_int(config["num_warps"]):
+        raise ValueError(f"{where}: num_warps must be 1, 2, 4, 8 or 16 (or 9: the Gluon "
+                         f"forward's warp-specialized kernel), got {config['num_warps']!r}")
+    if not is_int(config["num_stages"]) or not 1 <= config["num_stages"] <= 8:
+        raise ValueError(f"{where}: num_stages must be an int from 1 to 8, "
+                         f"got {config['num_stages']!r}")
+    return dict(config)
+
+
+def _within_block(config: dict, variant: ir.Variant) -> bool:
+    return config["BLOCK_M"] <= variant.block and config["BLOCK_N"] <= variant.block
+
+
+def _needs_tiles_within_block(variant: ir.Variant) -> bool:
+    # An index list (`kb in t[...]`) says which blocks are on, not which positions, so
+    # kernel tiles must nest inside its blocks (each tile on or off as a whole). Other
+    # layouts are evaluated per element in tiles that span several blocks.
+    return variant.block is not None and bool(ir.index_lists(variant.layout))
+
+
+def check_pinned(config: dict, variant: ir.Variant, where: str) -> dict:
+    """A pinned config must be one the kernels can run correctly for this variant."""
+    if _needs_tiles_within_block(variant) and not _within_block(config, variant):
+        raise ValueError(f"{where}: tiles {config['BLOCK_M']}x{config['BLOCK_N']} are larger than "
+                         f"the layout's block {variant.block}; a layout given as index lists "
+                         f"needs BLOCK_M and BLOCK_N of at most {variant.block}")
+    return config
+
+
+def kept_candidates(variant: ir.Variant, head_dim: int, direction: str) -> list:
+    """The candidates keep() allows, in the order they are tried (the tuner times the
+    first TUNE_AT_MOST). With a layout, tiles within its block come first: a larger tile
+    covers several blocks, visits every tile any of them is on in, and evaluates the
+    layout per element; it pays for layouts whose blocks cluster (bands), and on random
+    layouts of 32-blocks it ran 3x slower than 32x32 tiles (RESULTS.md run 31)."""
+    if direction == "gluon-fwd":  # the Gluon forward's own list (attncc/gluon.py)
+        from ..codegen import gluon
+        kept = gluon.candidates(head_dim)
+        if _needs_tiles_within_block(variant):
+            kept = [c for c in kept if _within_block(c, variant)]
+        return kept
+    kept = [c for c in candidates(direction) if keep(c, variant, head_dim, direction)]
+    if variant.block is None:
+        return kept
+    return ([c for c in kept if _within_block(c, variant)]
+            + [c for c in kept if not _within_block(c, variant)])
+
+
+def keep(config: dict, variant: ir.Variant, head_dim: int, direction: str) -> bool:
+    """Whether a candidate can run this variant at all."""
+    if _needs_tiles_within_block(variant) and not _within_block(config, variant):
+        return False
+    pad = max(16, 1 << (head_dim - 1).bit_length())
+    backward = direction in ("dkdv", "dq", "bwd")
+    if pad >= 256:
+        if backward and (config["BLOCK_M"] * config["BLOCK_N"] > 64 * 64
+                         or config["num_stages"] > 1):
+            return False  # two accumulators and four tiles of 256 columns
+        if direction == "fwd" and (config["BLOCK_M"] > 64 or config["num_stages"] > 2):
+            return False  # K and V stages of 256 columns: 3 stages of 64 rows need 256 KiB
+    if pad >= 128 and backward and config["BLOCK_M"] * config["BLOCK_N"] > 64 * 128:
+        return False
+    return True
+
+
+def candidates(direction: str) -> list:
+    """Hopper-oriented candidates, most likely winner first (ATTNCC_TUNE=0 takes it)."""
+    # Measured on an H100 (benchmarks/RESULTS.md, run 12): forward 128x128 tiles with 8
+    # warps and 3 stages beat 64x64 by 7-9% at D = 128 (with 2 stages they lost);
+    # 32x128 dK/dV tiles spill their two accumulators and ran 3.6x slower. 16x16 tiles
+    # (layouts of 16-blocks scattered at random) ran 16% faster with 2 stages (run 32).
+    # At low tile density (a few tiles per row) a short pipeline pays: the forward with
+    # 64x32 w4 s2 beat 128x128 w8 s3 by 12% at d = 0.03 and tied at d = 0.06 (runs 37-38),
+    # so it is among the four tried; 64x128 w4 s3, which it replaced there, never won.
+    if direction == "fwd":
+        shapes = [(128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2),
+                  (128, 128, 8, 2), (64, 64, 4, 4), (64, 128, 4, 3), (32, 32, 4, 2), (16, 16, 4, 2),
+                  (16, 16, 4, 1)]
+    elif direction in ("dkdv", "bwd"):  # the key tile stays on chip; query tiles stream past it
+        # "bwd": dK/dV and dQ in one launch (table-driven variants), one config for both;
+        # dK/dV is the larger share of the work, so its candidates.
+        shapes = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3),
+                  (64, 64, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 32, 4, 1), (16, 16, 4, 2),
+                  (16, 16, 4, 1)]
+    elif direction == "dq":  # the query tile stays on chip; key tiles stream past it
+        shapes = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3),
+                  (64, 64, 8, 2), (128, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 4, 2),
+                  (16, 16, 4, 1)]
+    else:
+        raise ValueError(f"unknown direction {direction!r}")
+    return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+def length_bucket(n: int) -> int:
+    """Lengths tune in power-of-two buckets: 1000 and 1024 share a config."""
+    return 1 << max(4, (max(1, n) - 1).bit_length())
+
+
+def _versions() -> str:
+    import torch
+    import triton
+    from .. import __version__
+    gpu = torch.cuda.get_device_name().replace(" ", "_") if torch.cuda.is_available() else "cpu"
+    return f"{gpu}-triton{triton.__version__}-torch{torch.__version__.split('+')[0]}-attncc{__version__}"
+
+
+def _cache_file(variant: ir.Variant, suffix: str = ""):
+    """The variant's tuning file; decoding keeps its configs (other keys) in a file of its
+    own, suffix "-decode" (attncc/decoding.py)."""
+    from .cache import cache_dir
+    return (cache_dir() / "tuning" / _versions()
+            / f"{variant.short_name}-{variant.key()}{suffix}.json")
+
+
+def _load(path, check=check_config) -> dict:
+    """The cached winners that `check(config, where)` accepts (it raises ValueError on a
+    bad one): {} when the file is missing or damaged; a damaged entry is skipped, and
+    dropped by the next store, but the others are kept. Whether a config suits its
+    variant is checked where it is used (usable)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    kept = {}
+    for key, config in data.items():
+        try:
+            kept[key] = check(config, str(path))
+        except (ValueError, TypeError, KeyError):
+            continue
+    return kept
+
+
+def usable(config: dict, variant: ir.Variant, head_dim: int, direction: str) -> bool:
+    """Whether a config read back from the cache may run this variant: keep() and the
+    pinned-config rule (an edited file must not put tiles past an index list's block)."""
+    try:
+        check_pinned(config, variant, "the tuning cache")
+    except ValueError:
+        return False
+    if direction == "gluon-fwd":
+        from ..codegen import gluon
+        return gluon.check_config(config, head_dim) is None
+    return config["num_warps"] != 9 and keep(config, variant, head_dim, direction)
+
+
+def _store(path, key: str, config: dict, check=check_config):
+    """Add one winner. The read-modify-write holds an exclusive lock on a file beside the
+    cache file (filelock: fcntl on POSIX, msvcrt on Windows), so processes tuning at once
+    keep each other's entries (readers need no lock: every write is an atomic replace)."""
+    from filelock import FileLock
+    from .cache import write_if_changed
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _LOCK, FileLock(path.with_name(path.name + ".lock")):
+        data = _load(path, check)
+        data[key] = config
+        write_if_changed(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def density_bucket(density: float) -> str:
+    """Tile density to the nearest power of two from 1/64 to 1 ("1/32" for 0.03)."""
+    return f"1/{2 ** min(6, max(0, round(-math.log2(max(density, 2 ** -6)))))}"
+
+
+def config_for(kernel, problem, dtype, direction: str, run=None, context=None,
+               density=None) -> dict:
+    """The config for this call; `run(config)` launches the direction once (for tuning).
+    Every call of a kernel comes here (three times per forward + backward), so a config
+    already chosen in this process is found before any candidate is filtered.
+    `context()`, called only when tuning, says what the tuning ran on beyond the key
+    (a runtime layout's density), for the progress lines. `density`: the tile density
+    of kept tables (known without a sync in the call); configs are then tuned per
+    density bucket, since few tiles per row want shorter pipelines (RESULTS.md run 38)."""
+    # With backend="gluon", config= pins the Gluon forward and the (portable) backward is
+    # tuned; otherwise config= and ATTNCC_CONFIG pin the portable kernels.
+    gluon_pin = getattr(kernel, "requested_backend", None) == "gluon"
+    if kernel.pinned_config and gluon_pin == (direction == "gluon-fwd"):
+        return kernel.pinned_config  # checked when the kernel was compiled
+    pinned = env_config() if direction != "gluon-fwd" else None
+    if pinned:
+        return check_pinned(pinned, kernel.variant, "ATTNCC_CONFIG")
+    from .settings import interpreting
+    if interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    kept = lambda: kept_candidates(kernel.variant, problem.dim, direction)
+    if run is None:
+        return kept()[0]
+    if os.environ.get("ATTNCC_TUNE") == "0":
+        return first_that_runs(kernel, problem, dtype, direction, kept, run)
+    key = tuning_key(direction, problem, dtype, density)
+    mem_key = (kernel.key, key)
+    if mem_key in _MEMORY:
+        return _MEMORY[mem_key]
+    path = _cache_file(kernel.variant)
+    cached = _load(path).get(key)
+    if cached and usable(cached, kernel.variant, problem.dim, direction):
+        _MEMORY[mem_key] = cached
+        return cached
+    best = tune(kernel.variant.name, key, kept()[:TUNE_AT_MOST], run,
+                context=context() if context else "")
+    _MEMORY[mem_key] = best
+    try:
+        _store(path, key, best)
+    except OSError as e:
+        from ..errors import CacheError
+        from .cache import cache_unwritable
+        raise CacheError(cache_unwritable(path, e)) from None
+    return best
+
+
+def tuning_key(direction: str, problem, dtype, density=None) -> str:
+    key = (f"{direction}-d{problem.dim}-{str(dtype).replace('torch.', '')}-g{problem.group}"
+           f"-q{length_bucket(problem.len_q)}-k{length_bucket(problem.len_k)}")
+    if density is not None:
+        key += f"-density{density_bucket(density)}"
+    return key
+
+
+def faster_backend(kernel, problem, dtype, options: dict, density=None) -> str:
+    """The name of the faster of `options` ({backend: (direction, run)}), each timed at
+    its own tuned config on this call's inputs (median of do_bench), and remembered on
+    disk beside the configs. ATTNCC_TUNE=0 times nothing and takes the portable one."""
+    key = tuning_key("backend", problem, dtype, density)
+    mem_key = (kernel.key, key)
+    if mem_key in _MEMORY:
+        return _MEMORY[mem_key]
+    if os.environ.get("ATTNCC_TUNE") == "0":
+        return "triton"
+    path = _cache_file(kernel.variant)
+    path = path.with_name(path.stem + "-backends.json")
+    try:
+        cached = json.loads(path.read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        cached = None
+    if cached in options:
+        _MEMORY[mem_key] = cached
+        return cached
+    import triton
+    timings = {}
+    for name, (direction, run) in options.items():
+        config = config_for(kernel, problem, dtype, direction, run, density=density)
+        timings[name] = triton.testing.do_bench(lambda: run(config), warmup=TUNE_WARMUP_MS,
+                                                rep=TUNE_REP_MS, return_mode="median")
+    best = min(timings, key=timings.get)
+    log.info("%s %s: forward %s; runs %s", kernel.variant.name, key,
+             ", ".join(f"{n} {ms:.3f} ms" for n, ms in timings.items()), best)
+    _MEMORY[mem_key] = best
+    from filelock import FileLock
+    from .cache import write_if_changed
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _LOCK, FileLock(path.with_name(path.name + ".lock")):
+            try:
+                data = json.loads(path.read_text())
+                data = data if isinstance(data, dict) else {}
+            except (OSError, ValueError):
+                data = {}
+            data[key] = best
+            write_if_changed(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+    except OSError as e:
+        from ..errors import CacheError
+        from .cache import cache_unwritable
+        raise CacheError(cache_unwritable(path, e)) from None
+    return best
+
+
+def first_that_runs(kernel, problem, dtype, direction: str, kept, run) -> dict:
+    """Untimed choice (ATTNCC_TUNE=0): the first candidate that compiles within the GPU's
+    resources (a variant reading tensors in its score may need more shared memory than
+    the favourite tile allows). Each one skipped is reported; the choice is remembered
+    for this process."""
+    mem_key = (kernel.key, "untuned", direction, problem.dim, str(dtype), problem.group)
+    if mem_key in _MEMORY:
+        return _MEMORY[mem_key]
+    import triton
+    for config in kept():
+        try:
+            run(config)  # compiles it; the launch repeats the call's own work once
+        except triton.runtime.errors.OutOfResources as e:
+            log.info("%s %s: %s does not fit (%s); trying the next candidate",
+                     kernel.variant.name, direction, _label(config), str(e).splitlines()[0][:100])
+            continue
+        _MEMORY[mem_key] = config
+        return config
+    raise RuntimeError(f"attncc: no tile config fits {kernel.variant.name} ({direction}, head dim "
+                       f"{problem.dim}); pin a smaller one with ATTNCC_CONFIG")
+
+
+def _label(config: dict) -> str:
+    tiles = (f"{config['BLOCK_M']}x{config['BLOCK_N']}" if "BLOCK_M" in config
+             else f"BLOCK_N {config['BLOCK_N']}")
+    splits = f" {config['num_splits']} splits" if "num_splits" in config else ""
+    return f"{tiles} w{config['num_warps']} s{config['num_stages']}{splits}"
+
+
+def _winner(config: dict) -> str:
+    text = " ".join(f"{k}={config[k]}" for k in ("BLOCK_M", "BLOCK_N") if k in config)
+    text += f" warps={config['num_warps']} stages={config['num_stages']}"
+    return text + (f" splits={config['num_splits']}" if "num_splits" in config else "")
+
+
+def tune(name: str, key: str, configs: list, run, context: str = "") -> dict:
+    """Time each config (median of do_bench), report progress, return the fastest."""
+    import triton
+    if context:
+        key = f"{key} ({context})"
+    start = time.perf_counter()
+    timings = []
+    for i, config in enumerate(configs):
+        label = _label(config)
+        try:
+            # do_bench's default windows, as the benchmarks use: 20 ms windows favoured
+            # 64x32 forward tiles over what longer ones and steady calls measured, and
+            # picked them at d = 0.125, 9% slower there (RESULTS.md runs 72-74).
+            ms = triton.testing.do_bench(lambda: run(config), warmup=TUNE_WARMUP_MS,
+                                         rep=TUNE_REP_MS, return_mode="median")
+        except Exception as e:  # out of resources, compile failure: skip, and say so
+            log.info("tuning %s %s: [%d/%d] %s failed (%s: %s)", name, key, i + 1, len(configs),
+                     label, type(e).__name__, str(e).splitlines()[0][:100])
+            continue
+        timings.append((ms, config))
+        log.info("tuning %s %s: [%d/%d] %s %.3f ms", name, key, i + 1, len(configs), label, ms)
+    if not timings:
+        raise RuntimeError(f"attncc: no tile config could run {name} ({key}); "
+                           "pin one with ATTNCC_CONFIG to see its error")
+    ms, best = min(timings, key=lambda t: t[0])
+    log.info("tuned %s %s in %.1f s: %s (%.3f ms)", name, key, time.perf_counter() - start,
+             _winner(best), ms)
+    return dict(best)
