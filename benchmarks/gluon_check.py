@@ -211,7 +211,7 @@ def _median_ms(fn):
 
 def speed(args, dog):
     from gpu_suite import VARIANTS, anchor_problem
-    from attncc.tools.commands import pairs_per_head
+    from attncc.tools.bench_command import pairs_per_head
     rows = []
     plan = [(n, 128) for n in args.variants.split(",")]
     plan += [("full", int(d)) for d in args.full_dims.split(",") if d]

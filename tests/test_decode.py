@@ -385,7 +385,7 @@ def test_bench_decode_counts_the_keys_a_step_must_read_and_matches_flex():
     # the rows at the end of the cache, computes what decode_reference does.
     import warnings
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    from attncc.tools.commands import flex_mods
+    from attncc.tools.flex import flex_mods
     from attncc.tools.decode_bench import decode_allowed, format_decode, keys_read
     variant = attncc.parse(WINDOW_SINKS)
     B, heads, L, n_q, D = 2, (4, 2), 100, 1, 16

@@ -261,7 +261,7 @@ def test_analytic_variants_have_no_tables_to_keep():
 ], ids=["causal", "causal_one_tile", "full", "window", "layout", "document"])
 def test_density_is_the_fraction_of_tiles_with_a_pair_that_attends(spec, L, block):
     from attncc.runtime.arguments import Problem
-    from attncc.tools.commands import tile_visit_fraction
+    from attncc.tools.density import tile_visit_fraction
     from attncc.semantics.reference import allowed_pairs
     variant = attncc.parse(spec)
     gen = torch.Generator().manual_seed(9)

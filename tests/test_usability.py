@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import attncc
-from attncc.tools import commands
+from attncc.tools import check_command
 from attncc.runtime import cache, settings, tuning
 from attncc.tools.cli import build_parser, main
 from attncc.errors import CallError, SpecError
@@ -301,10 +301,10 @@ def test_the_diagnosis_names_log_of_a_negative_and_passes_finite_scores():
     from attncc.runtime.arguments import Problem
     p = Problem(1, 2, 2, 6, 6, 16, 16)
     bad = attncc.parse("attention l { score s + log(k - q + 2.0) }")
-    hint = commands.non_finite_score(bad, p, {})
+    hint = check_command.non_finite_score(bad, p, {})
     assert hint and "log" in hint and "`log(k - q + 2.0)`" in hint
     fine = attncc.parse("attention f { mask q > k score s + 1.0 / (q - k) }")
-    assert commands.non_finite_score(fine, p, {}) is None
+    assert check_command.non_finite_score(fine, p, {}) is None
 
 
 # ================================================================== packaging, lock, logging

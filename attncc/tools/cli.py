@@ -141,12 +141,12 @@ def cmd_show(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    from .commands import compile_command
+    from .compile_command import compile_command
     return compile_command(args)
 
 
 def cmd_check(args) -> int:
-    from .commands import check_command
+    from .check_command import check_command
     return check_command(args)
 
 
@@ -154,7 +154,7 @@ def cmd_bench(args) -> int:
     if args.decode:
         from .decode_bench import bench_decode_command
         return bench_decode_command(args)
-    from .commands import bench_command
+    from .bench_command import bench_command
     return bench_command(args)
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from .. import ir
-from ..runtime.arguments import Problem
-from .commands import flex_mods
 from ..errors import AttnccError
+from ..runtime.arguments import Problem
+from .flex import flex_mods, variant_uses
 from .samples import sample_inputs
 
 # HBM bandwidth by device name (bytes/s), for the fraction of peak; None when unknown.
@@ -92,7 +92,7 @@ def flex_decode(variant: ir.Variant, *, q, k, v, length: int, n_q: int, dim: int
     if mask_mod is not None:
         def decode_mask(b, h, q_idx, kv_idx):
             return mask_mod(b, h, q_idx + offset, kv_idx)
-        uses = lambda name: _uses(variant, name)
+        uses = lambda name: variant_uses(variant, name)
         block_mask = create_block_mask(decode_mask, q.shape[0] if uses("b") else None,
                                        hq if uses("h") else None, n_q, length, device=q.device)
     decode_score = None
@@ -106,11 +106,6 @@ def flex_decode(variant: ir.Variant, *, q, k, v, length: int, n_q: int, dim: int
     with torch._inductor.config.patch(fx_graph_cache=False):  # generate, so the code shows
         _, code = run_and_get_code(call)
     return call, any("flex_decoding" in c or "SPLIT_KV" in c for c in code)
-
-
-def _uses(variant: ir.Variant, name: str) -> bool:
-    from .commands import _uses as uses
-    return uses(variant, name)
 
 
 def time_ms(fn) -> float:

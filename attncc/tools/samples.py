@@ -53,3 +53,9 @@ def sample_inputs(variant: ir.Variant, p: Problem, *, seed: int = 0,
             t = torch.randn(shape, generator=gen, dtype=torch.float64)
         out[decl.name] = t.to(dtype).contiguous().to(device)
     return out
+
+
+def default_heads(variant: ir.Variant, fallback: int) -> tuple:
+    if variant.heads is not None:
+        return variant.heads.q, variant.heads.kv
+    return fallback, fallback
