@@ -1,4 +1,5 @@
-"""The Gluon backend: which variants and calls it takes, its module, and its tile configs.
+"""The Gluon backend's code generation: which variants it can render, its module, and its
+tile configs (runtime/backends.py decides which backend runs a call).
 
 The Gluon backend lowers the same analysed IR as the portable one into a Hopper (sm_90)
 forward written in Gluon (templates/attention_gluon.py.jinja): TMA copies into an
@@ -10,27 +11,14 @@ forward's output and LSE, which both backends write alike).
 """
 from __future__ import annotations
 
-import functools
-
 from .. import ir
-from ..errors import BackendError
 
-BACKENDS = ("auto", "triton", "gluon")
 HEAD_DIMS = (64, 128, 256)
 DTYPES = ("float16", "bfloat16")
-# wgmma, TMA and the mbarrier ring are Hopper's; Blackwell wants tcgen05 and TMEM.
-CAPABILITY = (9, 0)
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper block may use
 # num_warps of the warp-specialized forward (two consumer warpgroups and a producer warp);
 # the generated module's WS_WARPS.
 WS_WARPS = 9
-
-
-def check_backend(backend) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(repr(b) for b in BACKENDS)}, "
-                         f"got {backend!r}")
-    return backend
 
 
 def variant_unsupported(variant: ir.Variant) -> str | None:
@@ -42,59 +30,6 @@ def variant_unsupported(variant: ir.Variant) -> str | None:
         return (f"variant '{variant.name}' lists layout blocks of {variant.block} by index; its "
                 "tiles must nest in them, and a wgmma tile has at least 64 rows")
     return None
-
-
-def environment_unsupported() -> str | None:
-    """Why Gluon kernels cannot run in this process (no sm_90 GPU, the interpreter, a
-    Triton without Gluon's Hopper module), or None when they can."""
-    import os
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "the Triton interpreter (TRITON_INTERPRET=1) runs only the portable kernels"
-    return _device_unsupported()
-
-
-@functools.lru_cache(maxsize=1)
-def _device_unsupported() -> str | None:
-    import torch
-    if not torch.cuda.is_available():
-        return "there is no CUDA GPU; the Gluon kernels need a Hopper GPU (sm_90)"
-    capability = torch.cuda.get_device_capability()
-    if capability != CAPABILITY:
-        return (f"the GPU ({torch.cuda.get_device_name()}) is sm_{capability[0]}{capability[1]}; "
-                "the Gluon kernels are written for Hopper (sm_90)")
-    try:
-        import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
-    except ImportError as e:
-        return f"this Triton has no Gluon Hopper module ({e})"
-    return None
-
-
-def call_unsupported(q, k, v) -> str | None:
-    """Why the Gluon forward cannot take this call (the Kernel's own checks have passed),
-    or None when it can."""
-    dtype = str(q.dtype).replace("torch.", "")
-    if dtype not in DTYPES:
-        return f"q, k, v are {dtype}; the Gluon forward takes float16 and bfloat16"
-    dim = q.shape[-1]
-    if dim not in HEAD_DIMS:
-        return (f"head dim {dim}; the Gluon forward takes head dims "
-                f"{', '.join(map(str, HEAD_DIMS))}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        # TMA copies: the last dim contiguous, every other stride and the base 16-byte aligned.
-        if t.stride(3) != 1:
-            return (f"{name} has strides {tuple(t.stride())}: the Gluon forward's bulk copies need "
-                    f"the head dim contiguous (call {name}.contiguous())")
-        size = t.element_size()
-        if any((s * size) % 16 for s in t.stride()[:3]) or t.data_ptr() % 16:
-            return (f"{name} has strides {tuple(t.stride())}: the Gluon forward's bulk copies need "
-                    "16-byte aligned rows (call .contiguous())")
-    return None
-
-
-def refuse(reason: str):
-    """backend="gluon" asked for what the backend cannot do: say what, and the way out."""
-    raise BackendError(f"backend='gluon' cannot run this: {reason}; use backend='auto' (which "
-                    "runs the portable kernels where Gluon cannot) or backend='triton'")
 
 
 def smem_bytes(config: dict, head_dim: int) -> int:

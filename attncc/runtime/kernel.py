@@ -17,7 +17,7 @@ from ..codegen import gluon
 from ..codegen.generated import Generated
 from ..errors import CallError
 from ..semantics.evaluate import check_index_list
-from . import ops, tuning
+from . import backends, ops, tuning
 from .arguments import _shape, as_bhsd, axis_extent, bind, check_seed, refuse_positional
 from .cache import load_generated
 from .settings import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, interpreting
@@ -33,7 +33,7 @@ class Kernel:
         self._generated = load_generated(variant) if load else None  # (Generated, module)
         self.pinned_config = (tuning.check_pinned(tuning.check_config(config, "config"), variant,
                                                   "config") if config else None)
-        self.requested_backend = gluon.check_backend(backend)
+        self.requested_backend = backends.check_backend(backend)
         self.backend, self.backend_reason = self._choose_backend()
         self._gluon_generated = None  # (Generated, module) of the Gluon forward, on first use
         if self.backend == "gluon" and load:
@@ -90,13 +90,13 @@ class Kernel:
         LSE, which both backends write alike)."""
         if self.requested_backend == "triton":
             return "triton", "backend='triton' was asked for"
-        why = gluon.variant_unsupported(self.variant) or gluon.environment_unsupported()
+        why = gluon.variant_unsupported(self.variant) or backends.environment_unsupported()
         if why is None and self._pinned() and self.requested_backend == "auto":
             why = ("a pinned config (config= or ATTNCC_CONFIG) is the portable kernel's; pass "
                    "backend='gluon' with config= to pin a Gluon one")
         if why is not None:
             if self.requested_backend == "gluon":
-                gluon.refuse(why)
+                backends.refuse(why)
             return "triton", why
         if self.requested_backend == "gluon":
             return "gluon", "backend='gluon' was asked for (forward; the backward is portable)"
@@ -117,12 +117,12 @@ class Kernel:
         forward cannot take; 'auto' runs the portable forward and says why."""
         if self.backend != "gluon":
             return "triton", self.backend_reason
-        why = gluon.call_unsupported(q, k, v)
+        why = backends.call_unsupported(q, k, v)
         if why is None and self.requested_backend == "gluon" and self.pinned_config:
             why = gluon.check_config(self.pinned_config, q.shape[-1])
         if why is not None:
             if self.requested_backend == "gluon":
-                gluon.refuse(why)
+                backends.refuse(why)
             return "triton", why
         return "gluon", self.backend_reason
 
