@@ -63,6 +63,19 @@ def test_compile_writes_a_standalone_module(name, tmp_path, capsys):
     assert "written" in out
 
 
+@pytest.mark.parametrize("schedule,want", [("one-launch", "bwd "), ("sequential", "dq ")])
+def test_compile_reports_the_backward_the_runtime_runs(schedule, want, tmp_path, capsys,
+                                                       monkeypatch):
+    # The backward's schedule is decided in one place (runtime/settings.py): with
+    # ATTNCC_BACKWARD=sequential a table-driven variant runs dQ then dK/dV, and `compile`
+    # says so instead of the one launch.
+    from attncc.runtime import settings
+    monkeypatch.setattr(settings, "TABLES_BACKWARD", schedule)
+    assert main(["compile", str(EXAMPLES / "document.attn"), "-o", str(tmp_path)]) == 0
+    tiles = [line for line in capsys.readouterr().out.splitlines() if line.startswith("tiles")][0]
+    assert f", {want}" in tiles and (("dkdv " in tiles) == (schedule == "sequential"))
+
+
 def test_compile_writes_only_when_changed(tmp_path, capsys):
     spec = str(EXAMPLES / "causal.attn")
     assert main(["compile", spec, "-o", str(tmp_path)]) == 0

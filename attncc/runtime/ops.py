@@ -238,7 +238,7 @@ def _forward(kernel_id, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, t
 
 def _backward(kernel_id, q, k, v, out, lse, dout, inputs, q_offset, k_offset, seed, drawn_seed,
               tables_id):
-    from .settings import TABLES_BACKWARD
+    from .settings import backward_directions
     kernel = _kernel(kernel_id)
     seed = _seed(seed, drawn_seed)
     tables = _tables(tables_id)
@@ -248,7 +248,7 @@ def _backward(kernel_id, q, k, v, out, lse, dout, inputs, q_offset, k_offset, se
     common = dict(q_offset=q_offset, k_offset=k_offset, seed=seed,
                   tables=_table_store(tables))
     tune = kernel._tuning(p, values, q.device, tables)
-    if module.USES_TABLES and TABLES_BACKWARD == "one-launch":
+    if backward_directions(module.USES_TABLES) == ("bwd",):
         # dK/dV and dQ as two roles of one grid, one config, both reading delta.
         delta = module.backward_delta(out, dout)
         run = lambda config: module.backward_one_launch(q, k, v, lse, delta, dout, values,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -43,9 +44,12 @@ def _env(name: str, value):
 
 
 def kernel_directions(source: str) -> tuple:
-    """The directions tuning.py picks tiles for in a generated module: the forward, then
-    the backward's one launch (table-driven variants) or its two kernels."""
-    return ("fwd", "bwd") if "\ndef attn_bwd(" in source else ("fwd", "dkdv", "dq")
+    """The directions the runtime picks tiles for with a generated module: the forward,
+    then what runtime/settings.py's backward_directions decides for it (the one launch of
+    table-driven modules, unless ATTNCC_BACKWARD=sequential, or dQ then dK/dV)."""
+    from ..runtime.settings import backward_directions
+    uses_tables = re.search(r"^USES_TABLES = True\b", source, re.M) is not None
+    return ("fwd", *backward_directions(uses_tables))
 
 
 def chosen_configs(variant: ir.Variant, source: str, head_dim: int, *, interpreter: bool) -> dict:
