@@ -5,15 +5,14 @@
 
 See README.md for the language and the Python decorator.
 """
-from .runtime.decoding import decode_reference
-from .frontend.decorator import chance, exp, isin, log, maximum, minimum, sqrt, tanh, variant, where
+from . import flash  # attncc.flash.flash_attn_func, flash_attn_varlen_func
 from .errors import AttnccError, BackendError, CallError, NoGPUError, SpecError
-from .ir import Variant
+from .frontend.decorator import chance, exp, isin, log, maximum, minimum, sqrt, tanh, variant, where
 from .frontend.parser import parse, parse_file
+from .ir import Variant
+from .runtime.decoding import decode_reference
 from .semantics.reference import reference
-from . import flash
-
-__version__ = "0.1.0"
+from .version import __version__
 
 
 def load(spec) -> Variant:

@@ -281,5 +281,5 @@ def template_context(variant: ir.Variant) -> dict:
 
 
 def _package_version() -> str:
-    from .. import __version__
+    from ..version import __version__
     return __version__

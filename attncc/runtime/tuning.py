@@ -156,7 +156,7 @@ def length_bucket(n: int) -> int:
 def _versions() -> str:
     import torch
     import triton
-    from .. import __version__
+    from ..version import __version__
     gpu = torch.cuda.get_device_name().replace(" ", "_") if torch.cuda.is_available() else "cpu"
     return f"{gpu}-triton{triton.__version__}-torch{torch.__version__.split('+')[0]}-attncc{__version__}"
 

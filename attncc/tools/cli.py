@@ -37,7 +37,7 @@ HEADS_HELP = "HQ, or HQ/HKV query and key/value heads for GQA, such as 8/2"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .. import __version__
+    from ..version import __version__
     p = argparse.ArgumentParser(prog="attncc", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"attncc {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
