@@ -239,7 +239,7 @@ def speed(args):
             row["first_call_s"] = time.perf_counter() - t0  # compile + tune, fwd and bwd
             configs = [None]
             if args.sweep:
-                from attncc.runtime.tuning import candidates, keep
+                from attncc.runtime.configs import candidates, keep
                 configs = [c for c in candidates("fwd") if keep(c, variant, D, "fwd")][:5]
             best = None
             for cfg in configs:

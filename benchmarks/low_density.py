@@ -34,7 +34,7 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import attncc  # noqa: E402
-from attncc.runtime import tuning
+from attncc.runtime import configs, tuning
 from density_curve import BLOCK, DENSE_SPEC, model_ms, random_layout, sparse_spec  # noqa: E402
 
 # bwd: dK/dV and dQ in one launch (layouts only); bwd+delta: the delta kernel, then bwd
@@ -177,16 +177,16 @@ def sweep(kern, kernel, tensors, inputs, label, at_most=None, module=None, want=
     replaces the kernel's own (an edit), `want` the first config's output to compare to."""
     q, k, v, do = tensors
     m = module or kern.module
-    first = tuning.kept_candidates(kern.variant, q.shape[-1], "fwd")[0]
+    first = configs.kept_candidates(kern.variant, q.shape[-1], "fwd")[0]
     out, lse = m.forward(q, k, v, inputs, config=first)
     delta = m.backward_delta(out, do)
     rows = []
     direction = "bwd" if kernel.startswith("bwd") else kernel
-    configs = tuning.kept_candidates(kern.variant, q.shape[-1], direction)[:at_most]
+    configs = configs.kept_candidates(kern.variant, q.shape[-1], direction)[:at_most]
     if kern.variant.name != "dense":
         configs += [c for c in EXTRA.get(kernel, []) if c not in configs]
     for config in configs:
-        name = tuning._label(config)
+        name = configs.label(config)
         run = launcher(m, kernel, q, k, v, out, lse, delta, do, inputs, config)
         try:
             got = run()

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import attncc
-from attncc.runtime import cache, settings, tuning
+import attncc.version
+from attncc.runtime import cache, configs, settings, tuning
 from attncc.codegen.portable import generate
 
 SPEC = "attention cached { mask q >= k and q - k < 21 }"
@@ -207,7 +208,7 @@ def test_processes_storing_different_keys_at_once_keep_every_entry(tmp_path):
         _, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
     data = json.loads(path.read_text())
-    assert all(tuning.check_config(c, "t") for c in data.values())
+    assert all(configs.check_config(c, "t") for c in data.values())
     assert set(data) == {f"{w}-{i}" for w in "ab" for i in range(n)}
 
 
@@ -252,7 +253,7 @@ def test_tuning_file_path_names_the_gpu_and_every_version(tmp_path, monkeypatch)
     assert v.key() in path.name
     other = attncc.parse("attention w { param window: int = 9 mask q - k < window }")
     assert tuning._cache_file(other) != path
-    monkeypatch.setattr(attncc, "__version__", "9.9.9")
+    monkeypatch.setattr(attncc.version, "__version__", "9.9.9")
     assert tuning._cache_file(v) != path and "attncc9.9.9" in str(tuning._cache_file(v))
     monkeypatch.setattr(triton, "__version__", "0.0.1")
     assert "triton0.0.1" in str(tuning._cache_file(v))

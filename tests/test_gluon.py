@@ -11,7 +11,7 @@ import torch
 
 import attncc
 from attncc.codegen import gluon
-from attncc.runtime import backends, tuning
+from attncc.runtime import backends, configs, tuning
 from attncc.tools.cli import main
 from attncc.codegen.portable import generate, template_context
 
@@ -69,7 +69,7 @@ def test_variants_the_gluon_forward_does_not_take_are_named():
     lists64 = attncc.parse("attention t { input top: i32[b, h, qb, 4] layout kb in top[b, h, qb] block 64 }")
     assert gluon.variant_unsupported(lists64) is None
     # Its tiles must nest in the 64-blocks: only 64-row, 64-column configs are offered.
-    kept = tuning.kept_candidates(lists64, 128, "gluon-fwd")
+    kept = configs.kept_candidates(lists64, 128, "gluon-fwd")
     assert kept and all(c["BLOCK_M"] <= 64 and c["BLOCK_N"] <= 64 for c in kept)
 
 

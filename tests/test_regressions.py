@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import attncc
-from attncc.runtime import cache, settings, tuning
+from attncc.runtime import cache, configs, settings, tuning
 
 from test_caches import CALL_AND_CHECK, SPEC, _cached_module, env_for
 from test_kernels import DEVICE, compare
@@ -232,12 +232,12 @@ def test_a_tuning_entry_with_tiles_past_an_index_list_block_is_not_used():
     v = attncc.parse("attention t { input top: i32[h, qb, 2] layout kb in top[h, qb] block 16 }")
     bad = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
     good = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=2)
-    assert not tuning.usable(bad, v, 64, "fwd")
-    assert tuning.usable(good, v, 64, "fwd")
+    assert not configs.usable(bad, v, 64, "fwd")
+    assert configs.usable(good, v, 64, "fwd")
     # The Gluon forward's warp-specialized config (9 warps) is its own, not the portable one's.
     ws = dict(BLOCK_M=128, BLOCK_N=128, num_warps=9, num_stages=2)
     causal = attncc.parse("attention c { mask q >= k }")
-    assert tuning.usable(ws, causal, 128, "gluon-fwd") and not tuning.usable(ws, causal, 128, "fwd")
+    assert configs.usable(ws, causal, 128, "gluon-fwd") and not configs.usable(ws, causal, 128, "fwd")
 
 
 def test_one_bad_tuning_entry_does_not_hide_or_drop_the_others(tmp_path):

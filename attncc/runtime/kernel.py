@@ -17,7 +17,7 @@ from ..codegen import gluon
 from ..codegen.generated import Generated
 from ..errors import CallError
 from ..semantics.evaluate import check_index_list
-from . import backends, ops, tuning
+from . import backends, configs, ops, tuning
 from .arguments import _shape, as_bhsd, axis_extent, bind, check_seed, refuse_positional
 from .cache import load_generated
 from .settings import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, interpreting
@@ -31,7 +31,7 @@ class Kernel:
         self.variant = variant
         self.key = variant.key()  # hashed once: the tuner looks configs up on every call
         self._generated = load_generated(variant) if load else None  # (Generated, module)
-        self.pinned_config = (tuning.check_pinned(tuning.check_config(config, "config"), variant,
+        self.pinned_config = (configs.check_pinned(configs.check_config(config, "config"), variant,
                                                   "config") if config else None)
         self.requested_backend = backends.check_backend(backend)
         self.backend, self.backend_reason = self._choose_backend()
@@ -105,7 +105,7 @@ class Kernel:
                          "is portable); see kernel.last_backend")
 
     def _pinned(self):
-        return self.pinned_config or tuning.env_config()
+        return self.pinned_config or configs.env_config()
 
     @property
     def last_backend(self):

@@ -1,13 +1,11 @@
-"""Tile configurations: candidates, the keep() rule, autotuning, and the on-disk cache.
+"""Autotuning and its on-disk cache: which tile config (runtime/configs.py) a call runs.
 
-A config is BLOCK_M, BLOCK_N, num_warps, num_stages. `keep(config, variant, ...)`
-filters the candidates (tiles within an index-list layout's block, shared memory that
-fits); `kept_candidates` orders them (tiles within a layout's block first). On a GPU the first call of a variant for a (head dim, dtype, length bucket,
-direction) times every kept candidate on the real inputs, keeps the fastest, and
-writes it to disk keyed by the variant, GPU, Triton and attncc versions, so a second
-process does no tuning. Configs that fail to compile or launch are skipped, never
-silently used. `ATTNCC_CONFIG` (JSON) or `attncc.compile(..., config=...)` pins one;
-`ATTNCC_TUNE=0` takes the first kept candidate without timing.
+On a GPU the first call of a variant for a (head dim, dtype, length bucket, direction)
+times the first kept candidates on the real inputs, keeps the fastest, and writes it to
+disk keyed by the variant, GPU, Triton and attncc versions, so a second process does no
+tuning. Configs that fail to compile or launch are skipped, never silently used.
+`ATTNCC_CONFIG` (JSON) or `attncc.compile(..., config=...)` pins one; `ATTNCC_TUNE=0`
+takes the first kept candidate without timing.
 """
 from __future__ import annotations
 
@@ -19,6 +17,7 @@ import threading
 import time
 
 from .. import ir
+from . import configs
 
 # Candidates timed per key: compiles dominate cold-start time. ATTNCC_TUNE_CANDIDATES
 # raises it (to search more widely once; the winner is cached either way).
@@ -29,123 +28,6 @@ _LOCK = threading.Lock()
 # Progress and skipped candidates, at INFO: quiet unless the program shows attncc's logs
 # (logging.basicConfig(level=logging.INFO)); the attncc command shows them on stderr.
 log = logging.getLogger("attncc.tuning")  # a public name: the README tells users to filter it
-
-
-def env_config():
-    """ATTNCC_CONFIG='{"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}'."""
-    text = os.environ.get("ATTNCC_CONFIG")
-    if not text:
-        return None
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"ATTNCC_CONFIG is not JSON ({e}); expected e.g. "
-                         '{"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}') from None
-    return check_config(config, "ATTNCC_CONFIG")
-
-
-def check_config(config: dict, where: str) -> dict:
-    """A config a launch can take: tiles and warps powers of two in range, stages >= 1."""
-    want = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
-    if not isinstance(config, dict) or set(config) != want:
-        raise ValueError(f"{where} must be a dict with exactly the keys {sorted(want)}, got {config!r}")
-    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
-    for key in ("BLOCK_M", "BLOCK_N"):
-        v = config[key]
-        if not is_int(v) or v < 16 or v > 256 or v & (v - 1):
-            raise ValueError(f"{where}: {key} must be a power of two from 16 to 256, got {v!r}")
-    # 9: the Gluon forward's warp-specialized kernel (attncc/gluon.py, WS_WARPS).
-    if config["num_warps"] not in (1, 2, 4, 8, 9, 16) or not is_int(config["num_warps"]):
-        raise ValueError(f"{where}: num_warps must be 1, 2, 4, 8 or 16 (or 9: the Gluon "
-                         f"forward's warp-specialized kernel), got {config['num_warps']!r}")
-    if not is_int(config["num_stages"]) or not 1 <= config["num_stages"] <= 8:
-        raise ValueError(f"{where}: num_stages must be an int from 1 to 8, "
-                         f"got {config['num_stages']!r}")
-    return dict(config)
-
-
-def _within_block(config: dict, variant: ir.Variant) -> bool:
-    return config["BLOCK_M"] <= variant.block and config["BLOCK_N"] <= variant.block
-
-
-def _needs_tiles_within_block(variant: ir.Variant) -> bool:
-    # An index list (`kb in t[...]`) says which blocks are on, not which positions, so
-    # kernel tiles must nest inside its blocks (each tile on or off as a whole). Other
-    # layouts are evaluated per element in tiles that span several blocks.
-    return variant.block is not None and bool(ir.index_lists(variant.layout))
-
-
-def check_pinned(config: dict, variant: ir.Variant, where: str) -> dict:
-    """A pinned config must be one the kernels can run correctly for this variant."""
-    if _needs_tiles_within_block(variant) and not _within_block(config, variant):
-        raise ValueError(f"{where}: tiles {config['BLOCK_M']}x{config['BLOCK_N']} are larger than "
-                         f"the layout's block {variant.block}; a layout given as index lists "
-                         f"needs BLOCK_M and BLOCK_N of at most {variant.block}")
-    return config
-
-
-def kept_candidates(variant: ir.Variant, head_dim: int, direction: str) -> list:
-    """The candidates keep() allows, in the order they are tried (the tuner times the
-    first TUNE_AT_MOST). With a layout, tiles within its block come first: a larger tile
-    covers several blocks, visits every tile any of them is on in, and evaluates the
-    layout per element; it pays for layouts whose blocks cluster (bands), and on random
-    layouts of 32-blocks it ran 3x slower than 32x32 tiles (RESULTS.md run 31)."""
-    if direction == "gluon-fwd":  # the Gluon forward's own list (attncc/gluon.py)
-        from ..codegen import gluon
-        kept = gluon.candidates(head_dim)
-        if _needs_tiles_within_block(variant):
-            kept = [c for c in kept if _within_block(c, variant)]
-        return kept
-    kept = [c for c in candidates(direction) if keep(c, variant, head_dim, direction)]
-    if variant.block is None:
-        return kept
-    return ([c for c in kept if _within_block(c, variant)]
-            + [c for c in kept if not _within_block(c, variant)])
-
-
-def keep(config: dict, variant: ir.Variant, head_dim: int, direction: str) -> bool:
-    """Whether a candidate can run this variant at all."""
-    if _needs_tiles_within_block(variant) and not _within_block(config, variant):
-        return False
-    pad = max(16, 1 << (head_dim - 1).bit_length())
-    backward = direction in ("dkdv", "dq", "bwd")
-    if pad >= 256:
-        if backward and (config["BLOCK_M"] * config["BLOCK_N"] > 64 * 64
-                         or config["num_stages"] > 1):
-            return False  # two accumulators and four tiles of 256 columns
-        if direction == "fwd" and (config["BLOCK_M"] > 64 or config["num_stages"] > 2):
-            return False  # K and V stages of 256 columns: 3 stages of 64 rows need 256 KiB
-    if pad >= 128 and backward and config["BLOCK_M"] * config["BLOCK_N"] > 64 * 128:
-        return False
-    return True
-
-
-def candidates(direction: str) -> list:
-    """Hopper-oriented candidates, most likely winner first (ATTNCC_TUNE=0 takes it)."""
-    # Measured on an H100 (benchmarks/RESULTS.md, run 12): forward 128x128 tiles with 8
-    # warps and 3 stages beat 64x64 by 7-9% at D = 128 (with 2 stages they lost);
-    # 32x128 dK/dV tiles spill their two accumulators and ran 3.6x slower. 16x16 tiles
-    # (layouts of 16-blocks scattered at random) ran 16% faster with 2 stages (run 32).
-    # At low tile density (a few tiles per row) a short pipeline pays: the forward with
-    # 64x32 w4 s2 beat 128x128 w8 s3 by 12% at d = 0.03 and tied at d = 0.06 (runs 37-38),
-    # so it is among the four tried; 64x128 w4 s3, which it replaced there, never won.
-    if direction == "fwd":
-        shapes = [(128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2),
-                  (128, 128, 8, 2), (64, 64, 4, 4), (64, 128, 4, 3), (32, 32, 4, 2), (16, 16, 4, 2),
-                  (16, 16, 4, 1)]
-    elif direction in ("dkdv", "bwd"):  # the key tile stays on chip; query tiles stream past it
-        # "bwd": dK/dV and dQ in one launch (table-driven variants), one config for both;
-        # dK/dV is the larger share of the work, so its candidates.
-        shapes = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3),
-                  (64, 64, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 32, 4, 1), (16, 16, 4, 2),
-                  (16, 16, 4, 1)]
-    elif direction == "dq":  # the query tile stays on chip; key tiles stream past it
-        shapes = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3),
-                  (64, 64, 8, 2), (128, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 1), (16, 16, 4, 2),
-                  (16, 16, 4, 1)]
-    else:
-        raise ValueError(f"unknown direction {direction!r}")
-    return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
 def length_bucket(n: int) -> int:
@@ -169,7 +51,7 @@ def _cache_file(variant: ir.Variant, suffix: str = ""):
             / f"{variant.short_name}-{variant.key()}{suffix}.json")
 
 
-def _load(path, check=check_config) -> dict:
+def _load(path, check=configs.check_config) -> dict:
     """The cached winners that `check(config, where)` accepts (it raises ValueError on a
     bad one): {} when the file is missing or damaged; a damaged entry is skipped, and
     dropped by the next store, but the others are kept. Whether a config suits its
@@ -189,20 +71,7 @@ def _load(path, check=check_config) -> dict:
     return kept
 
 
-def usable(config: dict, variant: ir.Variant, head_dim: int, direction: str) -> bool:
-    """Whether a config read back from the cache may run this variant: keep() and the
-    pinned-config rule (an edited file must not put tiles past an index list's block)."""
-    try:
-        check_pinned(config, variant, "the tuning cache")
-    except ValueError:
-        return False
-    if direction == "gluon-fwd":
-        from ..codegen import gluon
-        return gluon.check_config(config, head_dim) is None
-    return config["num_warps"] != 9 and keep(config, variant, head_dim, direction)
-
-
-def _store(path, key: str, config: dict, check=check_config):
+def _store(path, key: str, config: dict, check=configs.check_config):
     """Add one winner. The read-modify-write holds an exclusive lock on a file beside the
     cache file (filelock: fcntl on POSIX, msvcrt on Windows), so processes tuning at once
     keep each other's entries (readers need no lock: every write is an atomic replace)."""
@@ -234,13 +103,13 @@ def config_for(kernel, problem, dtype, direction: str, run=None, context=None,
     gluon_pin = getattr(kernel, "requested_backend", None) == "gluon"
     if kernel.pinned_config and gluon_pin == (direction == "gluon-fwd"):
         return kernel.pinned_config  # checked when the kernel was compiled
-    pinned = env_config() if direction != "gluon-fwd" else None
+    pinned = configs.env_config() if direction != "gluon-fwd" else None
     if pinned:
-        return check_pinned(pinned, kernel.variant, "ATTNCC_CONFIG")
+        return configs.check_pinned(pinned, kernel.variant, "ATTNCC_CONFIG")
     from .settings import interpreting
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    kept = lambda: kept_candidates(kernel.variant, problem.dim, direction)
+    kept = lambda: configs.kept_candidates(kernel.variant, problem.dim, direction)
     if run is None:
         return kept()[0]
     if os.environ.get("ATTNCC_TUNE") == "0":
@@ -251,7 +120,7 @@ def config_for(kernel, problem, dtype, direction: str, run=None, context=None,
         return _MEMORY[mem_key]
     path = _cache_file(kernel.variant)
     cached = _load(path).get(key)
-    if cached and usable(cached, kernel.variant, problem.dim, direction):
+    if cached and configs.usable(cached, kernel.variant, problem.dim, direction):
         _MEMORY[mem_key] = cached
         return cached
     best = tune(kernel.variant.name, key, kept()[:TUNE_AT_MOST], run,
@@ -336,7 +205,7 @@ def first_that_runs(kernel, problem, dtype, direction: str, kept, run) -> dict:
             run(config)  # compiles it; the launch repeats the call's own work once
         except triton.runtime.errors.OutOfResources as e:
             log.info("%s %s: %s does not fit (%s); trying the next candidate",
-                     kernel.variant.name, direction, _label(config), str(e).splitlines()[0][:100])
+                     kernel.variant.name, direction, configs.label(config), str(e).splitlines()[0][:100])
             continue
         _MEMORY[mem_key] = config
         return config
@@ -344,28 +213,15 @@ def first_that_runs(kernel, problem, dtype, direction: str, kept, run) -> dict:
                        f"{problem.dim}); pin a smaller one with ATTNCC_CONFIG")
 
 
-def _label(config: dict) -> str:
-    tiles = (f"{config['BLOCK_M']}x{config['BLOCK_N']}" if "BLOCK_M" in config
-             else f"BLOCK_N {config['BLOCK_N']}")
-    splits = f" {config['num_splits']} splits" if "num_splits" in config else ""
-    return f"{tiles} w{config['num_warps']} s{config['num_stages']}{splits}"
-
-
-def _winner(config: dict) -> str:
-    text = " ".join(f"{k}={config[k]}" for k in ("BLOCK_M", "BLOCK_N") if k in config)
-    text += f" warps={config['num_warps']} stages={config['num_stages']}"
-    return text + (f" splits={config['num_splits']}" if "num_splits" in config else "")
-
-
-def tune(name: str, key: str, configs: list, run, context: str = "") -> dict:
+def tune(name: str, key: str, candidates: list, run, context: str = "") -> dict:
     """Time each config (median of do_bench), report progress, return the fastest."""
     import triton
     if context:
         key = f"{key} ({context})"
     start = time.perf_counter()
     timings = []
-    for i, config in enumerate(configs):
-        label = _label(config)
+    for i, config in enumerate(candidates):
+        label = configs.label(config)
         try:
             # do_bench's default windows, as the benchmarks use: 20 ms windows favoured
             # 64x32 forward tiles over what longer ones and steady calls measured, and
@@ -373,15 +229,15 @@ def tune(name: str, key: str, configs: list, run, context: str = "") -> dict:
             ms = triton.testing.do_bench(lambda: run(config), warmup=TUNE_WARMUP_MS,
                                          rep=TUNE_REP_MS, return_mode="median")
         except Exception as e:  # out of resources, compile failure: skip, and say so
-            log.info("tuning %s %s: [%d/%d] %s failed (%s: %s)", name, key, i + 1, len(configs),
+            log.info("tuning %s %s: [%d/%d] %s failed (%s: %s)", name, key, i + 1, len(candidates),
                      label, type(e).__name__, str(e).splitlines()[0][:100])
             continue
         timings.append((ms, config))
-        log.info("tuning %s %s: [%d/%d] %s %.3f ms", name, key, i + 1, len(configs), label, ms)
+        log.info("tuning %s %s: [%d/%d] %s %.3f ms", name, key, i + 1, len(candidates), label, ms)
     if not timings:
         raise RuntimeError(f"attncc: no tile config could run {name} ({key}); "
                            "pin one with ATTNCC_CONFIG to see its error")
     ms, best = min(timings, key=lambda t: t[0])
     log.info("tuned %s %s in %.1f s: %s (%.3f ms)", name, key, time.perf_counter() - start,
-             _winner(best), ms)
+             configs.describe(best), ms)
     return dict(best)

@@ -13,6 +13,7 @@ import torch
 
 from .. import ir, load
 from ..errors import AttnccError
+from ..runtime import configs
 from ..runtime.arguments import Problem
 from ..runtime.cache import write_if_changed
 from .density import dense_allowed, tile_visit_fraction
@@ -20,11 +21,6 @@ from .samples import default_heads, sample_inputs
 
 MAX_COMPILE_ESTIMATE_LEN = 8192   # `compile --len`: dense classification up to this length
 ASSUMED_HEAD_DIM = 128            # `compile` reports tiles for this head dim (and 256 if they differ)
-
-
-def _config_text(c: dict) -> str:
-    return (f"{c['BLOCK_M']}x{c['BLOCK_N']} ({c['num_warps']} warps, "
-            f"{c['num_stages']} stage{'s' if c['num_stages'] != 1 else ''})")
 
 
 @contextlib.contextmanager
@@ -65,12 +61,12 @@ def chosen_configs(variant: ir.Variant, source: str, head_dim: int, *, interpret
             with _env("TRITON_INTERPRET", "1" if interpreter else None):
                 out[d] = tuning.config_for(kernel, problem, torch.float16, d)
         else:
-            out[d] = tuning.kept_candidates(variant, head_dim, d)[0]
+            out[d] = configs.kept_candidates(variant, head_dim, d)[0]
     return out
 
 
-def _configs_text(configs: dict) -> str:
-    return ", ".join(f"{d} {_config_text(c)}" for d, c in configs.items())
+def _configs_text(chosen: dict) -> str:
+    return ", ".join(f"{d} {configs.sentence(c)}" for d, c in chosen.items())
 
 
 def compile_command(args) -> int:
@@ -158,4 +154,4 @@ def _write_gluon(variant: ir.Variant, out: Path, backend: str, why: str | None):
         print("backend   auto: the Gluon forward on an sm_90 GPU where the tuner times it faster "
               "than the portable one, else the portable kernels; the backward is portable")
     print(f"          Gluon tiles (head dim {ASSUMED_HEAD_DIM}): "
-          + ", ".join(_config_text(c) for c in gluon.candidates(ASSUMED_HEAD_DIM)[:4]))
+          + ", ".join(configs.sentence(c) for c in gluon.candidates(ASSUMED_HEAD_DIM)[:4]))
