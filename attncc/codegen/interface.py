@@ -6,12 +6,27 @@ that attncc uses no other name of theirs.
 """
 from __future__ import annotations
 
+# The tile tables' fields, per side ("row": query tiles' key tiles, for the forward and
+# dQ; "col": key tiles' query tiles, for dK/dV): lists of full and partial tiles, their
+# counts, and the strides of their batch, head and row axes (tables are broadcast over
+# the batch and heads they do not depend on). They are the kernels' parameters of those
+# names (codegen/portable.py's common_params) and the keys of tile_tables()'s dict, which
+# the generated module builds in this order.
+def table_fields(side: str) -> list:
+    return [f"{side}_full_count", f"{side}_full_list", f"{side}_part_count", f"{side}_part_list",
+            f"{side}_count_sb", f"{side}_count_sh", f"{side}_list_sb", f"{side}_list_sh",
+            f"{side}_list_sm"]
+
+
+TABLE_FIELDS = table_fields("row") + table_fields("col")
+
 # The portable module (templates/attention.py.jinja, codegen/portable.py).
 PORTABLE = {
     # constants
     "USES_TABLES": "True when tiles come from tile tables (runtime/ops.py, settings.backward_directions)",
     "TABLE_INPUTS": "the inputs the tile tables read (runtime/kernel.py: TileTables' promise)",
     "COMMON_PARAMS": "the kernels' run-time arguments after the tensors and strides, in order",
+    "TABLE_FIELDS": "tile_tables()'s keys, TABLE_FIELDS above",
     "DECODE_STRATEGY": "a sentence on how kernel.decode skips keys (tools/decode_bench.py)",
     # forward and backward (runtime/ops.py, distributed.py)
     "forward": "forward(q, k, v, inputs, *, q_offset, k_offset, seed, config, tables) -> (out, lse)",

@@ -13,15 +13,17 @@ import re
 
 import jinja2
 
-from ..analysis import bounds, intervals, ranges
-from ..semantics import dropout
 from .. import ir
-from .decode import decode_context
+from ..analysis import bounds, intervals, ranges
 from ..analysis.derivative import score_gradients
-from .elementwise import TritonEmitter, chance_threshold, element_offset, grad_arg_name, input_arg_names, input_code
-from .generated import Generated, module_name
 from ..frontend.printer import print_variant
 from ..resources import templates_dir
+from ..semantics import dropout
+from . import interface
+from .decode import decode_context
+from .elementwise import (TritonEmitter, chance_threshold, element_offset, grad_arg_name,
+                          input_arg_names, input_code)
+from .generated import Generated, module_name
 
 BIG = str(1 << 62)  # "unbounded" inside loop-bound code, which runs in 64 bits
 # An expression whose integers fit 32 bits only below an extent this small is always
@@ -152,10 +154,7 @@ def common_params(variant: ir.Variant, uses_tables: bool) -> list:
         names += input_arg_names(decl)
     names += [grad_arg_name(d) for d in variant.learnable_inputs]
     if uses_tables:
-        for side in ("row", "col"):
-            names += [f"{side}_full_count", f"{side}_full_list", f"{side}_part_count",
-                      f"{side}_part_list", f"{side}_count_sb", f"{side}_count_sh",
-                      f"{side}_list_sb", f"{side}_list_sh", f"{side}_list_sm"]
+        names += interface.TABLE_FIELDS
     return names
 
 
@@ -249,6 +248,7 @@ def template_context(variant: ir.Variant) -> dict:
         dropout_p=repr(float(variant.dropout or 0.0)),
         dropout_threshold=dropout.threshold(variant.dropout or 0.0),
         tables=uses_tables,
+        table_fields=interface.TABLE_FIELDS,
         table_inputs=sorted({r.tensor for r in summary_reads}
                             | (ir.loaded_tensors(variant.layout) if variant.layout is not None else set())),
         host_classify_lines=host_cls.lines,
