@@ -15,6 +15,7 @@ constexpr WIDE (64 bits on calls past the expression's int32 extent) or True (al
 from __future__ import annotations
 
 from .. import ir
+from ..semantics import operators
 from ..semantics.random_blocks import probability, threshold
 
 
@@ -107,10 +108,8 @@ class TritonEmitter:
         a, b = self(e.lhs), self(e.rhs)
         if e.op == "/":
             return f"(({a}) * 1.0 / ({b}))"
-        if e.op == "//":
-            return f"_fdiv({a}, {b})"
-        if e.op == "%":
-            return f"_mod({a}, {b})"
+        if e.op in operators.HELPERS:  # Python's // and % (semantics/operators.py)
+            return f"{operators.HELPERS[e.op][0]}({a}, {b})"
         return f"({a} {e.op} {b})"
 
     def Neg(self, e):

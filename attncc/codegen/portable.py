@@ -18,7 +18,7 @@ from ..analysis import bounds, intervals, ranges
 from ..analysis.derivative import score_gradients
 from ..frontend.printer import print_variant
 from ..resources import templates_dir
-from ..semantics import dropout
+from ..semantics import dropout, operators
 from . import interface
 from .decode import decode_context
 from .elementwise import (TritonEmitter, chance_threshold, element_offset, grad_arg_name,
@@ -65,10 +65,8 @@ class TorchEmitter(TritonEmitter):
 
     def BinOp(self, e):
         a, b = self(e.lhs), self(e.rhs)
-        if e.op == "//":
-            return f"_h_fdiv({a}, {b})"
-        if e.op == "%":
-            return f"_h_mod({a}, {b})"
+        if e.op in operators.HELPERS:  # Python's // and % (semantics/operators.py)
+            return f"{operators.HELPERS[e.op][1]}({a}, {b})"
         if e.op == "/":
             return f"(torch.as_tensor({a}) * 1.0 / ({b}))"
         return f"({a} {e.op} {b})"

@@ -10,6 +10,7 @@ import torch
 
 from .. import ir
 from ..errors import CallError
+from . import operators
 from .random_blocks import chance, probability
 
 
@@ -91,19 +92,7 @@ class _Evaluator:
 
     def BinOp(self, e):
         a, b = self._promote(self.run(e.lhs), self.run(e.rhs))
-        if e.op == "+":
-            return a + b
-        if e.op == "-":
-            return a - b
-        if e.op == "*":
-            return a * b
-        if e.op == "/":
-            return a.to(self.float_dtype) / b.to(self.float_dtype)
-        if e.op == "//":
-            return torch.div(a, b, rounding_mode="floor")
-        if e.op == "%":
-            return torch.remainder(a, b)
-        raise ValueError(e.op)
+        return operators.apply(e.op, a, b, self.float_dtype)
 
     def Neg(self, e):
         return -self.run(e.operand)

@@ -9,15 +9,11 @@ import math
 import torch
 
 from .. import ir
-from ..semantics import random_blocks
+from ..semantics import operators, random_blocks
 
 
 def _is_tensor(x) -> bool:
     return isinstance(x, torch.Tensor)
-
-
-def _fdiv(a, b):
-    return torch.div(a, b, rounding_mode="floor") if _is_tensor(a) or _is_tensor(b) else a // b
 
 
 def _to_float(x):
@@ -85,10 +81,7 @@ def lower(e, variant: ir.Variant, inputs: dict):
             return member
         if isinstance(e, ir.BinOp):
             a, b, op = go(e.lhs), go(e.rhs), e.op
-            fn = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y,
-                  "/": lambda x, y: _to_float(x) / _to_float(y), "//": _fdiv,
-                  "%": lambda x, y: x % y}[op]
-            return lambda env: fn(a(env), b(env))
+            return lambda env: operators.apply(op, a(env), b(env))
         if isinstance(e, ir.Neg):
             a = go(e.operand)
             return lambda env: -a(env)
