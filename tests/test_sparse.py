@@ -470,12 +470,13 @@ def test_density_curve_needs_a_gpu(capsys, monkeypatch):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-# ------------------------------------------------------------ benchmarks/low_density.py
+# ---------------------------------------------------- benchmarks/archive/low_density.py
 def test_low_density_edits_apply_to_the_template_and_keep_the_results(monkeypatch):
     # The edits are text substitutions of the generated module: each must still find
     # its text in what the template renders, and compute what the unedited module does
     # (on the GPU the benchmark times them; here they run under the interpreter).
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # density_curve
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "archive"))
     import low_density as ld
     from density_curve import random_layout, sparse_spec
     kernel = attncc.compile(sparse_spec(16))

@@ -1,6 +1,6 @@
 """Kernel tiles within a layout's block or larger than it: which is faster, per layout.
 
-    python benchmarks/layout_tiles.py [--seq 16384] [--block 16]
+    python benchmarks/archive/layout_tiles.py [--seq 16384] [--block 16]
 
 A tile larger than the block covers several blocks: it is visited when any of them is
 on and evaluates the layout per element inside. That pays when on-blocks cluster (a
@@ -17,7 +17,7 @@ import sys
 import torch
 import triton
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import attncc  # noqa: E402
 
 

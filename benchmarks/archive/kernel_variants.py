@@ -1,6 +1,6 @@
 """Kernel experiments: code edits and tile configs, A/B in one process.
 
-    python benchmarks/kernel_variants.py [--len 16384] [--variants full,causal]
+    python benchmarks/archive/kernel_variants.py [--len 16384] [--variants full,causal]
                                          [--kernels fwd,dq,dkdv] [--edits baseline,tma,...]
 
 Each experiment is a small, named edit of one kernel's section of the generated module
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import attncc  # noqa: E402
 from attncc.runtime.cache import load_generated
 

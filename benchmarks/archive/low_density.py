@@ -1,7 +1,7 @@
 """Each kernel alone at low tile density, over every tile config: where the time goes
 when a program visits only a few tiles.
 
-    python benchmarks/low_density.py [--seq 16384] [--densities 0.03,0.06] [--extra 'fwd:64x64w4s2;...']
+    python benchmarks/archive/low_density.py [--seq 16384] [--densities 0.03,0.06] [--extra 'fwd:64x64w4s2;...']
                                      [--edits prefetch1,fused_delta,...]
 
 The density curve's layout (benchmarks/density_curve.py: random per-head 128-blocks,
@@ -32,7 +32,8 @@ import tempfile
 import torch
 import triton
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # density_curve
 import attncc  # noqa: E402
 from attncc.runtime import configs, tuning
 from density_curve import BLOCK, DENSE_SPEC, model_ms, random_layout, sparse_spec  # noqa: E402

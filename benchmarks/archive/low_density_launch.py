@@ -2,7 +2,7 @@
 Compute (ncu), which profiles one launch of it.
 
     ncu --kernel-name attn_fwd --launch-skip 2 --launch-count 1 --section SpeedOfLight \\
-        python benchmarks/low_density_launch.py [--density 0.03] [--kernel fwd|bwd] [--config 64x32w4s2]
+        python benchmarks/archive/low_density_launch.py [--density 0.03] [--kernel fwd|bwd] [--config 64x32w4s2]
 
 The layout is density_curve.py's (random per-head 128-blocks, S = 16384, H = 16,
 D = 128, bf16); the module functions are called directly, with the config given.
@@ -14,7 +14,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # density_curve
 import attncc  # noqa: E402
 from density_curve import BLOCK, random_layout, sparse_spec  # noqa: E402
 

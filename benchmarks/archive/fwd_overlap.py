@@ -1,6 +1,6 @@
 """Experiment: does issuing the next tile's QK^T before this tile's softmax pay in Triton?
 
-    python benchmarks/fwd_overlap.py [--len 16384]
+    python benchmarks/archive/fwd_overlap.py [--len 16384]
 
 FlashAttention-3 overlaps the softmax of one tile with the tensor-core products of
 another ("intra-warpgroup pipelining"). Triton issues Hopper's wgmma asynchronously and

@@ -1,6 +1,6 @@
 """The backward with and without its delta pass, A/B in one process.
 
-    python benchmarks/delta_in_dq.py [--len 16384] [--variants sliding_window,causal,...]
+    python benchmarks/archive/delta_in_dq.py [--len 16384] [--variants sliding_window,causal,...]
 
 "separate": attn_bwd_delta (rowsum(dO * O)), then dK/dV, then dQ: three launches.
 "in dQ": the dQ kernel computes delta for its rows from O and dO, which it loads
@@ -17,8 +17,8 @@ import sys
 import torch
 import triton
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import attncc  # noqa: E402
 from attncc.runtime import tuning
 from gpu_suite import anchor_problem  # noqa: E402

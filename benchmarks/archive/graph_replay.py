@@ -3,7 +3,7 @@
 Run 56 had the dense backward 14% slower replayed; runs 76-77 (RESULTS.md) found the
 SM clock drifting under dense attention's power draw instead, hence the timing order.
 
-    python benchmarks/graph_replay.py [--seq 16384] [--spec 'attention dense { }']
+    python benchmarks/archive/graph_replay.py [--seq 16384] [--spec 'attention dense { }']
 
 One forward + backward (torch.autograd.grad) of the spec at the anchor shape (B = 1,
 H = 16, D = 128, bf16) is run as a call and as a replay of a CUDA graph captured from
@@ -26,7 +26,7 @@ import sys
 import torch
 import triton
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import attncc  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """A/B of the backward's schedules for table-driven variants, same process, same inputs.
 
-    python benchmarks/bwd_schedules.py [--len 16384] [--problems bigbird,document,d0.03,d0.06]
+    python benchmarks/archive/bwd_schedules.py [--len 16384] [--problems bigbird,document,d0.03,d0.06]
                                        [--schedules one-launch,sequential]
 
 Schedules (attncc.runtime.settings.TABLES_BACKWARD): "one-launch" (dK/dV and dQ programs in one
@@ -22,8 +22,8 @@ import sys
 import torch
 import triton
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attncc  # noqa: E402
 from attncc.runtime import settings
 from density_curve import BLOCK, random_layout, sparse_spec  # noqa: E402
