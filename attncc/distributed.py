@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from . import ir
 from .runtime import tuning
-from .runtime.arguments import Problem
+from .arguments import Problem
 from .errors import CallError
 
 SCHEMES = ("zigzag", "contiguous")

@@ -14,7 +14,7 @@ overlap.
 
 Correctness first, on every rank count: at --check-len tokens, causal, sliding window,
 document mask, a block layout and dropout, forward and gradients of the gathered
-result against the float64 reference with the tolerance rule (attncc/tolerance.py); at
+result against the float64 reference with the tolerance rule (attncc/tools/tolerance.py); at
 the timed length, the gathered causal result against the single-GPU kernel's.
 
 Configs: the tuner picks tiles per length bucket on first use (about 30 s at these

@@ -6,7 +6,7 @@
 1. Correctness. `flash_attn_func` and `flash_attn_varlen_func` in bf16 (and fp16 on one
    shape) against flash-attn's documented semantics computed densely in float64
    (`flash_semantics`, written from flash-attn's docstrings, as tests/test_flash.py
-   does), forward and backward, held to attncc/tolerance.py's rule: error at most twice
+   does), forward and backward, held to attncc/tools/tolerance.py's rule: error at most twice
    that of the same semantics computed eagerly in bf16, plus the dtype's slack. Shapes
    include seqlen_q != seqlen_k, GQA, head dim 80, a ragged varlen batch with a
    one-token and an empty sequence.

@@ -29,7 +29,7 @@ from triton.backends.compiler import GPUTarget
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import attncc  # noqa: E402
 from attncc.codegen import gluon
-from attncc.runtime.arguments import Problem
+from attncc.arguments import Problem
 from attncc.runtime.cache import load_generated
 from attncc.tools.samples import sample_inputs
 

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import attncc  # noqa: E402
 from attncc.semantics.reference import allowed_pairs
-from attncc.runtime.arguments import Problem
+from attncc.arguments import Problem
 from attncc.tools.tolerance import gradient_scales, within_tolerance
 
 OUT = os.environ.get("OUT", "out")

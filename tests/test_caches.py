@@ -268,7 +268,7 @@ def test_untuned_choice_skips_a_config_that_does_not_fit(monkeypatch, caplog):
     at 128x128 tiles)."""
     import triton
     from types import SimpleNamespace
-    from attncc.runtime.arguments import Problem
+    from attncc.arguments import Problem
     monkeypatch.setenv("ATTNCC_TUNE", "0")
     monkeypatch.setattr(settings, "interpreting", lambda: False)
     kernel = SimpleNamespace(key="k-untuned-test", pinned_config=None,
@@ -320,7 +320,7 @@ def test_kept_tables_tune_per_density_bucket(monkeypatch, caplog, tmp_path):
     know their density without a sync in the call: their calls tune per bucket."""
     import triton
     from types import SimpleNamespace
-    from attncc.runtime.arguments import Problem
+    from attncc.arguments import Problem
     assert [tuning.density_bucket(d) for d in (0.03, 0.0312, 0.04, 0.06, 0.3, 1.0, 0.0)] == \
         ["1/32", "1/32", "1/32", "1/16", "1/4", "1/1", "1/64"]
     monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))

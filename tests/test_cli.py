@@ -18,7 +18,7 @@ import torch
 
 import attncc
 from attncc.tools import bench_command, check_command, density, flex, samples, tolerance
-from attncc.runtime.arguments import Problem
+from attncc.arguments import Problem
 from attncc.tools.cli import main
 from attncc.codegen.portable import generate
 from attncc.semantics.reference import allowed_pairs, reference, scale_value

@@ -1,4 +1,4 @@
-"""Kernels under torch.compile: each variant is a torch.library operator (attncc/ops.py).
+"""Kernels under torch.compile: each variant is a torch.library operator (attncc/runtime/ops.py).
 
 A compiled call must trace with no graph break (`fullgraph=True`), compile once for
 every sequence length (the lengths are marked dynamic, so a specialisation would be an

@@ -21,11 +21,11 @@ from attncc.runtime import tuning
 from attncc.runtime.decoding import DecodeProblem, candidates, check_decode_config, decode_reference, default_splits, tuning_key
 from attncc.errors import CallError
 from attncc.semantics.reference import allowed_pairs
-from attncc.runtime.arguments import Problem
+from attncc.arguments import Problem
 from attncc.tools.tolerance import max_abs_error, within_tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TILE = 16  # the interpreter's BLOCK_N (attncc/decoding.py)
+TILE = 16  # the interpreter's BLOCK_N (attncc/runtime/decoding.py)
 
 CAUSAL = "attention causal { mask q >= k }"
 WINDOW_SINKS = "attention window_sinks { mask q >= k and (q - k < 20 or k < 3) }"
@@ -66,7 +66,7 @@ def make_inputs(variant, B, Hq, capacity, gen) -> dict:
             t = torch.stack([first, second], -1)
         else:
             raise AssertionError(decl.name)
-        out[decl.name] = t.to(attncc.runtime.arguments.TORCH_DTYPES[decl.dtype]).to(DEVICE)
+        out[decl.name] = t.to(attncc.arguments.TORCH_DTYPES[decl.dtype]).to(DEVICE)
     return out
 
 
@@ -502,7 +502,7 @@ def compile_for_sm90(fn, consts, stages):
             sig[n] = "constexpr"
         elif n in POINTERS:
             sig[n] = POINTERS[n]
-        elif n.endswith("_ptr"):  # an input x is in_x_ptr (attncc/elementwise.py)
+        elif n.endswith("_ptr"):  # an input x is in_x_ptr (attncc/codegen/elementwise.py)
             sig[n] = DTYPES[variant.input(n[len("in_"):-len("_ptr")]).dtype]
         else:
             sig[n] = "fp32" if n in ("sm_scale", "qk_scale") else "i32"

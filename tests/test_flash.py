@@ -58,7 +58,7 @@ def flash_semantics(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0,
 
 
 def assert_close(got, ref, eager, tensors, do, *, scale=None):
-    """attncc/tolerance.py's rule on out, lse, dq, dk, dv (q, k, v in any layout with the
+    """attncc/tools/tolerance.py's rule on out, lse, dq, dk, dv (q, k, v in any layout with the
     head dim last)."""
     q, k, _ = tensors
     group = q.shape[-2] // k.shape[-2]

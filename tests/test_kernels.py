@@ -1,7 +1,7 @@
 """Generated kernels against the float64 reference: every example, awkward shapes, dtypes.
 
 On the CPU the kernels run under the Triton interpreter (tests/conftest.py) in float32
-and float16 (the interpreter mis-multiplies bfloat16, DESIGN.md §7); on a GPU the same
+and float16 (the interpreter mis-multiplies bfloat16: the README's "Testing" section); on a GPU the same
 tests run natively. A result passes when its error against float64 is within twice
 the error of the same computation done eagerly in the same dtype, plus twice the
 dtype's resolution at the result's scale (`within_tolerance`).
@@ -36,7 +36,7 @@ def max_err(x, ref) -> float:
 def make_inputs(variant: ir.Variant, B, H, Lq, Lk, gen, device=DEVICE) -> dict:
     """Fresh random stand-ins for a variant's runtime inputs (documents as sorted ids,
     index lists as distinct random tiles padded with -1)."""
-    from attncc.runtime.arguments import Problem, TORCH_DTYPES, axis_extent, random_index_lists
+    from attncc.arguments import Problem, TORCH_DTYPES, axis_extent, random_index_lists
     p = Problem(B, H, H, Lq, Lk, 16, 16)
     lists = ir.index_lists(variant.layout)
     out = {}
@@ -71,7 +71,7 @@ def compare(variant, *, B=2, H=None, Hkv=None, Lq=37, Lk=45, D=32, dtype=torch.f
     v = torch.randn(B, Hkv, Lk, D, generator=gen)
     do = torch.randn(B, H, Lq, D, generator=gen)
     if inputs is None:
-        from attncc.runtime.arguments import Problem, axis_extent
+        from attncc.arguments import Problem, axis_extent
         inputs = make_inputs(variant, B, H, Lq + q_offset, Lk + k_offset, gen)
     inputs = {n: t.to(DEVICE) for n, t in inputs.items()}
     learnable = [d.name for d in variant.learnable_inputs]

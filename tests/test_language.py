@@ -10,7 +10,7 @@ import attncc
 from attncc import ir
 from attncc.analysis import ranges
 from attncc.semantics.evaluate import evaluate
-from attncc.frontend.printer import print_expr
+from attncc.ir import print_expr
 
 Q, K, S, H = ir.Var("q"), ir.Var("k"), ir.Var("s"), ir.Var("h")
 

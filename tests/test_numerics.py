@@ -51,7 +51,7 @@ def check_against_reference(variant, q, k, v, do, dtype=torch.float32, scales=No
 def allowed_scores(variant, q, k, **inputs):
     """The scaled, modified scores in float64 and which pairs attend, computed here from
     the definition (not through attncc.reference's softmax)."""
-    from attncc.runtime.arguments import bind
+    from attncc.arguments import bind
     from attncc.semantics.evaluate import evaluate
     from attncc.semantics.reference import allowed_pairs, index_env
     q, k = q.double(), k.double()

@@ -12,7 +12,7 @@ import torch
 
 import attncc
 from attncc.tools import plot
-from attncc.runtime.arguments import Problem
+from attncc.arguments import Problem
 from attncc.tools.cli import main
 from attncc.errors import AttnccError
 from attncc.semantics.reference import allowed_pairs

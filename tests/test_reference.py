@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import attncc
 from attncc.semantics import dropout as dropout_bits
-from attncc.runtime.arguments import bind
+from attncc.arguments import bind
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 F64 = torch.float64

@@ -83,7 +83,7 @@ def test_sparse_heads_as_shipped_block_64():
 
 
 def test_sparse_heads_differ_by_head():
-    from attncc.runtime.arguments import Problem
+    from attncc.arguments import Problem
     from attncc.semantics.reference import allowed_pairs
     v = example("sparse_heads", **{"block  64": "block 16", "int = 4": "int = 2"})
     allowed = allowed_pairs(v, Problem(1, 4, 4, 96, 96, 16, 16), {}, "cpu").expand(1, 4, 96, 96)
@@ -96,7 +96,7 @@ def test_sparse_heads_differ_by_head():
 
 def test_fixed_pattern_is_the_papers_element_mask():
     # With l = local * block and c = summary * block the layout is exact (Child et al. 3c).
-    from attncc.runtime.arguments import Problem
+    from attncc.arguments import Problem
     from attncc.semantics.reference import allowed_pairs
     v = example("sparse_fixed", **{"block  128": "block 16"})
     L, l, c = 200, 4 * 16, 16
@@ -260,7 +260,7 @@ def test_analytic_variants_have_no_tables_to_keep():
     ("attention d { input doc: i32[q] mask doc[q] == doc[k] }", 70, 16),
 ], ids=["causal", "causal_one_tile", "full", "window", "layout", "document"])
 def test_density_is_the_fraction_of_tiles_with_a_pair_that_attends(spec, L, block):
-    from attncc.runtime.arguments import Problem
+    from attncc.arguments import Problem
     from attncc.tools.density import tile_visit_fraction
     from attncc.semantics.reference import allowed_pairs
     variant = attncc.parse(spec)

@@ -298,7 +298,7 @@ def test_check_names_a_division_by_zero_in_the_score(capsys):
 
 
 def test_the_diagnosis_names_log_of_a_negative_and_passes_finite_scores():
-    from attncc.runtime.arguments import Problem
+    from attncc.arguments import Problem
     p = Problem(1, 2, 2, 6, 6, 16, 16)
     bad = attncc.parse("attention l { score s + log(k - q + 2.0) }")
     hint = check_command.non_finite_score(bad, p, {})
@@ -339,7 +339,7 @@ def test_the_tuning_cache_lock_needs_no_fcntl(monkeypatch, tmp_path):
 def _fake_tuning(monkeypatch, tmp_path):
     import triton
     from types import SimpleNamespace
-    from attncc.runtime.arguments import Problem
+    from attncc.arguments import Problem
     monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(settings, "interpreting", lambda: False)
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: 1.0)

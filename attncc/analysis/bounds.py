@@ -1,6 +1,6 @@
 """Analytic loop bounds: which keys a query tile can see, solved symbolically from the mask.
 
-Skipping level 1 of DESIGN.md §4. The mask is put in disjunctive normal form over its
+Skipping level 1 (the README's "Kernels" section). The mask is put in disjunctive normal form over its
 comparisons; each comparison that is affine in (q, k) with constant coefficients
 (causal, windows, prefix, offsets, bottom-right alignment) is solved with sympy for the
 solved-for position, giving
@@ -11,7 +11,7 @@ solved-for position, giving
 
 Anything else (`%`, `//`, tensor reads, `!=`) is a residual atom: it does not narrow
 the reach and makes the term's full range unknown, so those tiles are classified at
-run time (attncc/intervals.py). The same code solves for q given a key tile, for the
+run time (attncc/analysis/intervals.py). The same code solves for q given a key tile, for the
 backward's dK/dV loop.
 
 Bounds are emitted as code over run-time scalars named `{other}_lo`/`{other}_hi` (the

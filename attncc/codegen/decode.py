@@ -2,7 +2,7 @@
 the main kernels' context (codegen.generate adds it to the same module).
 
 The decode kernels reuse the variant's slots as the main kernels emit them (mask, score,
-the key-loop bounds of attncc/bounds.py); only the layout is emitted again, over the
+the key-loop bounds of attncc/analysis/bounds.py); only the layout is emitted again, over the
 rows of a decode tile: `qb` is each row's layout block and `kb` the tile's, and an
 index list (`kb in top[b, h, qb]`) is read entry by entry, since decoding has no tile
 tables.

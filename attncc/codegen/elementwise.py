@@ -8,7 +8,7 @@ Names a user chooses never meet the generated code's own: an input `x` is `in_x`
 generated code (`in_x_ptr`, `in_x_stride0`, `in_x_size0`, its gradient `d_in_x_ptr`),
 and no generated name starts with `in_` or `d_in_`. Params are inlined as values.
 
-Integers: an expression whose integer values may leave 32 bits (attncc/ranges.py) is
+Integers: an expression whose integer values may leave 32 bits (attncc/analysis/ranges.py) is
 emitted with each integer leaf widened by `_int(x, FLAG)`: FLAG is the kernels'
 constexpr WIDE (64 bits on calls past the expression's int32 extent) or True (always).
 """
@@ -20,7 +20,7 @@ from ..semantics.random_blocks import probability, threshold
 
 
 def chance_threshold(e: ir.Call, params: dict) -> int:
-    """The integer a chance(p, ...) hash is compared with (attncc/random_blocks.py)."""
+    """The integer a chance(p, ...) hash is compared with (attncc/semantics/random_blocks.py)."""
     return threshold(probability(e, params))
 
 VAR_CODE = {"q": "q_pos", "k": "k_pos", "b": "off_b", "h": "off_h", "s": "s",

@@ -15,8 +15,8 @@ import jinja2
 
 from .. import ir
 from ..analysis import bounds, intervals, ranges
-from ..analysis.derivative import score_gradients
-from ..frontend.printer import print_variant
+from .derivative import score_gradients
+from ..ir import print_variant
 from ..resources import templates_dir
 from ..semantics import dropout, operators
 from . import interface

@@ -101,7 +101,7 @@ class Sym:
         raise SpecError(_torch_hint(func))
 
     def __repr__(self):
-        from .printer import print_expr
+        from ..ir import print_expr
         return f"Sym({print_expr(self.node)})"
 
 

@@ -311,7 +311,7 @@ class _Builder:
         return v
 
     def _check_ranges(self, v: ir.Variant, seen: dict):
-        """Divisions by zero and integers past 64 bits (attncc/ranges.py), located at the
+        """Divisions by zero and integers past 64 bits (attncc/analysis/ranges.py), located at the
         operator; once every declaration is known, since ranges depend on params and block."""
         params = {p.name: p.value for p in v.params}
         for kind in ("scale", "mask", "layout", "score"):

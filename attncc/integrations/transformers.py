@@ -269,7 +269,7 @@ def _check_reading(info: MaskInfo, model: ir.Variant, inputs: dict, dim: int, de
     a block of query rows at a time; raise naming the first pair that differs."""
     from transformers.masking_utils import sdpa_mask
 
-    from ..runtime.arguments import Problem
+    from ..arguments import Problem
     from ..semantics.reference import allowed_pairs
     B, Lq, Lk = info.batch_size, info.q_length, info.kv_length
     rows = max(1, CHECK_ELEMENTS // max(1, B * Lk))
@@ -299,7 +299,7 @@ def _check_reading(info: MaskInfo, model: ir.Variant, inputs: dict, dim: int, de
 
 
 def _text(e) -> str:
-    from ..frontend.printer import print_expr
+    from ..ir import print_expr
     return print_expr(e)
 
 

@@ -21,7 +21,7 @@ import torch
 
 from .. import ir
 from . import tuning
-from .arguments import Problem, check_input_names, check_inputs
+from ..arguments import Problem, check_input_names, check_inputs
 from ..errors import CallError
 from ..analysis.ranges import MAX_EXTENT
 
@@ -162,7 +162,7 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
     if capacity > MAX_EXTENT:
         raise CallError(f"the cache holds {capacity} positions; positions must stay below 2**31 "
                         f"(at most {MAX_EXTENT}), as the range analysis of the variant's "
-                        "integers assumes (attncc/ranges.py)")
+                        "integers assumes (attncc/analysis/ranges.py)")
     problem = DecodeProblem(B, Hq, Hkv, n_q, n_new, D, capacity, page_size)
     # Input axes on positions (q, k) and tiles (qb, kb) span the cache's capacity: every
     # position a call may place a key or a query at.

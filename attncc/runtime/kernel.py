@@ -16,9 +16,10 @@ from .. import ir
 from ..codegen import gluon
 from ..codegen.generated import Generated
 from ..errors import CallError
+from ..frontend.load import load
 from ..semantics.evaluate import check_index_list
 from . import backends, configs, ops, tuning
-from .arguments import _shape, as_bhsd, axis_extent, bind, check_seed, refuse_positional
+from ..arguments import _shape, as_bhsd, axis_extent, bind, check_seed, refuse_positional
 from .cache import load_generated
 from .settings import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, interpreting
 
@@ -225,7 +226,7 @@ class Kernel:
                  dropout_seed: int | None = None, training: bool = True, q_offset: int = 0,
                  k_offset: int = 0, tables: "TileTables | None" = None, layout: str = "bhsd",
                  **inputs):
-        # Everything up to the operator call is what torch.compile traces (attncc/ops.py):
+        # Everything up to the operator call is what torch.compile traces (attncc/runtime/ops.py):
         # Python on shapes, dtypes and devices, no tensor data read.
         if positional:
             refuse_positional(self.variant, positional)
@@ -300,7 +301,7 @@ class Kernel:
         return_lse the natural LSE (B, Hq, n_q) in float32; a row that attends to no key
         gives 0 and LSE -inf. Inference only: no autograd graph, no dropout. num_splits
         or config={"BLOCK_N", "num_warps", "num_stages", "num_splits"} pin what is
-        otherwise tuned (attncc/decoding.py)."""
+        otherwise tuned (attncc/runtime/decoding.py)."""
         from .decoding import decode
         return decode(self, q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new,
                       v_new=v_new, block_table=block_table, return_lse=return_lse,
@@ -366,7 +367,7 @@ class TileTables:
 
     def __init__(self, kernel: Kernel, problem, inputs: dict, device):
         self.kernel, self.problem, self.device = kernel, problem, device
-        self._op_id = ops.register_tables(self)  # how the operator finds them (attncc/ops.py)
+        self._op_id = ops.register_tables(self)  # how the operator finds them (attncc/runtime/ops.py)
         self._reads = {name: _state(inputs[name]) for name in kernel.module.TABLE_INPUTS}
         self._inputs = {name: inputs[name] for name in kernel.module.TABLE_INPUTS}
         self.store: dict = {}  # (BLOCK_M, BLOCK_N) -> tables; filled by the generated module
@@ -429,3 +430,36 @@ def _shape_text(p) -> str:
 def compile_variant(variant: ir.Variant, *, config: dict | None = None,
                     backend: str = "auto") -> Kernel:
     return Kernel(variant, config, backend)
+
+
+# ------------------------------------------------------------ attncc.compile
+def compile(spec, *, backend: str = "auto", config: dict | None = None, **unknown):
+    """Compile a variant into a differentiable kernel: kernel(q, k, v, **inputs).
+
+    backend="auto" (default) | "triton" | "gluon": which kernels run the forward; see
+    kernel.backend and kernel.backend_reason. `config` pins the kernels' tiles:
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}. Everything else
+    about the attention is part of the variant."""
+    if unknown:
+        raise TypeError(_compile_option_hint(*next(iter(unknown.items()))))
+    return compile_variant(load(spec), backend=backend, config=config)
+
+
+_CONFIG_EXAMPLE = '{"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}'
+
+
+def _compile_option_hint(name: str, value) -> str:
+    """Why attncc.compile() takes no `name=`, and what to write instead."""
+    if name == "block":
+        block = value if isinstance(value, int) and not isinstance(value, bool) else 64
+        return (f"attncc.compile() takes no block=: a layout's block is part of the variant; "
+                f"declare `block {block}` in the spec (block= in @attncc.variant). Kernel "
+                f"tile sizes are pinned with config={_CONFIG_EXAMPLE}")
+    if name in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"):
+        return (f"attncc.compile() takes no {name}=: pin the tiles together, as "
+                f"config={_CONFIG_EXAMPLE}")
+    if name in ("heads", "scale", "dropout", "mask", "score", "layout", "params", "inputs"):
+        return (f"attncc.compile() takes no {name}=: it is part of the variant; declare it in "
+                f"the spec (or in @attncc.variant)")
+    return (f"attncc.compile() got an unexpected keyword argument '{name}'; it takes a spec "
+            f"(a path, spec text or Variant) and config={_CONFIG_EXAMPLE} to pin tiles")

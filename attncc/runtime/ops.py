@@ -34,7 +34,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import tuning
-from .arguments import Problem, check_seed
+from ..arguments import Problem, check_seed
 from ..errors import CallError
 
 _KERNELS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()

@@ -11,7 +11,7 @@ kernel changes: the variant is rewritten (`varlen_variant`; see `_Rewrite`) so t
   * the mask gains `varlen_seq_q[q] == varlen_seq_k[k]` (the sequence of each position).
 
 The interval analysis then classifies tiles from per-block min/max summaries of these
-inputs (attncc/intervals.py): a tile joining two different sequences is empty, a tile
+inputs (attncc/analysis/intervals.py): a tile joining two different sequences is empty, a tile
 inside one sequence is classified exactly as in a dense call, and only tiles on a
 sequence boundary evaluate the mask per element. Nothing is padded, nothing computed
 across sequences.
@@ -224,7 +224,7 @@ class _Rewrite:
 
 
 def _text(e) -> str:
-    from ..frontend.printer import print_expr
+    from ..ir import print_expr
     return print_expr(e)
 
 
@@ -474,7 +474,7 @@ def varlen(spec, *, config: dict | None = None) -> VarlenKernel:
     """A kernel over packed variable-length sequences, from a compiled kernel (its pinned
     config carries over), a Variant, a path or spec text. Only the rewritten variant is
     compiled."""
-    from .. import load
+    from ..frontend.load import load
     from .kernel import Kernel
     if isinstance(spec, Kernel):
         return VarlenKernel(spec)

@@ -45,7 +45,7 @@ def _versions() -> str:
 
 def _cache_file(variant: ir.Variant, suffix: str = ""):
     """The variant's tuning file; decoding keeps its configs (other keys) in a file of its
-    own, suffix "-decode" (attncc/decoding.py)."""
+    own, suffix "-decode" (attncc/runtime/decoding.py)."""
     from .cache import cache_dir
     return (cache_dir() / "tuning" / _versions()
             / f"{variant.short_name}-{variant.key()}{suffix}.json")

@@ -75,7 +75,7 @@ class _Evaluator:
         if out.is_floating_point():
             return out.to(self.float_dtype)
         # The language's integers are 64-bit: an i8 or i32 read must not make `x[q] * c`
-        # wrap in its own dtype (attncc/ranges.py).
+        # wrap in its own dtype (attncc/analysis/ranges.py).
         return out if out.dtype == torch.bool else out.long()
 
     def Member(self, e):

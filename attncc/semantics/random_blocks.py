@@ -1,7 +1,7 @@
 """chance(p, key, ...): a random block pattern drawn from a seed, as a layout expression.
 
 The keys (a seed param, b, h, qb, kb: integers) are hashed with dropout's 32-bit
-finaliser (attncc/dropout.py), one after another from a fixed start, and a block is on
+finaliser (attncc/semantics/dropout.py), one after another from a fixed start, and a block is on
 when the hash's top 24 bits fall under round(p * 2**24). The host's tile tables, the
 kernels (for tiles spanning several blocks) and the reference compute the same bits,
 so the pattern is exact everywhere; an integer threshold, not a float comparison,

@@ -12,7 +12,7 @@ import torch
 
 from . import dropout as dropout_bits
 from .. import ir
-from ..runtime.arguments import Problem, as_bhsd, bind, check_seed, refuse_positional
+from ..arguments import Problem, as_bhsd, bind, check_seed, refuse_positional
 from ..errors import CallError
 from .evaluate import evaluate
 

@@ -11,7 +11,7 @@ import torch
 
 from .. import ir, load
 from ..errors import AttnccError, NoGPUError
-from ..runtime.arguments import Problem
+from ..arguments import Problem
 from .density import dense_allowed
 from .samples import default_heads, sample_inputs
 from .flex import flex_mods, sdpa_expressible, variant_uses

@@ -13,7 +13,7 @@ import torch
 
 from .. import ir, load
 from ..errors import AttnccError
-from ..runtime.arguments import Problem
+from ..arguments import Problem
 from .samples import default_heads, sample_inputs
 from .tolerance import gradient_scales, max_abs_error, slack, within_tolerance
 
@@ -121,7 +121,7 @@ def non_finite_score(variant: ir.Variant, p: Problem, inputs: dict, *, seed: int
     the score is finite wherever pairs attend. `check` prints it beside a failure, whose
     errors are otherwise only NaN. The scaled scores `s` are drawn at random."""
     from ..semantics.evaluate import evaluate
-    from ..frontend.printer import print_expr
+    from ..ir import print_expr
     from ..semantics.reference import allowed_pairs, index_env
     if variant.score is None:
         return None

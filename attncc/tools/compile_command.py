@@ -14,7 +14,7 @@ import torch
 from .. import ir, load
 from ..errors import AttnccError
 from ..runtime import configs
-from ..runtime.arguments import Problem
+from ..arguments import Problem
 from ..runtime.cache import write_if_changed
 from .density import dense_allowed, tile_visit_fraction
 from .samples import default_heads, sample_inputs

@@ -18,7 +18,7 @@ import torch
 
 from .. import ir
 from ..errors import AttnccError
-from ..runtime.arguments import Problem
+from ..arguments import Problem
 from .flex import flex_mods, variant_uses
 from .samples import sample_inputs
 

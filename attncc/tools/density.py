@@ -8,7 +8,7 @@ import math
 import torch
 
 from .. import ir
-from ..runtime.arguments import Problem
+from ..arguments import Problem
 
 
 def tile_visit_fraction(allowed: torch.Tensor, block_m: int, block_n: int) -> tuple:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .. import ir
-from ..runtime.arguments import Problem
+from ..arguments import Problem
 from ..errors import AttnccError
 from ..semantics.evaluate import evaluate
 from .extras import require_plotting

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .. import ir
-from ..runtime.arguments import TORCH_DTYPES, Problem, axis_extent, random_index_lists
+from ..arguments import TORCH_DTYPES, Problem, axis_extent, random_index_lists
 
 BOOL_DENSITY = 0.25  # sampled bool inputs (layouts) are true this often
 

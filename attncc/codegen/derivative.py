@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import sympy
 
 from .. import ir
-from ..codegen.elementwise import TritonEmitter
+from .elementwise import TritonEmitter
 from ..errors import SpecError
 
 S = sympy.Symbol("s", real=True)
