@@ -83,6 +83,9 @@ def test_installed_package_carries_its_grammar_and_templates(venv):
         import attncc.frontend.parser, attncc.analysis.bounds, attncc.semantics.reference
         import attncc.codegen.portable, attncc.runtime.kernel, attncc.runtime.packed, attncc.tools.cli
         assert Path(attncc.integrations.transformers.__file__).resolve().is_relative_to(site)
+        from attncc.runtime import known_winners  # its table is package data
+        assert known_winners.WINNERS_FILE.resolve().is_relative_to(site)
+        known_winners.load_table()
         print("ok", resources.grammar_path())
     """)
     # -I: isolated mode, so neither the working directory nor PYTHONPATH can put the

@@ -298,7 +298,7 @@ def decode_config(kernel, p: DecodeProblem, dtype, run, *, num_splits=None, conf
         splits = num_splits or max(1, min(INTERPRETER_SPLITS, -(-p.capacity // 16)))
         return dict(BLOCK_N=16, num_warps=4, num_stages=1, num_splits=splits)
     key = tuning_key(p, dtype, num_splits)
-    untuned = os.environ.get("ATTNCC_TUNE") == "0"
+    untuned = tuning.tune_mode() == "0"
     mem_key = (kernel.key, key + ("-untuned" if untuned else ""))
     if mem_key in tuning._MEMORY:  # every call after the first: nothing else to do
         return tuning._MEMORY[mem_key]

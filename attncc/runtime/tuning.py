@@ -4,6 +4,8 @@ On a GPU the first call of a variant for a (head dim, dtype, length bucket, dire
 times the first kept candidates on the real inputs, keeps the fastest, and writes it to
 disk keyed by the variant, GPU, Triton and attncc versions, so a second process does no
 tuning. Configs that fail to compile or launch are skipped, never silently used.
+On a GPU attncc ships measured winners for (runtime/known_winners.py), the first call
+runs the winner for the variant's class instead of tuning (`ATTNCC_TUNE=full` tunes).
 `ATTNCC_CONFIG` (JSON) or `attncc.compile(..., config=...)` pins one; `ATTNCC_TUNE=0`
 takes the first kept candidate without timing.
 """
@@ -17,7 +19,7 @@ import threading
 import time
 
 from .. import ir
-from . import configs
+from . import configs, known_winners
 
 # Candidates timed per key: compiles dominate cold-start time. ATTNCC_TUNE_CANDIDATES
 # raises it (to search more widely once; the winner is cached either way).
@@ -28,6 +30,20 @@ _LOCK = threading.Lock()
 # Progress and skipped candidates, at INFO: quiet unless the program shows attncc's logs
 # (logging.basicConfig(level=logging.INFO)); the attncc command shows them on stderr.
 log = logging.getLogger("attncc.tuning")  # a public name: the README tells users to filter it
+
+
+TUNE_MODES = {"0": "no timing: the first candidate that compiles",
+              "1": "the default: a shipped winner where one fits, else tune and cache",
+              "full": "tune and cache, even where a shipped winner fits"}
+
+
+def tune_mode() -> str:
+    """ATTNCC_TUNE, read at each call (tests and benchmarks change it in-process)."""
+    mode = os.environ.get("ATTNCC_TUNE", "1").strip() or "1"
+    if mode not in TUNE_MODES:
+        raise ValueError(f"ATTNCC_TUNE={mode!r} is not a tuning mode; use "
+                         + "; ".join(f"{m} ({what})" for m, what in TUNE_MODES.items()))
+    return mode
 
 
 def length_bucket(n: int) -> int:
@@ -112,7 +128,7 @@ def config_for(kernel, problem, dtype, direction: str, run=None, context=None,
     kept = lambda: configs.kept_candidates(kernel.variant, problem.dim, direction)
     if run is None:
         return kept()[0]
-    if os.environ.get("ATTNCC_TUNE") == "0":
+    if tune_mode() == "0":
         return first_that_runs(kernel, problem, dtype, direction, kept, run)
     key = tuning_key(direction, problem, dtype, density)
     mem_key = (kernel.key, key)
@@ -123,6 +139,12 @@ def config_for(kernel, problem, dtype, direction: str, run=None, context=None,
     if cached and configs.usable(cached, kernel.variant, problem.dim, direction):
         _MEMORY[mem_key] = cached
         return cached
+    shipped = known_winners.shipped_winner(kernel, problem, dtype, direction, density)
+    if shipped is not None:  # no candidate compiled or timed: cold start is one compile
+        log.info("%s %s: %s, the shipped winner for its class (ATTNCC_TUNE=full tunes "
+                 "instead)", kernel.variant.name, key, configs.label(shipped))
+        _MEMORY[mem_key] = shipped
+        return shipped
     best = tune(kernel.variant.name, key, kept()[:TUNE_AT_MOST], run,
                 context=context() if context else "")
     _MEMORY[mem_key] = best
@@ -151,7 +173,7 @@ def faster_backend(kernel, problem, dtype, options: dict, density=None) -> str:
     mem_key = (kernel.key, key)
     if mem_key in _MEMORY:
         return _MEMORY[mem_key]
-    if os.environ.get("ATTNCC_TUNE") == "0":
+    if tune_mode() == "0":
         return "triton"
     path = _cache_file(kernel.variant)
     path = path.with_name(path.stem + "-backends.json")
@@ -162,6 +184,12 @@ def faster_backend(kernel, problem, dtype, options: dict, density=None) -> str:
     if cached in options:
         _MEMORY[mem_key] = cached
         return cached
+    shipped = known_winners.shipped_winner(kernel, problem, dtype, "backend", density)
+    if shipped in options:  # the other backend is never compiled
+        log.info("%s %s: the %s forward, the shipped winner for its class (ATTNCC_TUNE=full "
+                 "times both instead)", kernel.variant.name, key, shipped)
+        _MEMORY[mem_key] = shipped
+        return shipped
     import triton
     timings = {}
     for name, (direction, run) in options.items():
