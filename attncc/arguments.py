@@ -14,7 +14,7 @@ import torch
 
 from . import ir
 from .errors import CallError
-from .ranges import MAX_EXTENT
+from .analysis.ranges import MAX_EXTENT
 
 TORCH_DTYPES = {
     "bool": torch.bool, "i8": torch.int8, "i16": torch.int16, "i32": torch.int32,
@@ -142,7 +142,7 @@ def _bind(variant, q, k, v, inputs, q_offset, k_offset, exact_float_inputs, layo
         if not isinstance(off, int) or isinstance(off, bool) or off < 0:
             raise CallError(f"{name} must be a non-negative int, got {off!r}")
     # Positions, and every size an expression reads, stay below 2**31: the range analysis
-    # that keeps the kernels' integers from wrapping (attncc/ranges.py) assumes it.
+    # that keeps the kernels' integers from wrapping (attncc/analysis/ranges.py) assumes it.
     for what, extent in (("q_offset + len_q", q_offset + Lq), ("k_offset + len_k", k_offset + Lk),
                          ("the batch", B), ("the head count", Hq), ("the head dim", D)):
         if extent > MAX_EXTENT:
@@ -160,7 +160,7 @@ def check_seed(seed) -> int:
         raise CallError(f"dropout_seed must be an int in [0, 2**32), got {seed!r}")
     if isinstance(seed, torch.SymInt) or torch.compiler.is_compiling():
         # Traced by torch.compile: reading its value would specialise the graph on it.
-        # The operator checks the real value when it runs (attncc/ops.py).
+        # The operator checks the real value when it runs (attncc/runtime/ops.py).
         return seed
     try:
         value = operator.index(seed)  # int, numpy integers, 0-d integer tensors

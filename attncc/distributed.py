@@ -51,7 +51,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import ir, tuning
+from . import ir
+from .runtime import tuning
 from .arguments import Problem
 from .errors import CallError
 
@@ -287,7 +288,7 @@ def context_parallel_attention(kernel, q, k, v, *, group=None, scheme: str = "zi
     over the group, as for any replicated parameter). With dropout, `dropout_seed` is
     required, the same on every rank.
     """
-    from .runtime import Kernel
+    from .runtime.kernel import Kernel
     if not isinstance(kernel, Kernel):
         raise CallError(f"kernel must come from attncc.compile(...), got {type(kernel).__name__}")
     if not isinstance(training, bool):

@@ -124,7 +124,8 @@ def kernel_for(*, packed: bool = False, **options):
     key = (packed, *sorted(options.items()))
     kernel = _KERNELS.get(key)
     if kernel is None:
-        from . import compile as compile_spec, varlen
+        from .runtime.kernel import compile as compile_spec
+        from .runtime.packed import varlen
         text = variant_text(**options)
         kernel = varlen(text) if packed else compile_spec(text)
         _KERNELS[key] = kernel

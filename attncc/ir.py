@@ -7,7 +7,7 @@ Nodes carry no source positions, so the same variant written either way is equal
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Union
 
 # ----------------------------------------------------------------------------- types
@@ -273,5 +273,86 @@ class Variant:
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
 
     def __str__(self) -> str:
-        from .printer import print_variant
         return print_variant(self)
+
+
+# ------------------------------------------------------------------ back to the language
+# IR -> the language, as ast.unparse is to Python: parsing the printed text gives the same
+# Variant (tests/test_language.py, test_fuzz.py).
+
+# Binding strength, loosest first; a child binding looser than its parent needs parentheses.
+OR, AND, NOT, CMP, SUM, PRODUCT, UNARY, ATOM = range(1, 9)
+LEVEL = {"+": SUM, "-": SUM, "*": PRODUCT, "/": PRODUCT, "//": PRODUCT, "%": PRODUCT}
+
+
+def print_expr(e) -> str:
+    return _fmt(e)[0]
+
+
+def _wrap(child, min_level: int) -> str:
+    text, level = _fmt(child)
+    return f"({text})" if level < min_level else text
+
+
+def _fmt(e):
+    """(text, binding level) of an expression."""
+    if isinstance(e, Const):
+        if e.type == BOOL:
+            return ("true" if e.value else "false"), ATOM
+        text = repr(e.value) if e.type == FLOAT else str(e.value)
+        return text, (UNARY if text.startswith("-") else ATOM)
+    if isinstance(e, (Var, Param)):
+        return e.name, ATOM
+    if isinstance(e, Load):
+        return f"{e.tensor}[{', '.join(print_expr(i) for i in e.indices)}]", ATOM
+    if isinstance(e, Member):
+        row = ", ".join(print_expr(i) for i in e.indices)
+        return f"{_wrap(e.item, SUM)} in {e.tensor}[{row}]", CMP
+    if isinstance(e, Call):
+        return f"{e.fn}({', '.join(print_expr(a) for a in e.args)})", ATOM
+    if isinstance(e, Where):
+        return f"where({print_expr(e.cond)}, {print_expr(e.then)}, {print_expr(e.other)})", ATOM
+    if isinstance(e, Neg):
+        return f"-{_wrap(e.operand, UNARY)}", UNARY
+    if isinstance(e, BinOp):
+        lvl = LEVEL[e.op]
+        # Left-associative: the right operand needs parentheses at equal strength.
+        return f"{_wrap(e.lhs, lvl)} {e.op} {_wrap(e.rhs, lvl + 1)}", lvl
+    if isinstance(e, Cmp):
+        # Comparisons chain in the language, so a comparison operand is always wrapped.
+        return f"{_wrap(e.lhs, SUM)} {e.op} {_wrap(e.rhs, SUM)}", CMP
+    if isinstance(e, Not):
+        return f"not {_wrap(e.operand, NOT)}", NOT
+    if isinstance(e, And):
+        return f"{_wrap(e.lhs, AND)} and {_wrap(e.rhs, AND + 1)}", AND
+    if isinstance(e, Or):
+        return f"{_wrap(e.lhs, OR)} or {_wrap(e.rhs, OR + 1)}", OR
+    raise TypeError(f"not an attncc expression: {e!r}")
+
+
+def _fmt_value(value, type_: str) -> str:
+    return print_expr(Const(value, type_))
+
+
+def print_variant(v: Variant) -> str:
+    lines = [f"attention {v.name} {{"]
+    if v.heads:
+        lines.append(f"    heads   {v.heads.q} / {v.heads.kv}")
+    if v.scale is not None:
+        lines.append(f"    scale   {print_expr(v.scale)}")
+    for p in v.params:
+        lines.append(f"    param   {p.name}: {p.type} = {_fmt_value(p.value, p.type)}")
+    for i in v.inputs:
+        axes = ", ".join(str(a) for a in i.axes)
+        lines.append(f"    {'learnable ' if i.learnable else ''}input   {i.name}: {i.dtype}[{axes}]")
+    if v.mask is not None:
+        lines.append(f"    mask    {print_expr(v.mask)}")
+    if v.layout is not None:
+        lines.append(f"    layout  {print_expr(v.layout)}")
+        lines.append(f"    block   {v.block}")
+    if v.score is not None:
+        lines.append(f"    score   {print_expr(v.score)}")
+    if v.dropout is not None:
+        lines.append(f"    dropout {v.dropout!r}")
+    lines.append("}")
+    return "\n".join(lines) + "\n"

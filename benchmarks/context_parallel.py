@@ -14,7 +14,7 @@ overlap.
 
 Correctness first, on every rank count: at --check-len tokens, causal, sliding window,
 document mask, a block layout and dropout, forward and gradients of the gathered
-result against the float64 reference with the tolerance rule (attncc/tolerance.py); at
+result against the float64 reference with the tolerance rule (attncc/tools/tolerance.py); at
 the timed length, the gathered causal result against the single-GPU kernel's.
 
 Configs: the tuner picks tiles per length bucket on first use (about 30 s at these
@@ -46,10 +46,10 @@ LAYOUT_BLOCK = 128 if torch.cuda.is_available() else 16  # the CPU smoke test's 
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import attncc  # noqa: E402
-from attncc import distributed as cp  # noqa: E402
-from attncc import tuning  # noqa: E402
-from attncc.reference import scale_value  # noqa: E402
-from attncc.tolerance import gradient_scales, max_abs_error, within_tolerance  # noqa: E402
+from attncc import distributed as cp
+from attncc.runtime import tuning
+from attncc.semantics.reference import scale_value
+from attncc.tools.tolerance import gradient_scales, max_abs_error, within_tolerance
 
 SPECS = {
     "causal": "attention causal { mask q >= k }",

@@ -39,11 +39,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import attncc  # noqa: E402
-from attncc import decoding, tuning  # noqa: E402
-from attncc.decode_bench import (bench_decode, decode_inputs, format_decode,  # noqa: E402
-                                 paged_copy, peak_bandwidth, time_ms)
-from attncc.decoding import DecodeProblem, candidates, decode_reference  # noqa: E402
-from attncc.tolerance import max_abs_error, within_tolerance  # noqa: E402
+from attncc.runtime import decoding, tuning
+from attncc.tools.decode_bench import bench_decode, decode_inputs, format_decode, paged_copy, peak_bandwidth, time_ms
+from attncc.runtime.decoding import DecodeProblem, candidates, decode_reference
+from attncc.tools.tolerance import max_abs_error, within_tolerance
 
 HEADS, DIM = (32, 8), 128
 DEVICE, DTYPE = "cuda", torch.bfloat16

@@ -8,7 +8,7 @@ Correctness: every example variant the Gluon backend takes, compiled with
 backend="gluon", in bf16 at head dim 128 on two shapes (len_q = len_k = 300 over two
 batches; len_q 200 != len_k 517), fp16 on a subset, head dims 64 and 256 on a subset,
 one query token, GQA, offsets, and the backward (portable, fed by the Gluon forward's
-output and LSE) on a few; each held to attncc/tolerance.py's rule against
+output and LSE) on a few; each held to attncc/tools/tolerance.py's rule against
 attncc.reference in float64, with the LSE's -inf rows matched exactly. A watchdog ends
 the process if a case hangs (a wrong mbarrier phase deadlocks), naming the case.
 
@@ -32,10 +32,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import attncc  # noqa: E402
-from attncc import gluon  # noqa: E402
-from attncc.arguments import Problem  # noqa: E402
-from attncc.samples import sample_inputs  # noqa: E402
-from attncc.tolerance import gradient_scales, max_abs_error, within_tolerance  # noqa: E402
+from attncc.codegen import gluon
+from attncc.arguments import Problem
+from attncc.tools.samples import sample_inputs
+from attncc.tools.tolerance import gradient_scales, max_abs_error, within_tolerance
 
 OUT = os.environ.get("OUT", "out")
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
@@ -107,7 +107,7 @@ def check_case(name, variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, backward=False, q
         grads = torch.autograd.grad(out, (q, k, v), do)
         rgrads = torch.autograd.grad(ref, (qr, kr, vr), do.double())
         egrads = torch.autograd.grad(eager, (qe, ke, ve), do)
-        from attncc.reference import scale_value
+        from attncc.semantics.reference import scale_value
         scales = gradient_scales(qr, kr, ref, do, scale_value(variant, D), Hq // Hkv)
         for n, g, rg, eg in zip("qkv", grads, rgrads, egrads):
             rows.append(_compare(f"d{n}", g, rg, eg, dtype, scales.get(f"d{n}", 1.0)))
@@ -211,7 +211,7 @@ def _median_ms(fn):
 
 def speed(args, dog):
     from gpu_suite import VARIANTS, anchor_problem
-    from attncc.commands import pairs_per_head
+    from attncc.tools.bench_command import pairs_per_head
     rows = []
     plan = [(n, 128) for n in args.variants.split(",")]
     plan += [("full", int(d)) for d in args.full_dims.split(",") if d]

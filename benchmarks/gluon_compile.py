@@ -28,10 +28,10 @@ from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import attncc  # noqa: E402
-from attncc import gluon  # noqa: E402
-from attncc.arguments import Problem  # noqa: E402
-from attncc.runtime import load_generated  # noqa: E402
-from attncc.samples import sample_inputs  # noqa: E402
+from attncc.codegen import gluon
+from attncc.arguments import Problem
+from attncc.runtime.cache import load_generated
+from attncc.tools.samples import sample_inputs
 
 
 class Sm90Driver:

@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import attncc  # noqa: E402
-from attncc.reference import allowed_pairs  # noqa: E402
-from attncc.arguments import Problem  # noqa: E402
-from attncc.tolerance import gradient_scales, within_tolerance  # noqa: E402
+from attncc.semantics.reference import allowed_pairs
+from attncc.arguments import Problem
+from attncc.tools.tolerance import gradient_scales, within_tolerance
 
 OUT = os.environ.get("OUT", "out")
 
@@ -86,7 +86,7 @@ def error_vs_reference(variant, q, k, v, inputs, dtype, seed):
     qe = [t.to(dtype).requires_grad_() for t in (q, k, v)]
     eager, else_ = attncc.reference(variant, *qe, return_lse=True, dropout_seed=seed, **inputs)
     egrads = torch.autograd.grad(eager, qe, do)
-    from attncc.reference import scale_value
+    from attncc.semantics.reference import scale_value
     scales = gradient_scales(q64[0], q64[1], ref, do, scale_value(variant, q.shape[-1]),
                              q.shape[1] // k.shape[1])
     rows = []
@@ -239,7 +239,7 @@ def speed(args):
             row["first_call_s"] = time.perf_counter() - t0  # compile + tune, fwd and bwd
             configs = [None]
             if args.sweep:
-                from attncc.tuning import candidates, keep
+                from attncc.runtime.configs import candidates, keep
                 configs = [c for c in candidates("fwd") if keep(c, variant, D, "fwd")][:5]
             best = None
             for cfg in configs:

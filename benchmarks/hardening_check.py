@@ -33,8 +33,8 @@ import torch
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 import attncc  # noqa: E402
-from attncc.reference import scale_value  # noqa: E402
-from attncc.tolerance import gradient_scales, max_abs_error, within_tolerance  # noqa: E402
+from attncc.semantics.reference import scale_value
+from attncc.tools.tolerance import gradient_scales, max_abs_error, within_tolerance
 
 OUT = os.environ.get("OUT", "out")
 RESULTS: dict = {}

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 import attncc
-from attncc import runtime, tuning
-from attncc.codegen import generate
+import attncc.version
+from attncc.runtime import cache, configs, settings, tuning
+from attncc.codegen.portable import generate
 
 SPEC = "attention cached { mask q >= k and q - k < 21 }"
 CALL_AND_CHECK = """
@@ -146,9 +147,9 @@ def test_a_warm_start_imports_the_cached_module_without_the_generator(tmp_path):
 def test_the_module_index_is_keyed_by_the_generator(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
     variant = attncc.parse(SPEC)
-    first = runtime._index_path(variant)
-    monkeypatch.setattr(runtime, "generator_digest", lambda: "another-attncc")
-    assert runtime._index_path(variant) != first and variant.key() in first.name
+    first = cache._index_path(variant)
+    monkeypatch.setattr(cache, "generator_digest", lambda: "another-attncc")
+    assert cache._index_path(variant) != first and variant.key() in first.name
 
 
 # ------------------------------------------------------------------ (c) the tuning cache
@@ -184,7 +185,7 @@ def test_tuning_entries_accumulate_and_a_missing_file_is_created(tmp_path):
 STORE_MANY = """
 import os, sys, time
 from pathlib import Path
-from attncc import tuning
+from attncc.runtime import tuning
 path, who, start, n = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 while not os.path.exists(start):
     time.sleep(0.0005)
@@ -201,13 +202,13 @@ def test_processes_storing_different_keys_at_once_keep_every_entry(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", STORE_MANY, str(path), who,
                                str(tmp_path / "start"), str(n)], env=env_for(tmp_path),
                               stderr=subprocess.PIPE, text=True) for who in ("a", "b")]
-    time.sleep(1.0)  # both have imported attncc.tuning (a light import) by now
+    time.sleep(1.0)  # both have imported attncc.runtime.tuning (a light import) by now
     (tmp_path / "start").touch()
     for p in procs:
         _, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
     data = json.loads(path.read_text())
-    assert all(tuning.check_config(c, "t") for c in data.values())
+    assert all(configs.check_config(c, "t") for c in data.values())
     assert set(data) == {f"{w}-{i}" for w in "ab" for i in range(n)}
 
 
@@ -220,11 +221,11 @@ def test_module_name_and_digest_change_with_the_ir(tmp_path, monkeypatch):
     ga, gb = generate(a), generate(b)
     assert ga.module_name != gb.module_name and a.key() in ga.module_name
     assert ga.source != gb.source
-    (gen_a, mod_a), (gen_b, mod_b) = runtime.load_generated(a), runtime.load_generated(b)
+    (gen_a, mod_a), (gen_b, mod_b) = cache.load_generated(a), cache.load_generated(b)
     assert mod_a.__file__ != mod_b.__file__
     assert len(list((tmp_path / "modules").glob("attncc_w_*.py"))) == 2
     # And the same IR, parsed again, names the same module.
-    assert runtime.load_generated(attncc.parse(
+    assert cache.load_generated(attncc.parse(
         "attention w { param window: int = 8 mask q >= k and q - k < window }"))[1] is mod_a
 
 
@@ -252,7 +253,7 @@ def test_tuning_file_path_names_the_gpu_and_every_version(tmp_path, monkeypatch)
     assert v.key() in path.name
     other = attncc.parse("attention w { param window: int = 9 mask q - k < window }")
     assert tuning._cache_file(other) != path
-    monkeypatch.setattr(attncc, "__version__", "9.9.9")
+    monkeypatch.setattr(attncc.version, "__version__", "9.9.9")
     assert tuning._cache_file(v) != path and "attncc9.9.9" in str(tuning._cache_file(v))
     monkeypatch.setattr(triton, "__version__", "0.0.1")
     assert "triton0.0.1" in str(tuning._cache_file(v))
@@ -269,7 +270,7 @@ def test_untuned_choice_skips_a_config_that_does_not_fit(monkeypatch, caplog):
     from types import SimpleNamespace
     from attncc.arguments import Problem
     monkeypatch.setenv("ATTNCC_TUNE", "0")
-    monkeypatch.setattr(runtime, "interpreting", lambda: False)
+    monkeypatch.setattr(settings, "interpreting", lambda: False)
     kernel = SimpleNamespace(key="k-untuned-test", pinned_config=None,
                              variant=attncc.parse("attention rel { mask q >= k }"))
     problem = Problem(1, 2, 2, 4096, 4096, 128, 128)
@@ -306,7 +307,7 @@ def test_tuning_progress_names_the_layout_density_it_tuned_on(monkeypatch, caplo
     assert attncc.compile("attention c { mask q >= k }")._tuning_context(problem, {}, q.device) is None
 
     monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))  # a fresh tuning cache
-    monkeypatch.setattr(runtime, "interpreting", lambda: False)
+    monkeypatch.setattr(settings, "interpreting", lambda: False)
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
     kernel = SimpleNamespace(key="k-density-test", pinned_config=None, variant=real.variant)
     with caplog.at_level(logging.INFO, logger="attncc.tuning"):
@@ -323,7 +324,7 @@ def test_kept_tables_tune_per_density_bucket(monkeypatch, caplog, tmp_path):
     assert [tuning.density_bucket(d) for d in (0.03, 0.0312, 0.04, 0.06, 0.3, 1.0, 0.0)] == \
         ["1/32", "1/32", "1/32", "1/16", "1/4", "1/1", "1/64"]
     monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(runtime, "interpreting", lambda: False)
+    monkeypatch.setattr(settings, "interpreting", lambda: False)
     timings = {64: 2.0, 128: 1.0}  # 128-row tiles win at one density...
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: timings[fn()])
     kernel = SimpleNamespace(key="k-bucket-test", pinned_config=None,
@@ -371,7 +372,7 @@ def test_a_call_with_kept_tables_passes_their_density_to_the_tuner(monkeypatch):
 
 def test_an_unknown_backward_schedule_is_refused_by_name():
     env = dict(os.environ, ATTNCC_BACKWARD="streams")
-    done = subprocess.run([sys.executable, "-c", "import attncc.runtime"], env=env,
+    done = subprocess.run([sys.executable, "-c", "import attncc.runtime.settings"], env=env,
                           capture_output=True, text=True)
     assert done.returncode != 0
     assert "ATTNCC_BACKWARD='streams': expected one of ('one-launch', 'sequential')" in done.stderr

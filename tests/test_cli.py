@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import attncc
-from attncc import commands
+from attncc.tools import bench_command, check_command, density, flex, samples, tolerance
 from attncc.arguments import Problem
-from attncc.cli import main
-from attncc.codegen import generate
-from attncc.reference import allowed_pairs, reference, scale_value
+from attncc.tools.cli import main
+from attncc.codegen.portable import generate
+from attncc.semantics.reference import allowed_pairs, reference, scale_value
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -31,7 +31,7 @@ ALL_EXAMPLES = sorted(EXAMPLES.glob("*.attn"))
 def run_cli(*argv, env_extra=None, drop=(), timeout=120):
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "attncc.cli", *argv], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "attncc", *argv], capture_output=True,
                           text=True, env=env, timeout=timeout, cwd=ROOT)
 
 
@@ -61,6 +61,19 @@ def test_compile_writes_a_standalone_module(name, tmp_path, capsys):
     assert f"strategy  {generate(variant).strategy}" in out
     assert "interpreter: fwd 16x16" in out
     assert "written" in out
+
+
+@pytest.mark.parametrize("schedule,want", [("one-launch", "bwd "), ("sequential", "dq ")])
+def test_compile_reports_the_backward_the_runtime_runs(schedule, want, tmp_path, capsys,
+                                                       monkeypatch):
+    # The backward's schedule is decided in one place (runtime/settings.py): with
+    # ATTNCC_BACKWARD=sequential a table-driven variant runs dQ then dK/dV, and `compile`
+    # says so instead of the one launch.
+    from attncc.runtime import settings
+    monkeypatch.setattr(settings, "TABLES_BACKWARD", schedule)
+    assert main(["compile", str(EXAMPLES / "document.attn"), "-o", str(tmp_path)]) == 0
+    tiles = [line for line in capsys.readouterr().out.splitlines() if line.startswith("tiles")][0]
+    assert f", {want}" in tiles and (("dkdv " in tiles) == (schedule == "sequential"))
 
 
 def test_compile_writes_only_when_changed(tmp_path, capsys):
@@ -177,7 +190,7 @@ def test_check_refuses_bfloat16_under_the_interpreter(monkeypatch, capsys):
     (1e-4, math.nan, torch.float32, False),
 ])
 def test_within_tolerance_truth_table(err_kernel, err_eager, dtype, ok):
-    assert commands.within_tolerance(err_kernel, err_eager, dtype) is ok
+    assert tolerance.within_tolerance(err_kernel, err_eager, dtype) is ok
 
 
 def test_gradient_slack_covers_the_rounded_output_of_a_one_key_row():
@@ -185,7 +198,7 @@ def test_gradient_slack_covers_the_rounded_output_of_a_one_key_row():
     # delta from the stored bf16 O: dk keeps |dO * O| * u noise (GPU run 12 measured
     # 8.4e-3 against a unit-scale slack of 8e-3). The gradient scale covers that noise
     # in every draw, and an error of a real bug's size still fails.
-    from attncc.tolerance import gradient_scales, within_tolerance
+    from attncc.tools.tolerance import gradient_scales, within_tolerance
     gen = torch.Generator().manual_seed(0)
     worst = 0.0
     for _ in range(50):
@@ -203,10 +216,10 @@ def test_gradient_slack_covers_the_rounded_output_of_a_one_key_row():
 
 def test_max_abs_error_nan_and_infinite_rows():
     ref = torch.tensor([1.0, -math.inf, 2.0])
-    assert commands.max_abs_error(torch.tensor([1.5, -math.inf, 2.0]), ref) == 0.5
-    assert math.isinf(commands.max_abs_error(torch.tensor([1.0, 0.0, 2.0]), ref))       # lost -inf
-    assert math.isinf(commands.max_abs_error(torch.tensor([-math.inf, -math.inf, 2.0]), ref))  # extra
-    assert math.isnan(commands.max_abs_error(torch.tensor([1.0, -math.inf, math.nan]), ref))
+    assert tolerance.max_abs_error(torch.tensor([1.5, -math.inf, 2.0]), ref) == 0.5
+    assert math.isinf(tolerance.max_abs_error(torch.tensor([1.0, 0.0, 2.0]), ref))       # lost -inf
+    assert math.isinf(tolerance.max_abs_error(torch.tensor([-math.inf, -math.inf, 2.0]), ref))  # extra
+    assert math.isnan(tolerance.max_abs_error(torch.tensor([1.0, -math.inf, math.nan]), ref))
 
 
 class _FakeKernel:
@@ -229,7 +242,7 @@ class _FakeKernel:
 ])
 def test_check_shape_flags_a_wrong_output(damage, ok):
     variant = attncc.load(EXAMPLES / "relative_bias.attn")
-    rows = commands.check_shape(variant, _FakeKernel(variant, damage), batch=2, heads=(2, 2),
+    rows = check_command.check_shape(variant, _FakeKernel(variant, damage), batch=2, heads=(2, 2),
                                 len_q=13, len_k=17, dim=16, dtype=torch.float32, device="cpu", seed=0)
     assert [r[0] for r in rows] == ["out", "lse", "dq", "dk", "dv", "dbias"]
     assert dict((r[0], r[3]) for r in rows)["out"] is ok
@@ -237,7 +250,7 @@ def test_check_shape_flags_a_wrong_output(damage, ok):
 
 
 def test_poisoned_allocations_fill_empty_tensors_with_nan():
-    with commands.poisoned_allocations():
+    with check_command.poisoned_allocations():
         assert torch.isnan(torch.empty(4)).all()
     assert not torch.are_deterministic_algorithms_enabled()
 
@@ -246,11 +259,11 @@ def test_poisoned_allocations_fill_empty_tensors_with_nan():
 def test_sample_inputs_are_deterministic_documents_and_sparse_layouts():
     variant = attncc.load(EXAMPLES / "document.attn")
     p = Problem(1, 1, 1, 700, 900, 16, 16)
-    a, b = commands.sample_inputs(variant, p, seed=3), commands.sample_inputs(variant, p, seed=3)
+    a, b = samples.sample_inputs(variant, p, seed=3), samples.sample_inputs(variant, p, seed=3)
     assert torch.equal(a["doc_q"], b["doc_q"]) and a["doc_q"].dtype == torch.int32
     assert torch.equal(a["doc_k"][:700], a["doc_q"])  # one numbering of positions
     assert (a["doc_k"].diff() >= 0).all() and a["doc_k"].unique().numel() >= 2
-    lay = commands.sample_inputs(attncc.load(EXAMPLES / "bigbird.attn"),
+    lay = samples.sample_inputs(attncc.load(EXAMPLES / "bigbird.attn"),
                                  Problem(1, 1, 1, 128 * 64, 128 * 64, 16, 16))["random_blocks"]
     assert lay.dtype == torch.bool and abs(lay.float().mean().item() - 0.25) < 0.03
 
@@ -258,7 +271,7 @@ def test_sample_inputs_are_deterministic_documents_and_sparse_layouts():
 def test_tile_visit_fraction_matches_a_naive_loop():
     g = torch.Generator().manual_seed(0)
     allowed = torch.rand(2, 3, 45, 70, generator=g) < 0.02
-    visited, total = commands.tile_visit_fraction(allowed, 16, 32)
+    visited, total = density.tile_visit_fraction(allowed, 16, 32)
     naive = sum(bool(allowed[b, h, i:i + 16, j:j + 32].any())
                 for b in range(2) for h in range(3) for i in range(0, 45, 16) for j in range(0, 70, 32))
     assert total == 3 * 3 and visited == pytest.approx(naive / 6)
@@ -274,11 +287,11 @@ def test_bench_without_a_gpu_exits_2(capsys):
 @pytest.mark.parametrize("spec", ALL_EXAMPLES, ids=lambda p: p.stem)
 def test_flex_mask_mod_is_allowed_pairs(spec):
     variant = attncc.load(spec)
-    hq, hkv = commands.default_heads(variant, 2)
+    hq, hkv = samples.default_heads(variant, 2)
     B, L = 2, 300
     p = Problem(B, hq, hkv, L, L - 37, 16, 16)
-    inputs = commands.sample_inputs(variant, p, seed=1)
-    mask_mod, _ = commands.flex_mods(variant, len_q=L, len_k=L - 37, dim=16, inputs=inputs)
+    inputs = samples.sample_inputs(variant, p, seed=1)
+    mask_mod, _ = flex.flex_mods(variant, len_q=L, len_k=L - 37, dim=16, inputs=inputs)
     want = allowed_pairs(variant, p, inputs, "cpu").expand(B, hq, L, L - 37)
     if mask_mod is None:
         assert want.all()
@@ -294,8 +307,8 @@ def test_flex_mods_reproduce_the_reference_in_eager_flex_attention(name):
     variant = attncc.load(EXAMPLES / f"{name}.attn")
     B, H, L, D = 1, 2, 96, 16
     p = Problem(B, H, H, L, L, D, D)
-    inputs = commands.sample_inputs(variant, p, seed=2)
-    mask_mod, score_mod = commands.flex_mods(variant, len_q=L, len_k=L, dim=D, inputs=inputs)
+    inputs = samples.sample_inputs(variant, p, seed=2)
+    mask_mod, score_mod = flex.flex_mods(variant, len_q=L, len_k=L, dim=D, inputs=inputs)
     block_mask = None
     if mask_mod is not None:  # under vmap, as FlexAttention evaluates it
         block_mask = create_block_mask(mask_mod, B, H, L, L, device="cpu", BLOCK_SIZE=32)
@@ -321,19 +334,19 @@ def test_flex_mods_reproduce_the_reference_in_eager_flex_attention(name):
     ("bigbird", 256, 256, None),
 ])
 def test_sdpa_expressible(name, len_q, len_k, want):
-    assert commands.sdpa_expressible(attncc.load(EXAMPLES / f"{name}.attn"), len_q, len_k) == want
+    assert flex.sdpa_expressible(attncc.load(EXAMPLES / f"{name}.attn"), len_q, len_k) == want
 
 
 def test_pairs_per_head_exact_and_sampled(monkeypatch):
     variant = attncc.load(EXAMPLES / "causal.attn")
     p = Problem(4, 2, 2, 1000, 1000, 16, 16)
-    pairs, exact = commands.pairs_per_head(variant, p, {}, "cpu")
+    pairs, exact = bench_command.pairs_per_head(variant, p, {}, "cpu")
     assert exact and pairs == 1000 * 1001 / 2
-    monkeypatch.setattr(commands, "MAX_BENCH_EXACT_LEN", 100)
-    monkeypatch.setattr(commands, "BENCH_SAMPLE_SIDE", 128)
-    est, exact = commands.pairs_per_head(variant, p, {}, "cpu")
+    monkeypatch.setattr(bench_command, "MAX_BENCH_EXACT_LEN", 100)
+    monkeypatch.setattr(bench_command, "BENCH_SAMPLE_SIDE", 128)
+    est, exact = bench_command.pairs_per_head(variant, p, {}, "cpu")
     assert not exact and est == pytest.approx(pairs, rel=0.02)
-    flops = commands.attention_flops(pairs, batch=4, heads=2, dim=16)
+    flops = bench_command.attention_flops(pairs, batch=4, heads=2, dim=16)
     assert flops["fwd"] == 4 * 4 * 2 * 16 * pairs and flops["bwd"] == 2.5 * flops["fwd"]
 
 
@@ -343,5 +356,5 @@ def test_bench_table_formats_skips_and_ratios():
     res = {"attncc": {"fwd_ms": 1.0, "bwd_ms": 2.0, "fwd_tflops": 100.0, "bwd_tflops": 120.0},
            "flex": {"fwd_ms": 1.5, "bwd_ms": 3.0, "fwd_tflops": 66.7, "bwd_tflops": 80.0},
            "sdpa-flash": {"skipped": "not expressible"}}
-    text = commands.format_bench(meta, res)
+    text = bench_command.format_bench(meta, res)
     assert "1.50x" in text and "sdpa-flash  skipped: not expressible" in text

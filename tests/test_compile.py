@@ -1,4 +1,4 @@
-"""Kernels under torch.compile: each variant is a torch.library operator (attncc/ops.py).
+"""Kernels under torch.compile: each variant is a torch.library operator (attncc/runtime/ops.py).
 
 A compiled call must trace with no graph break (`fullgraph=True`), compile once for
 every sequence length (the lengths are marked dynamic, so a specialisation would be an
@@ -287,7 +287,7 @@ def test_the_autograd_graph_keeps_its_kernel_and_tables_alive():
 
 
 def test_a_graph_outliving_its_kernel_says_so():
-    from attncc import ops
+    from attncc.runtime import ops
     kernel = attncc.compile(WINDOW)
     q, k, v, _ = qkv(20)
     forward = kernel._ops.forward

@@ -17,16 +17,15 @@ import pytest
 import torch
 
 import attncc
-from attncc import tuning
-from attncc.decoding import (DecodeProblem, candidates, check_decode_config, decode_reference,
-                             default_splits, tuning_key)
+from attncc.runtime import tuning
+from attncc.runtime.decoding import DecodeProblem, candidates, check_decode_config, decode_reference, default_splits, tuning_key
 from attncc.errors import CallError
-from attncc.reference import allowed_pairs
+from attncc.semantics.reference import allowed_pairs
 from attncc.arguments import Problem
-from attncc.tolerance import max_abs_error, within_tolerance
+from attncc.tools.tolerance import max_abs_error, within_tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TILE = 16  # the interpreter's BLOCK_N (attncc/decoding.py)
+TILE = 16  # the interpreter's BLOCK_N (attncc/runtime/decoding.py)
 
 CAUSAL = "attention causal { mask q >= k }"
 WINDOW_SINKS = "attention window_sinks { mask q >= k and (q - k < 20 or k < 3) }"
@@ -90,7 +89,7 @@ def poison_unread(variant, k, v, seqlens, n_q, n_new, Hq, inputs, tile):
     row's keys, and in every key tile (of `tile` keys) where no query row of the kv head's
     group attends. (V at a read position is multiplied by its probability, so one NaN
     read gives NaN even where the probability is 0.)"""
-    from attncc.decoding import _row_inputs
+    from attncc.runtime.decoding import _row_inputs
     k, v = k.clone(), v.clone()
     B, Hkv, capacity, D = k.shape
     for b in range(B):
@@ -375,7 +374,7 @@ def test_decode_configs_are_cached_apart_from_the_training_configs(tmp_path):
 def test_bench_decode_without_a_gpu_exits_2(capsys):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    from attncc.cli import main
+    from attncc.tools.cli import main
     assert main(["bench", "examples/causal.attn", "--decode", "--len", "4096"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
@@ -386,8 +385,8 @@ def test_bench_decode_counts_the_keys_a_step_must_read_and_matches_flex():
     # the rows at the end of the cache, computes what decode_reference does.
     import warnings
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    from attncc.commands import flex_mods
-    from attncc.decode_bench import decode_allowed, format_decode, keys_read
+    from attncc.tools.flex import flex_mods
+    from attncc.tools.decode_bench import decode_allowed, format_decode, keys_read
     variant = attncc.parse(WINDOW_SINKS)
     B, heads, L, n_q, D = 2, (4, 2), 100, 1, 16
     allowed = decode_allowed(variant, batch=B, heads=heads, length=L, n_q=n_q, dim=D, inputs={},
@@ -418,10 +417,10 @@ def test_bench_decode_counts_the_keys_a_step_must_read_and_matches_flex():
 def test_the_tuned_config_is_stored_and_reused(tmp_path, monkeypatch):
     # The GPU branch of decode_config, with the timing replaced: tuned once on the first
     # call's key, read back from memory, then from disk by a process that forgot it.
-    from attncc import decoding, runtime
+    from attncc.runtime import decoding, settings
     monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("ATTNCC_TUNE", raising=False)  # GPU runs of the suite set it to 0
-    monkeypatch.setattr(runtime, "interpreting", lambda: False)
+    monkeypatch.setattr(settings, "interpreting", lambda: False)
     monkeypatch.setattr(decoding, "_sm_count", lambda device: 132)
     timed = []
 
@@ -480,7 +479,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import attncc
-from attncc.codegen import generate
+from attncc.codegen.portable import generate
 
 variant = attncc.parse(sys.argv[1])
 path = sys.argv[2]
@@ -503,7 +502,7 @@ def compile_for_sm90(fn, consts, stages):
             sig[n] = "constexpr"
         elif n in POINTERS:
             sig[n] = POINTERS[n]
-        elif n.endswith("_ptr"):  # an input x is in_x_ptr (attncc/elementwise.py)
+        elif n.endswith("_ptr"):  # an input x is in_x_ptr (attncc/codegen/elementwise.py)
             sig[n] = DTYPES[variant.input(n[len("in_"):-len("_ptr")]).dtype]
         else:
             sig[n] = "fp32" if n in ("sm_scale", "qk_scale") else "i32"

@@ -6,7 +6,7 @@ import pytest
 
 import attncc
 from attncc import ir
-from attncc.decorator import build_variant
+from attncc.frontend.decorator import build_variant
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 SPECS = sorted(EXAMPLES_DIR.glob("*.attn"))

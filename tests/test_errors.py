@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 import attncc
-from attncc import checker, parser
-from attncc.cli import main as cli_main
-from attncc.parser import parse_bytes
+from attncc.frontend import checker, parser
+from attncc.tools.cli import main as cli_main
+from attncc.frontend.parser import parse_bytes
 
 HERE = Path(__file__).resolve().parent
 GOLDEN = HERE / "golden" / "errors"
@@ -99,7 +99,7 @@ def test_show_bad_spec_prints_the_golden_message_and_exits_2(monkeypatch, capsys
 
 def test_show_in_a_subprocess_exits_2_without_a_traceback():
     case = GOLDEN / "unknown_name.attn"
-    r = subprocess.run([sys.executable, "-m", "attncc.cli", "show", case.name],
+    r = subprocess.run([sys.executable, "-m", "attncc", "show", case.name],
                        capture_output=True, text=True, cwd=GOLDEN, timeout=60)
     assert r.returncode == 2
     assert r.stdout == ""

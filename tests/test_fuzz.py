@@ -40,9 +40,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import attncc
-from attncc import checker, ir
-from attncc.decorator import build_variant
-from attncc.printer import print_variant
+from attncc.frontend import checker
+from attncc import ir
+from attncc.frontend.decorator import build_variant
+from attncc.ir import print_variant
 from test_kernels import compare
 
 KERNEL_SHARDS = 4  # parametrized, so `pytest -n 2` spreads the kernel examples over workers
@@ -359,7 +360,7 @@ def test_print_then_parse_gives_the_same_ir(variant):
 
 def python_source(e) -> str:
     """The expression as Python the decorator traces: & | ~ for and/or/not, attncc's
-    functions for the language's. Written independently of attncc.printer."""
+    functions for the language's. Written independently of attncc.ir.print_variant."""
     if isinstance(e, (ir.Var, ir.Param)):
         return e.name
     if isinstance(e, ir.Const):

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import attncc
-from attncc import gluon, tuning
-from attncc.cli import main
-from attncc.codegen import generate, template_context
+from attncc.codegen import gluon
+from attncc.runtime import backends, configs, tuning
+from attncc.tools.cli import main
+from attncc.codegen.portable import generate, template_context
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -68,21 +69,21 @@ def test_variants_the_gluon_forward_does_not_take_are_named():
     lists64 = attncc.parse("attention t { input top: i32[b, h, qb, 4] layout kb in top[b, h, qb] block 64 }")
     assert gluon.variant_unsupported(lists64) is None
     # Its tiles must nest in the 64-blocks: only 64-row, 64-column configs are offered.
-    kept = tuning.kept_candidates(lists64, 128, "gluon-fwd")
+    kept = configs.kept_candidates(lists64, 128, "gluon-fwd")
     assert kept and all(c["BLOCK_M"] <= 64 and c["BLOCK_N"] <= 64 for c in kept)
 
 
 def test_calls_the_gluon_forward_does_not_take_are_named():
     q = torch.randn(1, 2, 8, 128, dtype=torch.bfloat16)
-    assert gluon.call_unsupported(q, q, q) is None
+    assert backends.call_unsupported(q, q, q) is None
     f32 = q.float()
-    assert "float32" in gluon.call_unsupported(f32, f32, f32)
+    assert "float32" in backends.call_unsupported(f32, f32, f32)
     d96 = torch.randn(1, 2, 8, 96, dtype=torch.float16)
-    assert "head dim 96" in gluon.call_unsupported(d96, d96, d96)
+    assert "head dim 96" in backends.call_unsupported(d96, d96, d96)
     kt = torch.randn(1, 2, 128, 8, dtype=torch.bfloat16).transpose(2, 3)  # head dim strided
-    assert "k has strides" in gluon.call_unsupported(q, kt, q)
+    assert "k has strides" in backends.call_unsupported(q, kt, q)
     odd = torch.randn(1, 2, 8, 129, dtype=torch.bfloat16)[..., :128]  # rows of 258 bytes
-    assert "16-byte aligned" in gluon.call_unsupported(q, q, odd)
+    assert "16-byte aligned" in backends.call_unsupported(q, q, odd)
 
 
 def test_candidates_fit_and_pinned_configs_are_checked():
@@ -124,11 +125,11 @@ def test_dispatch_without_an_sm90_gpu():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's dispatch")
 def test_no_gpu_is_named_outside_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    gluon._device_unsupported.cache_clear()
+    backends._device_unsupported.cache_clear()
     try:
-        assert "no CUDA GPU" in gluon.environment_unsupported()
+        assert "no CUDA GPU" in backends.environment_unsupported()
     finally:
-        gluon._device_unsupported.cache_clear()
+        backends._device_unsupported.cache_clear()
 
 
 def test_cli_compile_backend_gluon_writes_both_modules(tmp_path, capsys):

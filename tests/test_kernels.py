@@ -1,7 +1,7 @@
 """Generated kernels against the float64 reference: every example, awkward shapes, dtypes.
 
 On the CPU the kernels run under the Triton interpreter (tests/conftest.py) in float32
-and float16 (the interpreter mis-multiplies bfloat16, DESIGN.md §7); on a GPU the same
+and float16 (the interpreter mis-multiplies bfloat16: the README's "Testing" section); on a GPU the same
 tests run natively. A result passes when its error against float64 is within twice
 the error of the same computation done eagerly in the same dtype, plus twice the
 dtype's resolution at the result's scale (`within_tolerance`).
@@ -16,10 +16,10 @@ import torch
 
 import attncc
 from attncc import ir
-from attncc.codegen import generate
+from attncc.codegen.portable import generate
 from attncc.errors import CallError
-from attncc.reference import scale_value
-from attncc.tolerance import gradient_scales, max_abs_error, within_tolerance
+from attncc.semantics.reference import scale_value
+from attncc.tools.tolerance import gradient_scales, max_abs_error, within_tolerance
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.attn"))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -326,7 +326,7 @@ def test_learnable_bias_gets_gradients():
 
 
 def test_generated_source_is_deterministic_and_standalone():
-    from attncc.codegen import generate
+    from attncc.codegen.portable import generate
     for path in EXAMPLES:
         v = attncc.parse_file(path)
         a, b = generate(v).source, generate(attncc.parse_file(path)).source

@@ -7,9 +7,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attncc
-from attncc import ir, ranges
-from attncc.evaluate import evaluate
-from attncc.printer import print_expr
+from attncc import ir
+from attncc.analysis import ranges
+from attncc.semantics.evaluate import evaluate
+from attncc.ir import print_expr
 
 Q, K, S, H = ir.Var("q"), ir.Var("k"), ir.Var("s"), ir.Var("h")
 
@@ -71,7 +72,7 @@ def test_an_empty_variant_is_full_attention():
 
 def test_a_byte_order_mark_and_windows_line_endings_are_accepted():
     text = "attention a {\r\n    mask q >= k\r\n}\r\n"
-    assert attncc.parser.parse_bytes(b"\xef\xbb\xbf" + text.encode()) == attncc.parse(text)
+    assert attncc.frontend.parser.parse_bytes(b"\xef\xbb\xbf" + text.encode()) == attncc.parse(text)
 
 
 def test_int_param_value_for_a_float_param_becomes_float():
@@ -196,7 +197,7 @@ DECLS = "param w: int = 3\ninput t: i32[k]\n"  # t reads are integers
 
 
 def _in_range(e) -> bool:
-    """Whether attncc.ranges accepts `e` over DECLS: no divisor that can be 0, no
+    """Whether attncc.analysis.ranges accepts `e` over DECLS: no divisor that can be 0, no
     integer past 64 bits. The parser must refuse exactly the trees it refuses."""
     try:
         ranges.check(e, {"w": 3}, {"t": ir.InputDecl("t", "i32", ("k",))})

@@ -15,8 +15,8 @@ import torch
 
 import attncc
 from attncc.errors import CallError
-from attncc.reference import scale_value
-from attncc.tolerance import max_abs_error, within_tolerance
+from attncc.semantics.reference import scale_value
+from attncc.tools.tolerance import max_abs_error, within_tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -52,8 +52,8 @@ def allowed_scores(variant, q, k, **inputs):
     """The scaled, modified scores in float64 and which pairs attend, computed here from
     the definition (not through attncc.reference's softmax)."""
     from attncc.arguments import bind
-    from attncc.evaluate import evaluate
-    from attncc.reference import allowed_pairs, index_env
+    from attncc.semantics.evaluate import evaluate
+    from attncc.semantics.reference import allowed_pairs, index_env
     q, k = q.double(), k.double()
     p = bind(variant, q, k, k, inputs, exact_float_inputs=False)
     s = q @ k.repeat_interleave(p.group, dim=1).transpose(-1, -2) * scale_value(variant, p.dim)

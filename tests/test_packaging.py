@@ -78,8 +78,14 @@ def test_installed_package_carries_its_grammar_and_templates(venv):
         assert any(resources.templates_dir().glob("*.jinja"))
         v = attncc.parse_file({str(example)!r})
         assert v.name == "sliding_window" and v.param("window").value == 1024
-        import attncc.flash, attncc.packed, attncc.integrations.transformers
+        import attncc.flash, attncc.integrations.transformers
+        # every stage of the pipeline is a subpackage the wheel must carry
+        import attncc.frontend.parser, attncc.analysis.bounds, attncc.semantics.reference
+        import attncc.codegen.portable, attncc.runtime.kernel, attncc.runtime.packed, attncc.tools.cli
         assert Path(attncc.integrations.transformers.__file__).resolve().is_relative_to(site)
+        from attncc.runtime import known_winners  # its table is package data
+        assert known_winners.WINNERS_FILE.resolve().is_relative_to(site)
+        known_winners.load_table()
         print("ok", resources.grammar_path())
     """)
     # -I: isolated mode, so neither the working directory nor PYTHONPATH can put the

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import attncc
-from attncc import plot
+from attncc.tools import plot
 from attncc.arguments import Problem
-from attncc.cli import main
+from attncc.tools.cli import main
 from attncc.errors import AttnccError
-from attncc.reference import allowed_pairs
+from attncc.semantics.reference import allowed_pairs
 
 SUMMARY = re.compile(r"allowed (\d+) of (\d+) \(q,k\) pairs.*?: (\d+) empty .*?, (\d+) partial .*?, "
                      r"(\d+) full .* of (\d+)$")

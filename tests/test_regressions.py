@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import attncc
-from attncc import runtime, tuning
+from attncc.runtime import cache, configs, settings, tuning
 
 from test_caches import CALL_AND_CHECK, SPEC, _cached_module, env_for
 from test_kernels import DEVICE, compare
@@ -207,7 +207,7 @@ def test_a_layout_written_behind_autograds_back_is_read_anew_once_its_version_is
 
 
 def test_ATTNCC_TABLE_CACHE_0_builds_tables_on_every_call(monkeypatch):
-    monkeypatch.setattr(runtime, "TABLE_CACHE", "0")
+    monkeypatch.setattr(settings, "TABLE_CACHE", "0")
     blocks, error = _selection_written_behind_autograds_back()
     assert error() < 1e-5
 
@@ -232,12 +232,12 @@ def test_a_tuning_entry_with_tiles_past_an_index_list_block_is_not_used():
     v = attncc.parse("attention t { input top: i32[h, qb, 2] layout kb in top[h, qb] block 16 }")
     bad = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
     good = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=2)
-    assert not tuning.usable(bad, v, 64, "fwd")
-    assert tuning.usable(good, v, 64, "fwd")
+    assert not configs.usable(bad, v, 64, "fwd")
+    assert configs.usable(good, v, 64, "fwd")
     # The Gluon forward's warp-specialized config (9 warps) is its own, not the portable one's.
     ws = dict(BLOCK_M=128, BLOCK_N=128, num_warps=9, num_stages=2)
     causal = attncc.parse("attention c { mask q >= k }")
-    assert tuning.usable(ws, causal, 128, "gluon-fwd") and not tuning.usable(ws, causal, 128, "fwd")
+    assert configs.usable(ws, causal, 128, "gluon-fwd") and not configs.usable(ws, causal, 128, "fwd")
 
 
 def test_one_bad_tuning_entry_does_not_hide_or_drop_the_others(tmp_path):
@@ -251,20 +251,20 @@ def test_one_bad_tuning_entry_does_not_hide_or_drop_the_others(tmp_path):
 
 
 def test_a_module_index_entry_cannot_import_a_file_outside_the_cache(tmp_path, monkeypatch):
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(cache))
+    root = tmp_path / "cache"
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(root))
     v = attncc.parse("attention idx { mask q >= k and q - k < 7 }")
-    runtime.load_generated(v)
+    cache.load_generated(v)
     marker = tmp_path / "imported"
     evil = tmp_path / "evil.py"
     evil.write_text(f"open({str(marker)!r}, 'w').close()\n")
     digest = hashlib.sha256(evil.read_bytes()).hexdigest()
-    index = runtime._index_path(v)
+    index = cache._index_path(v)
     for module in ("../../evil", f"../../evil_{digest[:12]}", str(tmp_path / "evil")):
         index.write_text(json.dumps({"module": module, "strategy": "", "sha256": digest}))
-        assert runtime._load_indexed(v) is None, module
-        gen, mod = runtime.load_generated(v)  # a miss: generated again, into the cache
-        assert Path(mod.__file__).parent == cache / "modules"
+        assert cache._load_indexed(v) is None, module
+        gen, mod = cache.load_generated(v)  # a miss: generated again, into the cache
+        assert Path(mod.__file__).parent == root / "modules"
     assert not marker.exists()
 
 
@@ -398,7 +398,7 @@ def test_decorator_arguments_of_the_wrong_type_are_named(kwargs, message):
 
 
 def test_check_dim_0_and_plot_into_a_missing_folder_are_clean_errors(tmp_path, capsys):
-    from attncc.cli import main
+    from attncc.tools.cli import main
     spec = tmp_path / "c.attn"
     spec.write_text("attention c { mask q >= k }\n")
     assert main(["check", str(spec), "--dim", "0"]) == 2

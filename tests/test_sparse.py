@@ -84,7 +84,7 @@ def test_sparse_heads_as_shipped_block_64():
 
 def test_sparse_heads_differ_by_head():
     from attncc.arguments import Problem
-    from attncc.reference import allowed_pairs
+    from attncc.semantics.reference import allowed_pairs
     v = example("sparse_heads", **{"block  64": "block 16", "int = 4": "int = 2"})
     allowed = allowed_pairs(v, Problem(1, 4, 4, 96, 96, 16, 16), {}, "cpu").expand(1, 4, 96, 96)
     assert torch.equal(allowed[0, 0], allowed[0, 2]) and torch.equal(allowed[0, 1], allowed[0, 3])
@@ -97,7 +97,7 @@ def test_sparse_heads_differ_by_head():
 def test_fixed_pattern_is_the_papers_element_mask():
     # With l = local * block and c = summary * block the layout is exact (Child et al. 3c).
     from attncc.arguments import Problem
-    from attncc.reference import allowed_pairs
+    from attncc.semantics.reference import allowed_pairs
     v = example("sparse_fixed", **{"block  128": "block 16"})
     L, l, c = 200, 4 * 16, 16
     got = allowed_pairs(v, Problem(1, 1, 1, L, L, 16, 16), {}, "cpu").expand(1, 1, L, L)[0, 0]
@@ -261,8 +261,8 @@ def test_analytic_variants_have_no_tables_to_keep():
 ], ids=["causal", "causal_one_tile", "full", "window", "layout", "document"])
 def test_density_is_the_fraction_of_tiles_with_a_pair_that_attends(spec, L, block):
     from attncc.arguments import Problem
-    from attncc.commands import tile_visit_fraction
-    from attncc.reference import allowed_pairs
+    from attncc.tools.density import tile_visit_fraction
+    from attncc.semantics.reference import allowed_pairs
     variant = attncc.parse(spec)
     gen = torch.Generator().manual_seed(9)
     inputs = {}
@@ -470,12 +470,13 @@ def test_density_curve_needs_a_gpu(capsys, monkeypatch):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-# ------------------------------------------------------------ benchmarks/low_density.py
+# ---------------------------------------------------- benchmarks/archive/low_density.py
 def test_low_density_edits_apply_to_the_template_and_keep_the_results(monkeypatch):
     # The edits are text substitutions of the generated module: each must still find
     # its text in what the template renders, and compute what the unedited module does
     # (on the GPU the benchmark times them; here they run under the interpreter).
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # density_curve
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks" / "archive"))
     import low_density as ld
     from density_curve import random_layout, sparse_spec
     kernel = attncc.compile(sparse_spec(16))
@@ -549,12 +550,12 @@ def test_chance_layout_matches_the_reference(config):
 
 
 def test_chance_draws_the_same_blocks_everywhere_with_about_p_on():
-    from attncc.random_blocks import chance
+    from attncc.semantics.random_blocks import chance
     kernel = attncc.compile(SEEDED)
     qb = torch.arange(300).view(-1, 1)
     kb = torch.arange(300).view(1, -1)
     here = chance(0.3, 5, 1, 2, qb, kb)
-    from attncc.random_blocks import threshold
+    from attncc.semantics.random_blocks import threshold
     assert torch.equal(kernel.module._h_chance(threshold(0.3), 5, 1, 2, qb, kb), here)
     assert abs(here.float().mean().item() - 0.3) < 0.01  # 90,000 draws
     assert not torch.equal(here, chance(0.3, 6, 1, 2, qb, kb)), "another seed, another draw"
@@ -562,7 +563,7 @@ def test_chance_draws_the_same_blocks_everywhere_with_about_p_on():
     assert chance(0.0, 1, qb, kb).sum() == 0 and chance(1.0, 1, qb, kb).all()
     # The reference evaluates the layout through the same function.
     v = attncc.parse(SEEDED)
-    from attncc.evaluate import evaluate
+    from attncc.semantics.evaluate import evaluate
     got = evaluate(v.layout, {"params": {"seed": 5}, "b": 1, "h": 2, "qb": qb, "kb": kb})
     assert torch.equal(got, (qb == kb) | here)
 

@@ -1,4 +1,4 @@
-"""Block skipping is never less conservative than the dense mask (DESIGN.md §4).
+"""Block skipping is never less conservative than the dense mask (the README's "Kernels" section, skipping levels 1 and 2).
 
 For each skipping level, over many variants, shapes and tile sizes, against the dense
 truth of `reference.allowed_pairs`:
@@ -6,10 +6,10 @@ truth of `reference.allowed_pairs`:
   1. no tile that holds an allowed pair is skipped, and
   2. a tile classified FULL is complete (every position is real) and all its pairs attend.
 
-Level 1, analytic bounds (attncc/bounds.py): the segment code is evaluated for every
+Level 1, analytic bounds (attncc/analysis/bounds.py): the segment code is evaluated for every
 tile of the other side and turned into tile ranges by `segment_ranges`, a replica of the
 template's macro of that name (itself checked against the rendered kernel source).
-Level 2, interval classification (attncc/intervals.py): the emitted lines run on a grid of
+Level 2, interval classification (attncc/analysis/intervals.py): the emitted lines run on a grid of
 all tiles at once, with per-block min/max summaries built here from the inputs.
 Level 3, tile tables: the generated module's host `tile_tables`, row and column lists.
 
@@ -24,10 +24,12 @@ import pytest
 import torch
 
 import attncc
-from attncc import bounds, codegen, intervals, ir
+from attncc.analysis import bounds, intervals
+from attncc.codegen import portable as codegen
+from attncc import ir
 from attncc.arguments import TORCH_DTYPES, Problem, axis_extent
-from attncc.reference import allowed_pairs
-from attncc.runtime import load_generated
+from attncc.semantics.reference import allowed_pairs
+from attncc.runtime.cache import load_generated
 
 BATCH, HEADS, HEAD_DIM = 2, 3, 64
 LENGTHS = [(1, 1), (7, 7), (16, 16), (33, 33), (100, 100), (257, 257),

@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")  # installed by the `test` extra
 
 import attncc.integrations.transformers as hf  # noqa: E402
-from attncc.errors import CallError  # noqa: E402
+from attncc.errors import CallError
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -22,8 +22,9 @@ import pytest
 import torch
 
 import attncc
-from attncc import commands, runtime, tuning
-from attncc.cli import build_parser, main
+from attncc.tools import check_command
+from attncc.runtime import cache, settings, tuning
+from attncc.tools.cli import build_parser, main
 from attncc.errors import CallError, SpecError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,9 +169,9 @@ def test_compile_options_it_does_not_take_say_what_to_do():
 
 # ================================================================== files
 def test_the_suite_runs_on_a_cache_of_its_own():
-    cache = runtime.cache_dir()
-    assert Path(cache).name.startswith("attncc-tests-")
-    assert Path(cache).parent == Path(tempfile.gettempdir())
+    root = cache.cache_dir()
+    assert Path(root).name.startswith("attncc-tests-")
+    assert Path(root).parent == Path(tempfile.gettempdir())
 
 
 @pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
@@ -178,7 +179,7 @@ def test_generated_files_get_the_permissions_the_umask_gives(tmp_path, umask, mo
     old = os.umask(umask)
     try:
         path = tmp_path / "m.py"
-        assert runtime.write_if_changed(path, "x = 1\n")
+        assert cache.write_if_changed(path, "x = 1\n")
         assert stat.S_IMODE(path.stat().st_mode) == mode
     finally:
         os.umask(old)
@@ -192,7 +193,7 @@ def test_compile_writes_a_module_others_can_read(tmp_path, capsys):
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "causal.py").stat().st_mode) == 0o644
-    assert cached.is_relative_to(runtime.cache_dir())
+    assert cached.is_relative_to(cache.cache_dir())
     assert stat.S_IMODE(cached.stat().st_mode) == 0o644
 
 
@@ -300,10 +301,10 @@ def test_the_diagnosis_names_log_of_a_negative_and_passes_finite_scores():
     from attncc.arguments import Problem
     p = Problem(1, 2, 2, 6, 6, 16, 16)
     bad = attncc.parse("attention l { score s + log(k - q + 2.0) }")
-    hint = commands.non_finite_score(bad, p, {})
+    hint = check_command.non_finite_score(bad, p, {})
     assert hint and "log" in hint and "`log(k - q + 2.0)`" in hint
     fine = attncc.parse("attention f { mask q > k score s + 1.0 / (q - k) }")
-    assert commands.non_finite_score(fine, p, {}) is None
+    assert check_command.non_finite_score(fine, p, {}) is None
 
 
 # ================================================================== packaging, lock, logging
@@ -340,7 +341,7 @@ def _fake_tuning(monkeypatch, tmp_path):
     from types import SimpleNamespace
     from attncc.arguments import Problem
     monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(runtime, "interpreting", lambda: False)
+    monkeypatch.setattr(settings, "interpreting", lambda: False)
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: 1.0)
     monkeypatch.setattr(tuning, "_MEMORY", {})
     kernel = SimpleNamespace(key="k-logging-test", pinned_config=None,
@@ -364,7 +365,7 @@ def test_tuning_progress_is_logged_and_quiet_by_default(monkeypatch, tmp_path, c
 
 def test_the_cli_shows_tuning_progress(monkeypatch, tmp_path, capsys):
     tune = _fake_tuning(monkeypatch, tmp_path)
-    from attncc import cli
+    from attncc.tools import cli
     monkeypatch.setitem(cli.COMMANDS, "show", lambda args: (tune(), 0)[1])
     assert main(["show", "x.attn"]) == 0
     assert "attncc: tuned logged" in capsys.readouterr().err

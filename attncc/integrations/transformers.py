@@ -39,7 +39,7 @@ import torch
 
 from .. import ir
 from ..errors import CallError
-from ..parser import parse
+from ..frontend.parser import parse
 
 # transformers dispatches on these substrings of a name (and on "eager" itself):
 # registering under them would shadow its own implementations or their checks.
@@ -221,7 +221,7 @@ class _Attention:
     def _variant(self, reading, softcap, scaling, dim, dropout_p) -> ir.Variant:
         """The variant for one kind of layer: the model's masks, the registered variant's
         mask and score, then the softcap."""
-        from ..checker import check_variant
+        from ..frontend.checker import check_variant
         model = model_mask_variant(*reading)
         base = self.variant or ir.Variant(name="hf")
         mask = model.mask
@@ -270,7 +270,7 @@ def _check_reading(info: MaskInfo, model: ir.Variant, inputs: dict, dim: int, de
     from transformers.masking_utils import sdpa_mask
 
     from ..arguments import Problem
-    from ..reference import allowed_pairs
+    from ..semantics.reference import allowed_pairs
     B, Lq, Lk = info.batch_size, info.q_length, info.kv_length
     rows = max(1, CHECK_ELEMENTS // max(1, B * Lk))
     for start in range(0, Lq, rows):
@@ -299,7 +299,7 @@ def _check_reading(info: MaskInfo, model: ir.Variant, inputs: dict, dim: int, de
 
 
 def _text(e) -> str:
-    from ..printer import print_expr
+    from ..ir import print_expr
     return print_expr(e)
 
 

@@ -1,0 +1,259 @@
+"""Integer ranges: what each integer sub-expression can reach, so that nothing wraps.
+
+The language's integers are 64-bit, as in the reference (torch.int64). The kernels
+compute in 32 bits where that gives the same values, and in 64 where it might not. To
+know which, every integer node gets the interval of values it can take on any call:
+
+  * positions, lengths, the batch and head indices and `dim` lie below the call's
+    *extent* E = max(q_offset + len_q, k_offset + len_k, batch, heads, dim), which the
+    runtime checks against MAX_EXTENT = 2**31 - 1 (lengths are at least 1: the kernels
+    and the reference return early on empty calls);
+  * `qb` and `kb` below ceil(E / block);
+  * a read of an integer input anywhere in its dtype's range;
+  * constants and params exactly.
+
+From these, a variant is refused with a SpecError (located by the parser) where
+
+  * a `//` or `%` of integers has a divisor that can be 0, or any division has the
+    constant divisor 0: the reference would raise and a kernel return garbage;
+  * an expression can leave 64 bits without reading an i64 input: that is a spec
+    error (`q * 10**18`), not data. Arithmetic on i64 data wraps in 64 bits, in the
+    kernels exactly as in the reference; `wraps()` names such nodes, which the tile
+    classification must not reason about with intervals.
+
+`int32_extent` is the largest extent at which every integer node of an expression fits
+in 32 bits: the generated module computes the expression in 64 bits on calls beyond
+it (and always, when no extent is small enough).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .. import ir
+from ..errors import SpecError
+
+MAX_EXTENT = 2 ** 31 - 1
+INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1
+INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
+DTYPE_RANGES = {
+    "i8": (-2 ** 7, 2 ** 7 - 1), "i16": (-2 ** 15, 2 ** 15 - 1),
+    "i32": (INT32_MIN, INT32_MAX), "i64": (INT64_MIN, INT64_MAX),
+}
+
+
+@dataclass(frozen=True)
+class Range:
+    """Values an integer node takes: [lo, hi], exact Python ints. `wide_data`: the node
+    reads i64 data. Arithmetic on it may leave 64 bits and wrap (in the kernels as in
+    the reference): `wrapped` marks a node where that may have happened, here or below,
+    and lo and hi are then clipped to 64 bits."""
+    lo: int
+    hi: int
+    wide_data: bool = False
+    wrapped: bool = False
+
+    def fits(self, lo: int, hi: int) -> bool:
+        return lo <= self.lo and self.hi <= hi
+
+
+class _Analysis:
+    """Ranges of every integer node of one expression at one extent."""
+
+    def __init__(self, params: dict, inputs: dict, block, extent: int):
+        self.params = params  # name -> value
+        self.inputs = inputs  # name -> InputDecl
+        self.block = block
+        self.extent = extent
+        self.ranges: dict = {}  # id(node) -> Range, for integer nodes
+        self.problems: list = []  # (node, message): division by zero, 64-bit overflow
+
+    def run(self, e):
+        return self._node(e)
+
+    def _fail(self, node, message: str):
+        self.problems.append((node, message))
+
+    def _var(self, name: str) -> Range:
+        E = self.extent
+        if name in ("q", "k", "b", "h"):
+            return Range(0, E - 1)
+        if name in ("len_q", "len_k", "dim"):
+            return Range(1, E)
+        if name in ("qb", "kb"):
+            return Range(0, -(-E // (self.block or 1)) - 1)
+        raise ValueError(name)
+
+    def _node(self, e):
+        kids = [self._node(c) for c in ir.children(e)]
+        r = self._range(e, kids)
+        if r is not None:
+            self.ranges[id(e)] = r
+        return r
+
+    def _range(self, e, kids):
+        """The Range of an integer node from its children's, or None (not an integer)."""
+        if isinstance(e, ir.Var):
+            return None if e.name == "s" else self._var(e.name)
+        if isinstance(e, ir.Const):
+            return Range(e.value, e.value) if e.type == ir.INT else None
+        if isinstance(e, ir.Param):
+            v = self.params[e.name]
+            return Range(v, v) if isinstance(v, int) and not isinstance(v, bool) else None
+        if isinstance(e, ir.Load):
+            decl = self.inputs[e.tensor]
+            if decl.dtype in DTYPE_RANGES:
+                return Range(*DTYPE_RANGES[decl.dtype], wide_data=decl.dtype == "i64")
+            return None
+        if isinstance(e, ir.Neg):
+            (a,) = kids
+            return None if a is None else self._result(e, -a.hi, -a.lo, kids)
+        if isinstance(e, ir.BinOp):
+            return self._binop(e, *kids)
+        if isinstance(e, ir.Call) and e.fn in ("abs", "min", "max") and all(k is not None for k in kids):
+            if e.fn == "abs":
+                (a,) = kids
+                lo = 0 if a.lo <= 0 <= a.hi else min(abs(a.lo), abs(a.hi))
+                return self._result(e, lo, max(abs(a.lo), abs(a.hi)), kids)
+            a, b = kids
+            f = min if e.fn == "min" else max
+            return self._result(e, f(a.lo, b.lo), f(a.hi, b.hi), kids)
+        if isinstance(e, ir.Where):
+            _, a, b = kids
+            if a is None or b is None:
+                return None
+            return self._result(e, min(a.lo, b.lo), max(a.hi, b.hi), [a, b])
+        return None  # conditions, floats, chance, index lists
+
+    def _binop(self, e, a, b):
+        if e.op == "/" or (e.op in ("//", "%") and (a is None or b is None)):
+            # True division, or a float // or %: IEEE gives inf or NaN for a divisor that
+            # happens to be 0, as the reference does; a constant 0 is a mistake.
+            if _is_zero_constant(e.rhs, self.params) or (b is not None and b.lo == b.hi == 0):
+                self._fail(e, f"division by zero: the divisor of '{e.op}' is 0")
+            return None
+        if a is None or b is None:
+            return None
+        kids = [a, b]
+        if e.op == "+":
+            return self._result(e, a.lo + b.lo, a.hi + b.hi, kids)
+        if e.op == "-":
+            return self._result(e, a.lo - b.hi, a.hi - b.lo, kids)
+        if e.op == "*":
+            corners = [x * y for x in (a.lo, a.hi) for y in (b.lo, b.hi)]
+            return self._result(e, min(corners), max(corners), kids)
+        # // and %: the divisor must not be 0 on any call.
+        if b.lo <= 0 <= b.hi:
+            if b.lo == b.hi == 0:
+                self._fail(e, f"division by zero: the divisor of '{e.op}' is 0")
+            else:
+                self._fail(e, f"the divisor of '{e.op}' can be 0 (it ranges over "
+                              f"{_interval(b)}), where '{e.op}' has no value; bound it away "
+                              "from 0, as in max(x, 1)")
+            return self._result(e, min(a.lo, -abs(a.hi)), max(a.hi, abs(a.lo)), kids)
+        if e.op == "//":
+            # Floor division is monotonic in each argument for a divisor of one sign.
+            corners = [x // y for x in (a.lo, a.hi) for y in (b.lo, b.hi)]
+            return self._result(e, min(corners), max(corners), kids)
+        # %: the sign of the divisor, smaller in magnitude than it.
+        if b.lo > 0:
+            hi = b.hi - 1 if a.lo < 0 or a.hi >= b.hi else a.hi
+            return self._result(e, 0, hi, kids)
+        lo = b.lo + 1 if a.hi > 0 or a.lo <= b.lo else a.lo
+        return self._result(e, lo, 0, kids)
+
+    def _result(self, e, lo: int, hi: int, kids) -> Range:
+        wide_data = any(k.wide_data for k in kids if k is not None)
+        wrapped = any(k.wrapped for k in kids if k is not None)
+        if INT64_MIN <= lo and hi <= INT64_MAX:
+            return Range(lo, hi, wide_data, wrapped)
+        if not wide_data:
+            extreme = hi if hi > INT64_MAX else lo
+            self._fail(e, f"this integer expression can reach {_big(extreme)}, beyond the 64-bit "
+                          "integers that the kernels and the reference compute in")
+        return Range(max(lo, INT64_MIN), min(hi, INT64_MAX), wide_data, True)
+
+
+def _is_zero_constant(e, params: dict) -> bool:
+    if isinstance(e, ir.Neg):
+        return _is_zero_constant(e.operand, params)
+    if isinstance(e, ir.Const) and e.type != ir.BOOL:
+        return e.value == 0
+    if isinstance(e, ir.Param):
+        v = params[e.name]
+        return not isinstance(v, bool) and v == 0
+    return False
+
+
+def _interval(r: Range) -> str:
+    return f"[{_big(r.lo)}, {_big(r.hi)}]"
+
+
+def _big(n: int) -> str:
+    if abs(n) < 10 ** 12:
+        return str(n)
+    exponent = f"{math.log2(abs(n)):.1f}".removesuffix(".0")
+    return f"about {'-' if n < 0 else ''}2**{exponent}"
+
+
+def _context(variant: ir.Variant):
+    return ({p.name: p.value for p in variant.params}, {i.name: i for i in variant.inputs},
+            variant.block)
+
+
+def check(e, params: dict, inputs: dict, block=None, on_error=None):
+    """Refuse `e` (a SpecError) where a division can be by zero or an expression can
+    leave 64 bits without reading i64 data. `on_error(node, err)` may locate the error
+    before it is raised (the parser does)."""
+    analysis = _Analysis(params, inputs, block, MAX_EXTENT)
+    analysis.run(e)
+    if analysis.problems:
+        node, message = analysis.problems[0]  # innermost first: children are analysed first
+        err = SpecError(message)
+        if on_error:
+            on_error(node, err)
+        raise err
+
+
+def check_variant(v: ir.Variant):
+    """check() on every expression of a variant (the decorator's path)."""
+    params, inputs, block = _context(v)
+    for decl in ("scale", "mask", "layout", "score"):
+        e = getattr(v, decl)
+        if e is not None:
+            try:
+                check(e, params, inputs, block)
+            except SpecError as err:
+                raise SpecError(f"in `{decl}`: {err.message}") from None
+
+
+def ranges_at(e, variant: ir.Variant, extent: int = MAX_EXTENT) -> dict:
+    """{id(node): Range} for the integer nodes of `e` at `extent`."""
+    analysis = _Analysis(*_context(variant), extent)
+    analysis.run(e)
+    return analysis.ranges
+
+
+def wraps(e, variant: ir.Variant) -> set:
+    """ids of the integer nodes of `e` whose value may have wrapped in 64 bits (arithmetic
+    on i64 data), here or below: interval reasoning about them would be unsound."""
+    return {i for i, r in ranges_at(e, variant).items() if r.wrapped}
+
+
+def fits_int32(e, variant: ir.Variant, extent: int) -> bool:
+    ranges = ranges_at(e, variant, extent)
+    return all(r.fits(INT32_MIN, INT32_MAX) and not r.wide_data for r in ranges.values())
+
+
+def int32_extent(e, variant: ir.Variant):
+    """The largest extent (<= MAX_EXTENT) at which every integer node of `e` fits in 32
+    bits, or None when none does (a constant past 2**31, a read of i64 data)."""
+    if e is None or fits_int32(e, variant, MAX_EXTENT):
+        return MAX_EXTENT
+    if not fits_int32(e, variant, 1):
+        return None
+    lo, hi = 1, MAX_EXTENT  # fits at lo, not at hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits_int32(e, variant, mid) else (lo, mid)
+    return lo

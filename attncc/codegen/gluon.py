@@ -1,0 +1,78 @@
+"""The Gluon backend's code generation: which variants it can render, its module, and its
+tile configs (runtime/backends.py decides which backend runs a call).
+
+The Gluon backend lowers the same analysed IR as the portable one into a Hopper (sm_90)
+forward written in Gluon (templates/attention_gluon.py.jinja): TMA copies into an
+mbarrier-tracked ring, asynchronous wgmma, the softmax of one key tile under the P.V
+product of the previous one. What it does not take yet is named here, so that
+`backend="gluon"` refuses it with that sentence and `backend="auto"` runs the portable
+kernels and says why. The backward always runs the portable kernels (it reads the
+forward's output and LSE, which both backends write alike).
+"""
+from __future__ import annotations
+
+from .. import ir
+
+HEAD_DIMS = (64, 128, 256)
+DTYPES = ("float16", "bfloat16")
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper block may use
+# num_warps of the warp-specialized forward (two consumer warpgroups and a producer warp);
+# the generated module's WS_WARPS.
+WS_WARPS = 9
+
+
+def variant_unsupported(variant: ir.Variant) -> str | None:
+    """Why the Gluon forward cannot run this variant, or None when it can."""
+    if variant.dropout:
+        return (f"variant '{variant.name}' has dropout {variant.dropout}, which the Gluon "
+                "forward does not implement yet")
+    if variant.block is not None and variant.block < 64 and ir.index_lists(variant.layout):
+        return (f"variant '{variant.name}' lists layout blocks of {variant.block} by index; its "
+                "tiles must nest in them, and a wgmma tile has at least 64 rows")
+    return None
+
+
+def smem_bytes(config: dict, head_dim: int) -> int:
+    """Q, plus NUM_STAGES slots of K and V, in 16-bit elements."""
+    return 2 * head_dim * (config["BLOCK_M"] + 2 * config["num_stages"] * config["BLOCK_N"])
+
+
+def candidates(head_dim: int) -> list:
+    """Forward tile configs, most likely winner first. BLOCK_M is 16 rows per warp (a
+    warpgroup per 64 rows), as the wgmma layout needs."""
+    # Head dim 128 (H200, bf16, 16K tokens; benchmarks/RESULTS.md runs 78-79): the
+    # warp-specialized kernel (num_warps WS_WARPS) ran full attention 1.12x faster than
+    # the best single-partition config, 128x128 w8 s2, and 64x64 w4 tiles (two programs
+    # per SM) came next. Every config listed for 64 and 128 passed the GPU checks; the
+    # warp-specialized kernel was not run at head dim 256, so it is not offered there.
+    shapes = {64: [(128, 128, WS_WARPS, 2), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+                   (128, 64, 8, 3), (64, 128, 4, 3)],
+              128: [(128, 128, WS_WARPS, 2), (128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3),
+                    (128, 64, 8, 3), (128, 64, 8, 2), (64, 128, 4, 2)],
+              256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 2)]}[head_dim]
+    configs = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+    return [c for c in configs if smem_bytes(c, head_dim) <= SMEM_LIMIT]
+
+
+def check_config(config: dict, head_dim: int) -> str | None:
+    """Why a pinned config cannot run the Gluon forward, or None."""
+    bm, w = config["BLOCK_M"], config["num_warps"]
+    if w == WS_WARPS:
+        w = 8  # two consumer warpgroups
+    if w not in (4, 8) or bm < 16 * w or config["BLOCK_N"] > 256 or config["num_stages"] < 2:
+        return (f"config {config} does not fit the Gluon forward: it needs num_warps 4, 8 or 9 (warp-specialized), "
+                "BLOCK_M >= 16 * num_warps, BLOCK_N <= 256 and num_stages >= 2")
+    if smem_bytes(config, head_dim) > SMEM_LIMIT:
+        return (f"config {config} needs {smem_bytes(config, head_dim)} bytes of shared memory "
+                f"at head dim {head_dim}; Hopper has {SMEM_LIMIT}")
+    return None
+
+
+def generate(variant: ir.Variant):
+    """The Gluon module source for `variant` (no GPU needed: rendering only)."""
+    from .portable import render, template_context
+    from .generated import Generated, module_name
+    context = template_context(variant)
+    source = render("attention_gluon.py.jinja", context)
+    return Generated(source=source, strategy=context["strategy"],
+                     module_name=module_name(variant, "gluon"))

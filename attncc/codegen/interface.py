@@ -1,0 +1,64 @@
+"""The contract between generated modules and the rest of attncc: every name the runtime,
+the tools and the Gluon module use on a generated module, with what it is. A generated
+module is standalone (it imports only triton and torch), so this list is the only place
+that says what it owes; tests/test_interface.py checks rendered modules against it, and
+that attncc uses no other name of theirs.
+"""
+from __future__ import annotations
+
+# The tile tables' fields, per side ("row": query tiles' key tiles, for the forward and
+# dQ; "col": key tiles' query tiles, for dK/dV): lists of full and partial tiles, their
+# counts, and the strides of their batch, head and row axes (tables are broadcast over
+# the batch and heads they do not depend on). They are the kernels' parameters of those
+# names (codegen/portable.py's common_params) and the keys of tile_tables()'s dict, which
+# the generated module builds in this order.
+def table_fields(side: str) -> list:
+    return [f"{side}_full_count", f"{side}_full_list", f"{side}_part_count", f"{side}_part_list",
+            f"{side}_count_sb", f"{side}_count_sh", f"{side}_list_sb", f"{side}_list_sh",
+            f"{side}_list_sm"]
+
+
+TABLE_FIELDS = table_fields("row") + table_fields("col")
+
+# The portable module (templates/attention.py.jinja, codegen/portable.py).
+PORTABLE = {
+    # constants
+    "USES_TABLES": "True when tiles come from tile tables (runtime/ops.py, settings.backward_directions)",
+    "TABLE_INPUTS": "the inputs the tile tables read (runtime/kernel.py: TileTables' promise)",
+    "COMMON_PARAMS": "the kernels' run-time arguments after the tensors and strides, in order",
+    "TABLE_FIELDS": "tile_tables()'s keys, TABLE_FIELDS above",
+    "DECODE_STRATEGY": "a sentence on how kernel.decode skips keys (tools/decode_bench.py)",
+    # forward and backward (runtime/ops.py, distributed.py)
+    "forward": "forward(q, k, v, inputs, *, q_offset, k_offset, seed, config, tables) -> (out, lse)",
+    "backward_delta": "backward_delta(out, dout) -> delta",
+    "new_delta": "new_delta(q) -> the delta tensor backward_dq(..., out=) fills",
+    "backward_dq": "backward_dq(q, k, v, lse, delta, dout, inputs, *, ..., out=None) -> (dq, dinputs)",
+    "backward_dkdv": "backward_dkdv(q, k, v, lse, delta, dout, inputs, *, ...) -> (dk, dv)",
+    # tile tables (runtime/kernel.py: kept tables and densities)
+    "tile_tables": "tile_tables(B, H, len_q, len_k, q_offset, k_offset, dim, inputs, block_m, "
+                   "block_n, device) -> {field: tensor}",
+    # decoding (runtime/decoding.py)
+    "decode": "decode(q, k_cache, v_cache, lens, inputs, *, ...) -> (out, lse)",
+    "decode_append_kv": "writes k_new, v_new into the cache in place",
+    "decode_reach_tiles": "the key tiles a decode step's rows can reach",
+    # what the Gluon module borrows (templates/attention_gluon.py.jinja's `host`)
+    "_common_args": "_common_args(q, k, inputs, grads, *, ...) -> (COMMON_PARAMS values, wide)",
+    "_grid": "_grid(n_tiles, n_heads) -> the one-axis launch grid",
+}
+# Present only when USES_TABLES: dK/dV and dQ in one launch.
+PORTABLE_WITH_TABLES = {
+    "backward_one_launch": "backward_one_launch(q, k, v, lse, delta, dout, inputs, *, ...) "
+                           "-> (dq, dk, dv, dinputs)",
+}
+# The Gluon forward module (templates/attention_gluon.py.jinja, codegen/gluon.py).
+GLUON = {
+    "forward": "forward(q, k, v, inputs, *, host, q_offset, k_offset, seed, config, tables) "
+               "-> (out, lse); `host` is the variant's portable module",
+}
+
+
+def missing(module, uses_tables: bool, backend: str = "triton") -> list:
+    """The names of the contract a generated module lacks (empty when it keeps it)."""
+    names = dict(GLUON) if backend == "gluon" else {**PORTABLE, **(PORTABLE_WITH_TABLES
+                                                                  if uses_tables else {})}
+    return [name for name in names if not hasattr(module, name)]

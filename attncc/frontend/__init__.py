@@ -1,0 +1,1 @@
+"""Front end: spec text (parser) or decorated Python (decorator) -> a checked ir.Variant."""

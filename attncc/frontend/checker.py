@@ -1,0 +1,373 @@
+"""Name and type rules of the language, shared by both front ends.
+
+`type_of` types one node from its children's types; `check_variant` checks a whole
+Variant. Both raise SpecError without a position: the .attn parser attaches one (it
+knows where each node came from), the decorator reports the Python function instead.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+from .. import ir
+from ..analysis import ranges
+from ..errors import SpecError, did_you_mean
+from ..semantics.random_blocks import probability
+
+# A name as the grammar's NAME token spells it; the decorator's names must match it too,
+# since names end up in generated code and module names.
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z_0-9]*\Z")
+
+# Which index names each declaration may use, and why the others are out.
+ALLOWED_VARS = {
+    "mask": {"b", "h", "q", "k", "dim", "len_q", "len_k"},
+    "layout": {"b", "h", "qb", "kb", "dim", "len_q", "len_k"},
+    "score": {"b", "h", "q", "k", "s", "dim", "len_q", "len_k"},
+    "scale": {"dim"},
+    "param": set(),
+}
+WHY_NOT = {
+    ("mask", "s"): "a mask decides which pairs attend before any score exists; "
+                   "to change scores, use `score`",
+    ("mask", "qb"): "qb and kb are tile indices and only mean something in `layout`",
+    ("mask", "kb"): "qb and kb are tile indices and only mean something in `layout`",
+    ("score", "qb"): "qb and kb are tile indices and only mean something in `layout`",
+    ("score", "kb"): "qb and kb are tile indices and only mean something in `layout`",
+    ("layout", "q"): "a layout decides whole tiles; use qb and kb there, or put "
+                     "element conditions in `mask`",
+    ("layout", "k"): "a layout decides whole tiles; use qb and kb there, or put "
+                     "element conditions in `mask`",
+    ("layout", "s"): "a layout decides whole tiles before any score exists",
+}
+
+# Deeper expressions are refused: every pass walks the IR recursively, and no real
+# variant is more than a few operators deep.
+MAX_DEPTH = 128
+
+TYPE_WORDS = {ir.INT: "an integer", ir.FLOAT: "a number", ir.BOOL: "a condition (true/false)"}
+
+DECL_NAMES = ("heads", "scale", "param", "input", "mask", "layout", "block", "score", "dropout")
+
+
+class Scope:
+    """What names mean inside one declaration of one variant."""
+
+    def __init__(self, decl: str, params: dict, inputs: dict):
+        self.decl = decl
+        self.params = params  # name -> ParamDecl
+        self.inputs = inputs  # name -> InputDecl
+
+    def all_names(self):
+        return set(ALLOWED_VARS[self.decl]) | set(self.params) | set(self.inputs) | set(ir.FUNCTIONS)
+
+    def resolve(self, name: str):
+        """The IR node a bare name stands for, or a SpecError."""
+        if name in self.params:
+            return ir.Param(name)
+        if name in ir.INDEX_VARS:
+            if name in ALLOWED_VARS[self.decl]:
+                return ir.Var(name)
+            why = WHY_NOT.get((self.decl, name))
+            if self.decl in ("param", "scale"):
+                why = f"`{self.decl}` must be a constant, known when the kernel is compiled"
+            raise SpecError(f"'{name}' cannot be used in `{self.decl}`"
+                            + (f": {why}" if why else ""))
+        if name in self.inputs:
+            inp = self.inputs[name]
+            raise SpecError(f"'{name}' is a tensor with {len(inp.axes)} "
+                            f"ax{'is' if len(inp.axes) == 1 else 'es'}; index it, "
+                            f"as in {name}[{', '.join(_axis_hint(a) for a in inp.axes)}]")
+        if name in ir.FUNCTIONS:
+            raise SpecError(f"'{name}' is a function; call it, as in {name}(...)")
+        hint = did_you_mean(name, self.all_names())
+        if not hint:
+            known = [v for v in ir.INDEX_VARS if v in ALLOWED_VARS[self.decl]]
+            known += list(self.params) + list(self.inputs)
+            shown = ", ".join(known[:12]) + (", ..." if len(known) > 12 else "")
+            hint = f"; `{self.decl}` can use {shown}" if known else ""
+        raise SpecError(f"unknown name '{name}'{hint}")
+
+
+def _axis_hint(axis) -> str:
+    return axis if isinstance(axis, str) else "0"
+
+
+def type_of(node, child_types: list, scope: Scope) -> str:
+    """The type of `node` given its children's types; raises SpecError on a mismatch."""
+    if isinstance(node, ir.Var):
+        return ir.FLOAT if node.name == "s" else ir.INT
+    if isinstance(node, ir.Const):
+        return node.type
+    if isinstance(node, ir.Param):
+        return scope.params[node.name].type
+    if isinstance(node, ir.Load):
+        inp = scope.inputs.get(node.tensor)
+        if inp is None:
+            raise SpecError(f"unknown tensor '{node.tensor}'"
+                            f"{did_you_mean(node.tensor, scope.inputs)}"
+                            + ("" if scope.inputs else "; declare it with `input`"))
+        if scope.decl in ("scale", "param"):
+            raise SpecError(f"`{scope.decl}` must be a constant, so it cannot read the "
+                            f"tensor '{node.tensor}'")
+        if len(node.indices) != len(inp.axes):
+            raise SpecError(f"'{node.tensor}' has {len(inp.axes)} "
+                            f"ax{'is' if len(inp.axes) == 1 else 'es'} but is indexed with "
+                            f"{len(node.indices)}")
+        for i, t in enumerate(child_types):
+            if t != ir.INT:
+                raise SpecError(f"index {i + 1} of '{node.tensor}' must be an integer, "
+                                f"not {TYPE_WORDS[t]}")
+        return inp.type
+    if isinstance(node, ir.Member):
+        return _type_of_member(node, child_types, scope)
+    if isinstance(node, ir.BinOp):
+        lt, rt = child_types
+        for t in (lt, rt):
+            if t == ir.BOOL:
+                raise SpecError(f"'{node.op}' needs numbers, not a condition; "
+                                "use where(cond, a, b) to turn a condition into a number")
+        if node.op == "/":
+            return ir.FLOAT
+        return ir.INT if lt == rt == ir.INT else ir.FLOAT
+    if isinstance(node, ir.Neg):
+        if child_types[0] == ir.BOOL:
+            raise SpecError("'-' needs a number, not a condition; did you mean `not`?")
+        return child_types[0]
+    if isinstance(node, ir.Cmp):
+        lt, rt = child_types
+        if node.op in ("==", "!=") and lt == rt == ir.BOOL:
+            return ir.BOOL
+        if ir.BOOL in (lt, rt):
+            raise SpecError(f"'{node.op}' compares numbers, not conditions")
+        return ir.BOOL
+    if isinstance(node, (ir.And, ir.Or, ir.Not)):
+        word = {ir.And: "and", ir.Or: "or", ir.Not: "not"}[type(node)]
+        for t in child_types:
+            if t != ir.BOOL:
+                raise SpecError(f"`{word}` needs conditions, not {TYPE_WORDS[t]}; "
+                                "compare it first, as in `x != 0`")
+        return ir.BOOL
+    if isinstance(node, ir.Call) and node.fn == "chance":
+        return _chance_type(node, child_types, scope)
+    if isinstance(node, ir.Call):
+        if any(t == ir.BOOL for t in child_types):
+            raise SpecError(f"{node.fn}() needs numbers, not a condition")
+        if node.fn in ir.FLOAT_FUNCTIONS:
+            return ir.FLOAT
+        return ir.INT if all(t == ir.INT for t in child_types) else ir.FLOAT
+    if isinstance(node, ir.Where):
+        ct, at, bt = child_types
+        if ct != ir.BOOL:
+            raise SpecError(f"the first argument of where() must be a condition, not {TYPE_WORDS[ct]}")
+        if at == bt:
+            return at
+        if ir.BOOL in (at, bt):
+            raise SpecError("where(cond, a, b) needs a and b of the same kind: both conditions "
+                            "or both numbers")
+        return ir.FLOAT
+    raise SpecError(f"internal: unknown expression node {type(node).__name__}")
+
+
+def _type_of_member(node: ir.Member, child_types: list, scope: Scope) -> str:
+    """`kb in top[b, h, qb]`: a tile index against a runtime list of tile indices."""
+    inp = scope.inputs.get(node.tensor)
+    if inp is None:
+        raise SpecError(f"unknown tensor '{node.tensor}'{did_you_mean(node.tensor, scope.inputs)}"
+                        + ("" if scope.inputs else "; declare it with `input`"))
+    if scope.decl != "layout":
+        raise SpecError("`in` tests a tile index against a list of tile indices, so it belongs "
+                        f"in `layout`, not `{scope.decl}`")
+    if not (isinstance(node.item, ir.Var) and node.item.name in ir.TILE_VARS):
+        raise SpecError("the left side of `in` must be kb or qb, the tile index to look up, as in "
+                        f"`kb in {node.tensor}[b, h, qb]`")
+    example = f"input {node.tensor}: i32[b, h, qb, 8]"
+    if inp.type != ir.INT:
+        raise SpecError(f"'{node.tensor}' must hold integer tile indices to be used with `in`, "
+                        f"but it is {inp.dtype}; declare it as `{example}`")
+    if not isinstance(inp.axes[-1], int):
+        raise SpecError(f"the last axis of '{node.tensor}' holds the index list, so it must be a "
+                        f"fixed size (the list length), not '{inp.axes[-1]}'; as in `{example}`")
+    if len(node.indices) != len(inp.axes) - 1:
+        raise SpecError(f"`in` reads whole index lists: index every axis of '{node.tensor}' but its "
+                        f"last ({len(inp.axes) - 1} of {len(inp.axes)}), got {len(node.indices)}")
+    for i, t in enumerate(child_types[1:]):
+        if t != ir.INT:
+            raise SpecError(f"index {i + 1} of '{node.tensor}' must be an integer, "
+                            f"not {TYPE_WORDS[t]}")
+    return ir.BOOL
+
+
+def check_expr(e, scope: Scope, on_error=None) -> str:
+    """Type `e` bottom-up; `on_error(node, err)` may attach a position before it propagates."""
+    kids = [check_expr(c, scope, on_error) for c in ir.children(e)]
+    try:
+        if isinstance(e, ir.Var):
+            scope.resolve(e.name)  # raises if the name is out of place here
+        return type_of(e, kids, scope)
+    except SpecError as err:
+        if on_error:
+            on_error(e, err)
+        raise
+
+
+def check_depth(e):
+    """Refuse an expression nested deeper than MAX_DEPTH, without recursing to find out."""
+    stack = [(e, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise SpecError(f"this expression is nested more than {MAX_DEPTH} levels deep; "
+                            "a variant's expressions are a few operators long")
+        stack.extend((c, depth + 1) for c in ir.children(node))
+
+
+def check_declared_type(decl: str, t: str):
+    """The type each expression declaration must have."""
+    if decl in ("mask", "layout") and t != ir.BOOL:
+        example = "qb >= kb" if decl == "layout" else "q >= k"
+        raise SpecError(f"`{decl}` must be a condition (true/false), but this is "
+                        f"{TYPE_WORDS[t]}; compare it, as in `{example}`")
+    if decl in ("score", "scale") and t == ir.BOOL:
+        raise SpecError(f"`{decl}` must be a number, but this is a condition; "
+                        "use where(cond, a, b) to choose between numbers")
+
+
+def check_block(block: int):
+    if block < 16 or block > 256 or block & (block - 1):
+        raise SpecError(f"block {block} is not supported: use a power of two from 16 to 256")
+
+
+def check_heads(hq: int, hkv: int):
+    if hq < 1 or hkv < 1:
+        raise SpecError(f"heads {hq} / {hkv}: both head counts must be at least 1")
+    if hq % hkv:
+        raise SpecError(f"heads {hq} / {hkv}: the query heads ({hq}) must be a multiple of the "
+                        f"key/value heads ({hkv}) so that each key/value head serves a whole group")
+
+
+def check_dropout(p):
+    if not (0 <= p < 1):
+        raise SpecError(f"dropout {p} is out of range: the probability must be in [0, 1)")
+
+
+# Keyword arguments of a kernel call, of kernel.decode (and of attncc.reference and
+# decode_reference): an input of one of these names could not be passed, since inputs are
+# keyword arguments too.
+DECODE_KEYWORDS = ("k_cache", "v_cache", "cache_seqlens", "k_new", "v_new", "block_table",
+                   "num_splits", "config")
+CALL_KEYWORDS = ("v", "return_lse", "dropout_seed", "training", "q_offset", "k_offset",
+                 "tables", "layout") + DECODE_KEYWORDS
+
+
+def check_input(inp: ir.InputDecl):
+    if inp.name in CALL_KEYWORDS:
+        call = "kernel.decode" if inp.name in DECODE_KEYWORDS else "the kernel call"
+        raise SpecError(f"an input cannot be named '{inp.name}': {call} already takes "
+                        f"{inp.name}= (inputs are passed as keyword arguments); choose another name")
+    if inp.dtype not in ir.DTYPES:
+        raise SpecError(f"unknown element type '{inp.dtype}': use one of {', '.join(ir.DTYPES)}"
+                        f"{did_you_mean(inp.dtype, ir.DTYPES)}")
+    for a in inp.axes:
+        if isinstance(a, int):
+            if a < 1:
+                raise SpecError(f"axis size {a} of '{inp.name}' must be at least 1")
+        elif a not in ir.AXIS_EXTENTS:
+            raise SpecError(f"unknown axis '{a}' of '{inp.name}': an axis is a size or one of "
+                            f"{', '.join(ir.AXIS_EXTENTS)}{did_you_mean(a, ir.AXIS_EXTENTS)}")
+    if inp.learnable and inp.type != ir.FLOAT:
+        raise SpecError(f"learnable input '{inp.name}' must have a floating-point type "
+                        "(f16, bf16, f32, f64) to receive gradients")
+
+
+KEYWORDS = ("attention", "heads", "scale", "param", "input", "learnable", "mask", "layout",
+            "block", "score", "dropout", "and", "or", "not", "in", "true", "false")
+
+
+def check_identifier(name, what: str):
+    if not isinstance(name, str) or not IDENTIFIER.match(name):
+        raise SpecError(f"{what} {name!r} is not a name: use ASCII letters, digits and '_', "
+                        "not starting with a digit")
+
+
+def _chance_type(node: ir.Call, child_types: list, scope: Scope) -> str:
+    """chance(p, key, ...): a random tile pattern. Only in a layout: it is drawn per layout
+    block, and an element mask of it would leave no tile empty or full."""
+    if scope.decl != "layout":
+        raise SpecError(f"chance() can be used only in a `layout` (a random pattern of blocks), "
+                        f"not in `{scope.decl}`; for random elements use `dropout`")
+    p = probability(node, {n: d.value for n, d in scope.params.items()})
+    if p is None:
+        raise SpecError("the first argument of chance() is its probability: a number or a "
+                        "number param, known when the kernel is compiled, as in chance(0.1, ...)")
+    if not 0 <= p <= 1:
+        raise SpecError(f"chance() takes a probability between 0 and 1, got {p!r}")
+    for t in child_types[1:]:
+        if t != ir.INT:
+            raise SpecError(f"chance() draws from integer keys (a seed param, b, h, qb, kb), "
+                            f"not {TYPE_WORDS[t]}")
+    return ir.BOOL
+
+
+def check_name_free(name: str, taken: set):
+    check_identifier(name, "the name")
+    if name in KEYWORDS:
+        raise SpecError(f"'{name}' is a keyword of the language; choose another name")
+    if name in ir.INDEX_VARS:
+        raise SpecError(f"'{name}' is an index name ({ir.INDEX_VARS[name]}); choose another name")
+    if name in ir.FUNCTIONS:
+        raise SpecError(f"'{name}' is a function; choose another name")
+    if name in taken:
+        raise SpecError(f"'{name}' is declared twice")
+
+
+def check_param_value(p: ir.ParamDecl):
+    """A param's value must be a finite number of its type, an int within 64 bits."""
+    want = {ir.INT: int, ir.FLOAT: float, ir.BOOL: bool}[p.type]
+    if not isinstance(p.value, want) or (want is int and isinstance(p.value, bool)):
+        raise SpecError(f"param '{p.name}' is declared {p.type} but its value is {p.value!r}")
+    if p.type == ir.FLOAT and not math.isfinite(p.value):
+        raise SpecError(f"param '{p.name}' is {p.value}: a param must be a finite number; "
+                        "the language has no infinities")
+    if p.type == ir.INT and not -2 ** 63 <= p.value < 2 ** 63:
+        raise SpecError(f"param '{p.name}' is {p.value}, too large: integers must fit in 64 bits")
+
+
+def check_variant(v: ir.Variant) -> ir.Variant:
+    """Check a whole variant (the decorator's path: the parser checks as it goes)."""
+    check_identifier(v.name, "the variant name")
+    taken = set()
+    for p in v.params:
+        check_name_free(p.name, taken)
+        check_param_value(p)
+        taken.add(p.name)
+    for i in v.inputs:
+        check_name_free(i.name, taken)
+        check_input(i)
+        taken.add(i.name)
+    if v.heads:
+        check_heads(v.heads.q, v.heads.kv)
+    params = {p.name: p for p in v.params}
+    inputs = {i.name: i for i in v.inputs}
+    for decl in ("scale", "mask", "layout", "score"):
+        e = getattr(v, decl)
+        if e is not None:
+            check_depth(e)
+            check_declared_type(decl, check_expr(e, Scope(decl, params, inputs)))
+    check_structure(v)
+    ranges.check_variant(v)
+    return v
+
+
+def check_structure(v: ir.Variant):
+    """Rules that tie declarations together."""
+    if v.block is not None:
+        check_block(v.block)
+    if v.layout is not None and v.block is None:
+        raise SpecError("`layout` needs a tile size: add `block N` (a power of two, 16 to 256)")
+    if v.block is not None and v.layout is None:
+        raise SpecError("`block` sets the tile size of a `layout`, but there is no layout")
+    if v.dropout is not None:
+        check_dropout(v.dropout)
+    for i in v.inputs:
+        if any(a in ir.TILE_VARS for a in i.axes if isinstance(a, str)) and v.block is None:
+            raise SpecError(f"input '{i.name}' has a tile axis (qb or kb), which needs `block N`")

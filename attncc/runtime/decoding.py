@@ -1,0 +1,429 @@
+"""KV-cache decoding: `kernel.decode(...)`, its call checks, its tuned split count and
+tiles, and `decode_reference`, the dense reference of a decode call.
+
+A decode call computes the last n_q rows of each batch row's self-attention over the
+L = cache_seqlens[b] + n_new tokens its cache holds (after appending k_new, v_new):
+query token i sits at position L - n_q + i, keys at 0 .. L - 1, and the variant's
+`len_q` and `len_k` are both L. So `q >= k` and the bottom-right spelling
+`q + len_k - len_q >= k` are both causal, and a decode call gives what
+kernel(q_full, k, v) gives for those rows. The kernels are the split-KV kernels of
+templates/decode.py.jinja, in the variant's generated module.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .. import ir
+from . import tuning
+from ..arguments import Problem, check_input_names, check_inputs
+from ..errors import CallError
+from ..analysis.ranges import MAX_EXTENT
+
+CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "num_splits")
+MAX_SPLITS = 256
+MIN_TILES_PER_SPLIT = 4  # fewer, and a program's fixed costs (q, bounds, partial) dominate
+SHARED_MEMORY = 227 * 1024  # per SM on Hopper (H100, H200)
+TUNE_AT_MOST = 6  # decode candidates are cheap to time (no backward, short calls)
+INTERPRETER_SPLITS = 3  # under the interpreter: enough splits to exercise the merge
+
+# Keywords of the training call that mean nothing here, each with what to do instead.
+_NOT_DECODE_ARGUMENTS = {
+    "q_offset": "decode places the new tokens at the end of each row's cache: query token i "
+                "of row b sits at position cache_seqlens[b] + n_new - n_q + i",
+    "k_offset": "the cache holds a row's keys from position 0",
+    "dropout_seed": "decoding runs without dropout (as training=False)",
+    "training": "decoding runs without dropout (as training=False)",
+    "tables": "decoding classifies tiles itself and keeps no tile tables",
+    "k": "pass the cache as k_cache, and the new keys (if any) as k_new",
+    "v": "pass the cache as v_cache, and the new values (if any) as v_new",
+}
+
+
+@dataclass(frozen=True)
+class DecodeProblem:
+    """The sizes of one decode call: what the grid, the checks and the tuning key use."""
+    batch: int
+    heads_q: int
+    heads_kv: int
+    n_q: int
+    n_new: int
+    dim: int
+    capacity: int  # positions a row's cache can hold
+    page_size: int  # 0: a contiguous cache
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    @property
+    def rows_block(self) -> int:
+        """BLOCK_M: the group's heads x new tokens, as the module's decode_rows_block."""
+        return min(64, max(16, 1 << (self.group * self.n_q - 1).bit_length()))
+
+    @property
+    def row_tiles(self) -> int:
+        return -(-self.group * self.n_q // self.rows_block)
+
+
+def _shape(t) -> str:
+    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+def _check_tensor(name: str, t, layout: str, q=None):
+    if not isinstance(t, torch.Tensor):
+        raise CallError(f"{name} must be a torch.Tensor laid out {layout}, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise CallError(f"{name} must have 4 dimensions {layout}, got shape {_shape(t)}")
+    if q is not None:
+        if t.dtype != q.dtype:
+            raise CallError(f"{name} has dtype {t.dtype} but q has {q.dtype}; the cache, the new "
+                            "keys and values and q must have one dtype")
+        if t.device != q.device:
+            raise CallError(f"{name} is on {t.device} but q is on {q.device}")
+
+
+def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                      inputs) -> tuple:
+    """(DecodeProblem, cache_seqlens as a (B,) int32 tensor); raises CallError naming what is
+    wrong. Never reads a tensor's values (no host synchronisation)."""
+    from .settings import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, interpreting
+    _check_tensor("q", q, "(batch, heads, new tokens, dim)")
+    if q.device.type != "cuda" and not interpreting():
+        raise CallError(f"q is on {q.device}, but attncc kernels run on CUDA GPUs; move the "
+                        "tensors with .cuda(), or set TRITON_INTERPRET=1 to run the kernels "
+                        "(slowly) under the Triton interpreter on the CPU")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise CallError(f"q has dtype {q.dtype}; decoding takes float16, bfloat16 or float32")
+    B, Hq, n_q, D = q.shape
+    if B == 0 or Hq == 0:
+        raise CallError(f"q has shape {_shape(q)}: batch and heads must be at least 1")
+    if not (MIN_HEAD_DIM <= D <= MAX_HEAD_DIM):
+        raise CallError(f"head dim {D} is not supported: the kernels take head dims "
+                        f"{MIN_HEAD_DIM} to {MAX_HEAD_DIM} (q has shape {_shape(q)})")
+    paged = block_table is not None
+    layout = ("(num_pages, page_size, kv_heads, dim) with a block_table" if paged
+              else "(batch, kv_heads, capacity, dim)")
+    _check_tensor("k_cache", k_cache, layout, q)
+    _check_tensor("v_cache", v_cache, layout, q)
+    if k_cache.shape != v_cache.shape:
+        raise CallError(f"k_cache {_shape(k_cache)} and v_cache {_shape(v_cache)} must have "
+                        "the same shape")
+    if k_cache.shape[3] != D:
+        raise CallError(f"the cache's head dim is {k_cache.shape[3]} (k_cache {_shape(k_cache)}) "
+                        f"but q's is {D}")
+    if paged:
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+            raise CallError("block_table must be a (batch, max_pages) int32 tensor of page "
+                            f"indices, got {_shape(block_table) if isinstance(block_table, torch.Tensor) else type(block_table).__name__}")
+        if block_table.dtype != torch.int32:
+            raise CallError(f"block_table has dtype {block_table.dtype}; it must be int32 "
+                            "(convert it with .int())")
+        if block_table.shape[0] != B:
+            raise CallError(f"block_table has {block_table.shape[0]} rows but q has batch {B}; "
+                            "it needs one row of page indices per batch row")
+        if block_table.device != q.device:
+            raise CallError(f"block_table is on {block_table.device} but q is on {q.device}")
+        num_pages, page_size, Hkv = k_cache.shape[:3]
+        if page_size < 1 or num_pages < 1:
+            raise CallError(f"the paged cache {_shape(k_cache)} holds no positions")
+        capacity = block_table.shape[1] * page_size
+    else:
+        if k_cache.shape[0] != B:
+            raise CallError(f"k_cache has batch {k_cache.shape[0]} but q has {B}. A contiguous "
+                            "cache is (batch, kv_heads, capacity, dim); a paged one "
+                            "(num_pages, page_size, kv_heads, dim) needs block_table=")
+        Hkv, capacity, page_size = k_cache.shape[1], k_cache.shape[2], 0
+    if Hkv == 0 or Hq % Hkv:
+        raise CallError(f"q has {Hq} heads, which is not a multiple of the cache's {Hkv} kv heads "
+                        f"(k_cache {_shape(k_cache)}, laid out {layout})")
+    heads = kernel.variant.heads
+    if heads is not None and (Hq, Hkv) != (heads.q, heads.kv):
+        raise CallError(f"the variant declares heads {heads.q} / {heads.kv}, but q has {Hq} heads "
+                        f"and the cache {Hkv}")
+    if (k_new is None) != (v_new is None):
+        raise CallError("pass both k_new and v_new (the new tokens' keys and values) or neither")
+    n_new = 0
+    if k_new is not None:
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            _check_tensor(name, t, "(batch, kv_heads, new tokens, dim)", q)
+            if tuple(t.shape[:2]) != (B, Hkv) or t.shape[3] != D:
+                raise CallError(f"{name} has shape {_shape(t)}, expected ({B}, {Hkv}, n_new, {D}): "
+                                "laid out (batch, kv_heads, new tokens, dim) like q")
+        if k_new.shape != v_new.shape:
+            raise CallError(f"k_new {_shape(k_new)} and v_new {_shape(v_new)} must have the same shape")
+        n_new = k_new.shape[2]
+    seqlens = _seqlens(cache_seqlens, B, q.device)
+    if capacity > MAX_EXTENT:
+        raise CallError(f"the cache holds {capacity} positions; positions must stay below 2**31 "
+                        f"(at most {MAX_EXTENT}), as the range analysis of the variant's "
+                        "integers assumes (attncc/analysis/ranges.py)")
+    problem = DecodeProblem(B, Hq, Hkv, n_q, n_new, D, capacity, page_size)
+    # Input axes on positions (q, k) and tiles (qb, kb) span the cache's capacity: every
+    # position a call may place a key or a query at.
+    p = Problem(B, Hq, Hkv, capacity, capacity, D, D)
+    check_input_names(kernel.variant, inputs)
+    check_inputs(kernel.variant, p, inputs, device=q.device)
+    # Index lists are not checked (that reads them: a host synchronisation per step, as
+    # a decode step's lists are new each time); an entry outside [0, tiles) matches no block.
+    return problem, seqlens
+
+
+def _seqlens(cache_seqlens, batch: int, device) -> torch.Tensor:
+    if cache_seqlens is None:
+        raise CallError("decode needs cache_seqlens=: the number of keys each batch row's cache "
+                        "holds (before k_new), an int or a (batch,) int32 tensor")
+    if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.Tensor)):
+        raise CallError(f"cache_seqlens must be an int or a (batch,) int32 tensor, got "
+                        f"{type(cache_seqlens).__name__}")
+    if isinstance(cache_seqlens, int):
+        if cache_seqlens < 0:
+            raise CallError(f"cache_seqlens must be >= 0, got {cache_seqlens}")
+        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    if tuple(cache_seqlens.shape) != (batch,):
+        raise CallError(f"cache_seqlens has shape {_shape(cache_seqlens)}, expected ({batch},): "
+                        "one length per batch row")
+    if cache_seqlens.dtype != torch.int32:
+        raise CallError(f"cache_seqlens has dtype {cache_seqlens.dtype}; it must be int32 "
+                        "(convert it with .int())")
+    if cache_seqlens.device != device:
+        raise CallError(f"cache_seqlens is on {cache_seqlens.device} but q is on {device}")
+    return cache_seqlens
+
+
+# ---------------------------------------------------------------------------- configs
+def check_decode_config(config: dict, where: str) -> dict:
+    if not isinstance(config, dict) or set(config) != set(CONFIG_KEYS):
+        raise ValueError(f"{where} must be a dict with exactly the keys {sorted(CONFIG_KEYS)}, "
+                         f"got {config!r}")
+    for key in CONFIG_KEYS:
+        if not isinstance(config[key], int) or isinstance(config[key], bool) or config[key] < 1:
+            raise ValueError(f"{where}: {key} must be a positive int, got {config[key]!r}")
+    n = config["BLOCK_N"]
+    if n < 16 or n & (n - 1):
+        raise ValueError(f"{where}: BLOCK_N must be a power of two >= 16, got {n!r}")
+    if config["num_splits"] > MAX_SPLITS:
+        raise ValueError(f"{where}: num_splits must be at most {MAX_SPLITS}, got {config['num_splits']}")
+    return dict(config)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def programs_per_sm(p: DecodeProblem, block_n: int, stages: int, elem: int) -> int:
+    """How many decode programs an SM holds at once, from their shared memory (the
+    pipeline keeps stages - 1 K and V tiles in flight, as Triton 3.x allocates them on
+    Hopper) and at most 4 (registers: about 110 per thread at D = 128)."""
+    pad = max(16, 1 << (p.dim - 1).bit_length())
+    smem = max(1, stages - 1) * 2 * block_n * pad * elem + p.rows_block * pad * elem
+    return max(1, min(4, SHARED_MEMORY // smem))
+
+
+def default_splits(p: DecodeProblem, block_n: int, stages: int, elem: int, n_sm: int,
+                   reach_tiles: int) -> int:
+    """Splits that fill one wave of the GPU: as many programs as its SMs hold at once
+    (equal work per program, so a second, partial wave would leave SMs idle), with at
+    least MIN_TILES_PER_SPLIT of the row's reachable key tiles each (counted at the cache's
+    capacity: actual lengths live on the device, and each row divides its own tiles)."""
+    per_split = p.batch * p.heads_kv * p.row_tiles
+    wave = n_sm * programs_per_sm(p, block_n, stages, elem)
+    return max(1, min(wave // per_split, reach_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+
+
+def _fits(p: DecodeProblem, block_n: int, stages: int, elem: int) -> bool:
+    pad = max(16, 1 << (p.dim - 1).bit_length())
+    return max(1, stages - 1) * 2 * block_n * pad * elem <= SHARED_MEMORY - 16 * 1024
+
+
+def candidates(variant: ir.Variant, p: DecodeProblem, elem: int, n_sm: int, reach_tiles,
+               num_splits: int | None = None) -> list:
+    """Decode configs, most likely winner first; `reach_tiles(block_n)` counts a full row's
+    reachable key tiles. With a layout, key tiles stay within its block, so that a tile's
+    layout is one value per row. The favourite tile is also tried with twice and half the
+    splits (two waves; one program per SM)."""
+    shapes = [(64, 4, 3), (64, 4, 4), (128, 4, 2), (32, 4, 4), (128, 8, 3), (16, 4, 2)]
+    out = []
+    for bn, w, s in shapes:
+        if variant.block is not None and bn > variant.block:
+            continue
+        if not _fits(p, bn, s, elem):
+            continue
+        base = num_splits or default_splits(p, bn, s, elem, n_sm, reach_tiles(bn))
+        splits = [base]
+        if not out and num_splits is None:
+            splits += [min(MAX_SPLITS, base * 2), max(1, base // 2)]
+        for sp in splits:
+            c = dict(BLOCK_N=bn, num_warps=w, num_stages=s, num_splits=sp)
+            if c not in out:
+                out.append(c)
+    if not out:  # nothing fits the estimate: the smallest tile, one stage
+        out.append(dict(BLOCK_N=16, num_warps=4, num_stages=1,
+                        num_splits=num_splits or default_splits(p, 16, 1, elem, n_sm,
+                                                                reach_tiles(16))))
+    return out
+
+
+def tuning_key(p: DecodeProblem, dtype, num_splits: int | None) -> str:
+    """Configs are tuned per head dim, dtype, GQA group, new tokens, batch x kv heads (power-
+    of-two bucket), cache capacity bucket and cache layout."""
+    cache = f"page{p.page_size}" if p.page_size else "contiguous"
+    bh = 1 << (p.batch * p.heads_kv - 1).bit_length()  # the split count follows it closely
+    key = (f"decode-d{p.dim}-{str(dtype).replace('torch.', '')}-g{p.group}-nq{p.n_q}"
+           f"-bh{bh}-cap{tuning.length_bucket(p.capacity)}-{cache}")
+    return key + (f"-splits{num_splits}" if num_splits else "")
+
+
+def decode_config(kernel, p: DecodeProblem, dtype, run, *, num_splits=None, config=None) -> dict:
+    """The config of this call: pinned, or under the interpreter a fixed one, or tuned on
+    the GPU (timing up to TUNE_AT_MOST candidates on the call's own inputs) and cached on
+    disk beside the variant's other configs."""
+    from .settings import interpreting
+    if config is not None:
+        config = check_decode_config(config, "config")
+        if num_splits is not None and num_splits != config["num_splits"]:
+            raise CallError(f"num_splits={num_splits} differs from config's num_splits="
+                            f"{config['num_splits']}; give one of them")
+        return config
+    if num_splits is not None:
+        if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
+            raise CallError(f"num_splits must be an int from 1 to {MAX_SPLITS}, got {num_splits!r}")
+    if interpreting():
+        splits = num_splits or max(1, min(INTERPRETER_SPLITS, -(-p.capacity // 16)))
+        return dict(BLOCK_N=16, num_warps=4, num_stages=1, num_splits=splits)
+    key = tuning_key(p, dtype, num_splits)
+    untuned = tuning.tune_mode() == "0"
+    mem_key = (kernel.key, key + ("-untuned" if untuned else ""))
+    if mem_key in tuning._MEMORY:  # every call after the first: nothing else to do
+        return tuning._MEMORY[mem_key]
+    n_sm = _sm_count(torch.cuda.current_device())
+    elem = torch.finfo(dtype).bits // 8
+    reach = lambda bn: kernel.module.decode_reach_tiles(p.capacity, p.n_q, bn)
+    kept = candidates(kernel.variant, p, elem, n_sm, reach, num_splits)
+    if untuned:
+        tuning._MEMORY[mem_key] = kept[0]
+        return kept[0]
+    path = tuning._cache_file(kernel.variant, "-decode")
+    cached = tuning._load(path, check_decode_config).get(key)
+    if cached is None:
+        cached = tuning.tune(kernel.variant.name, key, kept[:TUNE_AT_MOST], run)
+        tuning._store(path, key, cached, check_decode_config)
+    tuning._MEMORY[mem_key] = cached
+    return cached
+
+
+# ---------------------------------------------------------------------------- the call
+def decode(kernel, q, k_cache, v_cache, *, cache_seqlens=None, k_new=None, v_new=None,
+           block_table=None, return_lse: bool = False, num_splits: int | None = None,
+           config: dict | None = None, **inputs):
+    """See Kernel.decode."""
+    for name in _NOT_DECODE_ARGUMENTS:  # no input has these names (checker.CALL_KEYWORDS)
+        if name in inputs:
+            raise CallError(f"decode takes no {name}=: {_NOT_DECODE_ARGUMENTS[name]}")
+    if not isinstance(return_lse, bool):
+        raise CallError(f"return_lse must be True or False, got {return_lse!r}")
+    p, seqlens = check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                   block_table, inputs)
+    module = kernel.module
+    values = {d.name: inputs[d.name] for d in kernel.variant.inputs}
+    with torch.no_grad():  # inference only: nothing here builds an autograd graph
+        if p.n_q == 0:
+            if p.n_new:  # no query: only the append
+                module.decode_append_kv(k_new, v_new, k_cache, v_cache, seqlens, block_table)
+            out = q.new_zeros((p.batch, p.heads_q, 0, p.dim))
+            lse = torch.zeros((p.batch, p.heads_q, 0), device=q.device, dtype=torch.float32)
+            return (out, lse) if return_lse else out
+        run = lambda cfg: module.decode(q, k_cache, v_cache, seqlens, values, k_new=k_new,
+                                        v_new=v_new, block_table=block_table, config=cfg)
+        cfg = decode_config(kernel, p, q.dtype, run, num_splits=num_splits, config=config)
+        out, lse = run(cfg)
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------- reference
+def gather_cache(cache: torch.Tensor, block_table, b: int, length: int) -> torch.Tensor:
+    """Row b's first `length` cached positions as (kv_heads, length, dim)."""
+    if block_table is None:
+        return cache[b, :, :length]
+    page_size = cache.shape[1]
+    pos = torch.arange(length, device=cache.device)
+    pages = block_table[b].long()[pos // page_size]
+    return cache[pages, pos % page_size].transpose(0, 1)  # (length, kv_heads, dim) -> heads first
+
+
+def decode_reference(variant: ir.Variant, q, k_cache, v_cache, *, cache_seqlens, k_new=None,
+                     v_new=None, block_table=None, return_lse: bool = False, **inputs):
+    """What `kernel.decode` computes, densely, one batch row at a time: the row's cache
+    (gathered through block_table when paged) with k_new, v_new appended is the key
+    sequence of L tokens; q fills the last n_q rows of an L-row query sequence (the others
+    are zeros, and unused); attncc.reference gives the rows. Computes in q's dtype (use
+    float64 for truth); never writes the cache. Dropout is left out, as decoding does.
+
+    A variant that does not read len_q gets the same rows from attncc.reference with
+    q_offset = L - n_q, which costs n_q x L per head instead of L x L (long caches)."""
+    from ..semantics.reference import reference
+    variant = dataclasses.replace(variant, dropout=None)
+    reads_len_q = any("len_q" in ir.free_vars(e) for e in (variant.mask, variant.score,
+                                                              variant.layout) if e is not None)
+    B, Hq, n_q, D = q.shape
+    lengths = ([int(cache_seqlens)] * B if isinstance(cache_seqlens, int)
+               else [int(x) for x in cache_seqlens.tolist()])
+    capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
+                else k_cache.shape[2])
+    outs, lses = [], []
+    for b in range(B):
+        keys = [gather_cache(k_cache, block_table, b, lengths[b]).to(q.dtype)]
+        values = [gather_cache(v_cache, block_table, b, lengths[b]).to(q.dtype)]
+        if k_new is not None:
+            keys.append(k_new[b].to(q.dtype))
+            values.append(v_new[b].to(q.dtype))
+        k_row = torch.cat(keys, 1)[None]  # (1, Hkv, L, D)
+        v_row = torch.cat(values, 1)[None]
+        L = min(k_row.shape[2], capacity)
+        k_row, v_row = k_row[:, :, :L], v_row[:, :, :L]
+        out = q.new_zeros((1, Hq, n_q, D))
+        lse = torch.full((1, Hq, n_q), -math.inf, dtype=q.dtype, device=q.device)
+        seen = min(n_q, L)  # tokens at positions >= 0: the last `seen` of the n_q
+        if seen:
+            row_inputs = _row_inputs(variant, inputs, b, L)
+            if reads_len_q:
+                q_rows = q.new_zeros((1, Hq, L, D))
+                q_rows[:, :, L - seen:] = q[b:b + 1, :, n_q - seen:]
+                o, s = reference(variant, q_rows, k_row, v_row, return_lse=True, **row_inputs)
+                o, s = o[:, :, L - seen:], s[:, :, L - seen:]
+            else:
+                o, s = reference(variant, q[b:b + 1, :, n_q - seen:], k_row, v_row,
+                                 q_offset=L - seen, return_lse=True, **row_inputs)
+            out[:, :, n_q - seen:] = o
+            lse[:, :, n_q - seen:] = s
+        outs.append(out)
+        lses.append(lse)
+    out, lse = torch.cat(outs), torch.cat(lses)
+    return (out, lse) if return_lse else out
+
+
+def _row_inputs(variant: ir.Variant, inputs: dict, b: int, L: int) -> dict:
+    """The inputs of batch row b for a sequence of L tokens: batch axes at b, position and
+    tile axes cut to L (index lists drop tiles past it: they hold no key)."""
+    lists = ir.index_lists(variant.layout)
+    out = {}
+    for decl in variant.inputs:
+        t = inputs[decl.name]
+        for axis, a in enumerate(decl.axes):
+            if a == "b":
+                t = t.narrow(axis, b, 1)
+            elif a in ("q", "k"):
+                t = t.narrow(axis, 0, L)
+            elif a in ("qb", "kb"):
+                t = t.narrow(axis, 0, -(-L // variant.block))
+        if decl.name in lists:  # entries naming no block of the L keys match nothing
+            n_tiles = -(-L // variant.block)
+            t = torch.where((t >= n_tiles) | (t < -1), torch.full_like(t, -1), t)
+        out[decl.name] = t
+    return out

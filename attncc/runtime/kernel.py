@@ -1,0 +1,465 @@
+"""A compiled variant at run time: the Kernel (call checks, backend choice, the call
+through its torch.library op) and the tile tables a caller keeps.
+
+`compile_variant` finds or renders the variant's modules (runtime/cache.py). The returned
+`Kernel` checks each call (naming the argument, what was given and what is expected) and
+calls the variant's operator (runtime/ops.py), which picks tile sizes (runtime/tuning.py)
+and runs the generated kernels, forward and backward.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import ir
+from ..codegen import gluon
+from ..codegen.generated import Generated
+from ..errors import CallError
+from ..frontend.load import load
+from ..semantics.evaluate import check_index_list
+from . import backends, configs, ops, tuning
+from ..arguments import _shape, as_bhsd, axis_extent, bind, check_seed, refuse_positional
+from .cache import load_generated
+from .settings import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, interpreting
+
+
+class Kernel:
+    """A compiled variant: `kernel(q, k, v, **inputs)` like scaled_dot_product_attention."""
+
+    def __init__(self, variant: ir.Variant, config: dict | None = None, backend: str = "auto",
+                 *, load: bool = True):
+        self.variant = variant
+        self.key = variant.key()  # hashed once: the tuner looks configs up on every call
+        self._generated = load_generated(variant) if load else None  # (Generated, module)
+        self.pinned_config = (configs.check_pinned(configs.check_config(config, "config"), variant,
+                                                  "config") if config else None)
+        self.requested_backend = backends.check_backend(backend)
+        self.backend, self.backend_reason = self._choose_backend()
+        self._gluon_generated = None  # (Generated, module) of the Gluon forward, on first use
+        if self.backend == "gluon" and load:
+            self._gluon_generated = load_generated(variant, "gluon")
+        self._last_backend = None  # (backend, reason) of the latest forward call
+        self._index_lists = ir.index_lists(variant.layout)  # {input: "qb" | "kb"}
+        self._checked_lists: dict = {}  # index-list states already validated
+        self._tables_owner = self  # whose tile_tables(...) this kernel's calls accept
+        self.input_names = [d.name for d in variant.inputs]  # the operator's input order
+        self._ops = ops.operators(self)  # torch.ops.attncc.<name>_<key>[_bwd]
+        self._op_id = ops.register_kernel(self)  # how the operator finds this kernel
+        # The same variant without dropout, for training=False: its module is generated on
+        # first use, but the Kernel exists now, so that torch.compile can trace a call of
+        # it (a kernel made at trace time would be file reads and writes, untraceable).
+        self._without_dropout = None
+        if variant.dropout:
+            self._without_dropout = Kernel(dataclasses.replace(variant, dropout=None),
+                                           self.pinned_config, backend, load=False)
+            self._without_dropout._tables_owner = self
+
+    @property
+    def generated(self) -> Generated:
+        return self._load()[0]
+
+    @property
+    def module(self):
+        """The generated module (imported on first use for an evaluation kernel)."""
+        return self._load()[1]
+
+    def _load(self) -> tuple:
+        if self._generated is None:
+            self._generated = load_generated(self.variant)
+        return self._generated
+
+    @property
+    def gluon_generated(self) -> Generated | None:
+        return self._gluon_load()[0]
+
+    @property
+    def gluon_module(self):
+        """The generated Gluon forward module, or None where the backend is the portable one."""
+        return self._gluon_load()[1]
+
+    def _gluon_load(self) -> tuple:
+        if self.backend != "gluon":
+            return None, None
+        if self._gluon_generated is None:
+            self._gluon_generated = load_generated(self.variant, "gluon")
+        return self._gluon_generated
+
+    def _choose_backend(self) -> tuple:
+        """(backend, reason) for the forward, as far as it can be decided before a call.
+        The backward always runs the portable kernels (it reads the forward's output and
+        LSE, which both backends write alike)."""
+        if self.requested_backend == "triton":
+            return "triton", "backend='triton' was asked for"
+        why = gluon.variant_unsupported(self.variant) or backends.environment_unsupported()
+        if why is None and self._pinned() and self.requested_backend == "auto":
+            why = ("a pinned config (config= or ATTNCC_CONFIG) is the portable kernel's; pass "
+                   "backend='gluon' with config= to pin a Gluon one")
+        if why is not None:
+            if self.requested_backend == "gluon":
+                backends.refuse(why)
+            return "triton", why
+        if self.requested_backend == "gluon":
+            return "gluon", "backend='gluon' was asked for (forward; the backward is portable)"
+        return "gluon", ("an sm_90 GPU: the Gluon forward runs each call it can take where "
+                         "the tuner timed it faster than the portable forward (the backward "
+                         "is portable); see kernel.last_backend")
+
+    def _pinned(self):
+        return self.pinned_config or configs.env_config()
+
+    @property
+    def last_backend(self):
+        """(backend, reason) of the latest forward call, or None before the first."""
+        return self._last_backend
+
+    def _call_backend(self, q, k, v) -> tuple:
+        """(backend, reason) for one forward call. backend='gluon' refuses a call the Gluon
+        forward cannot take; 'auto' runs the portable forward and says why."""
+        if self.backend != "gluon":
+            return "triton", self.backend_reason
+        why = backends.call_unsupported(q, k, v)
+        if why is None and self.requested_backend == "gluon" and self.pinned_config:
+            why = gluon.check_config(self.pinned_config, q.shape[-1])
+        if why is not None:
+            if self.requested_backend == "gluon":
+                backends.refuse(why)
+            return "triton", why
+        return "gluon", self.backend_reason
+
+    def _gluon_or_portable(self, problem, dtype, density, run_gluon, run_portable):
+        """The forward to run for a call the Gluon backend can take: Gluon when asked for,
+        else (auto) whichever the tuner measured faster for this tuning key."""
+        if self.requested_backend == "gluon":
+            return run_gluon
+        try:
+            faster = tuning.faster_backend(self, problem, dtype,
+                                           {"gluon": ("gluon-fwd", run_gluon),
+                                            "triton": ("fwd", run_portable)},
+                                           density=density)
+        except RuntimeError as e:  # no Gluon config could run here: say so, run portable
+            self.backend, self.backend_reason = "triton", f"the Gluon forward could not run ({e})"
+            self._last_backend = ("triton", self.backend_reason)
+            return run_portable
+        if faster != "gluon":
+            self._last_backend = ("triton", "the tuner measured the portable forward faster "
+                                            "for this shape")
+            return run_portable
+        self._last_backend = ("gluon", "the tuner measured the Gluon forward faster for "
+                                       "this shape")
+        return run_gluon
+
+    @property
+    def source(self) -> str:
+        return self.generated.source
+
+    @property
+    def strategy(self) -> str:
+        return self.generated.strategy
+
+    def __repr__(self):
+        return f"<attncc kernel '{self.variant.name}' ({self.backend} forward): {self.strategy}>"
+
+    def check_call(self, q, k, v, inputs, q_offset, k_offset, layout="bhsd", *,
+                   index_lists: bool = True):
+        """The call's Problem, or a CallError naming what is wrong. Reads shapes, dtypes
+        and devices only, so that torch.compile can run it on FakeTensors at trace time,
+        except for the index-list check (it reads values), which calls through the
+        operator leave to the operator (`index_lists=False`)."""
+        p = bind(self.variant, q, k, v, inputs, q_offset=q_offset, k_offset=k_offset,
+                 layout=layout)
+        if q.device.type != "cuda" and not interpreting():
+            raise CallError(f"q is on {q.device}, but attncc kernels run on CUDA GPUs; move the "
+                            "tensors with .cuda(), or set TRITON_INTERPRET=1 to run the kernels "
+                            "(slowly) under the Triton interpreter on the CPU")
+        if q.dtype not in SUPPORTED_DTYPES:
+            raise CallError(f"q, k, v have dtype {q.dtype}; the kernels take float16, bfloat16 "
+                            "or float32 (attncc.reference computes in any dtype, float64 included)")
+        if q.dtype == torch.bfloat16 and interpreting():
+            raise CallError("bfloat16 cannot run under the Triton interpreter: it computes tl.dot "
+                            "on bfloat16 wrongly, so the results would be garbage; use float16 "
+                            "or float32 on the CPU, or run on a GPU")
+        if not (MIN_HEAD_DIM <= p.dim <= MAX_HEAD_DIM):
+            raise CallError(f"head dim {p.dim} is not supported: the kernels take head dims "
+                            f"{MIN_HEAD_DIM} to {MAX_HEAD_DIM} (q has shape {_shape(q)})")
+        if p.dim_v != p.dim:
+            raise CallError(f"v has head dim {p.dim_v} but q and k have {p.dim}; the kernels need "
+                            "them equal")
+        if p.batch == 0 or p.heads_q == 0:
+            raise CallError(f"q has shape {_shape(q)}: batch and heads must be at least 1")
+        # Every launch is one grid axis of programs per tile and batch·head (at least
+        # 16-row tiles), which CUDA caps at 2**31 - 1.
+        tiles = -(-p.len_q // 16) + -(-p.len_k // 16)
+        if tiles * p.batch * p.heads_q >= 2 ** 31:
+            raise CallError(f"batch {p.batch} x {p.heads_q} heads x {tiles} tiles of 16 positions "
+                            "is more programs than one launch can hold (2**31 - 1); split the "
+                            "batch into several calls")
+        if self.variant.layout is not None:
+            b = self.variant.block
+            if q_offset % b or k_offset % b:
+                raise CallError(f"q_offset={q_offset} and k_offset={k_offset} must be multiples of "
+                                f"the layout's block {b}, so that kernel tiles nest in layout blocks")
+        if index_lists:
+            self._check_index_lists(p, inputs)
+        return p
+
+    def _check_index_lists(self, p, inputs):
+        """Index lists must hold distinct tile indices in range. Checking reads the values
+        (a host synchronisation), so each list is checked once while it is unchanged."""
+        for name, tile in self._index_lists.items():
+            t = inputs[name]
+            n_tiles = axis_extent(tile, self.variant, p)
+            key = (name, _state(t), n_tiles)
+            if key in self._checked_lists:
+                continue
+            check_index_list(name, t, n_tiles)
+            if len(self._checked_lists) >= 64:
+                self._checked_lists.pop(next(iter(self._checked_lists)))
+            self._checked_lists[key] = True
+
+    def evaluation_kernel(self) -> "Kernel":
+        """This variant without its dropout (the kernel `training=False` runs): compiled,
+        and tuned, on first use. Without dropout in the variant, the kernel itself."""
+        return self._without_dropout if self.variant.dropout else self
+
+    def __call__(self, q, k, v, *positional, return_lse: bool = False,
+                 dropout_seed: int | None = None, training: bool = True, q_offset: int = 0,
+                 k_offset: int = 0, tables: "TileTables | None" = None, layout: str = "bhsd",
+                 **inputs):
+        # Everything up to the operator call is what torch.compile traces (attncc/runtime/ops.py):
+        # Python on shapes, dtypes and devices, no tensor data read.
+        if positional:
+            refuse_positional(self.variant, positional)
+        if not isinstance(training, bool):
+            raise CallError(f"training must be True or False, got {training!r}")
+        if dropout_seed is not None:
+            dropout_seed = check_seed(dropout_seed)
+        if not training and self.variant.dropout:
+            # Evaluation: the same attention with no dropout (as nn.Dropout in eval mode).
+            return self.evaluation_kernel()(q, k, v, return_lse=return_lse, q_offset=q_offset,
+                                            k_offset=k_offset, tables=tables, layout=layout,
+                                            **inputs)
+        p = self.check_call(q, k, v, inputs, q_offset, k_offset, layout, index_lists=False)
+        # (batch, seq, heads, dim) is read through transposed views: the kernels take any
+        # strides, and the output (allocated like q) comes back in the caller's layout.
+        q, k, v = (as_bhsd(t, layout) for t in (q, k, v))
+        if tables is not None:
+            if not isinstance(tables, TileTables):
+                raise CallError(f"tables must come from kernel.tile_tables(...), got "
+                                f"{type(tables).__name__}")
+            tables.check(self._tables_owner, p)
+        if p.len_q == 0 or p.len_k == 0:
+            # Nothing to compute, nothing read from the tables: under torch.compile, where
+            # tensors are fake at this point, their inputs go unchecked.
+            if tables is not None and not torch.compiler.is_compiling():
+                tables.check_reads(inputs)
+            out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
+            lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
+            out = as_bhsd(out, layout)
+            return (out, lse) if return_lse else out
+        seed, drawn_seed = 0, None
+        if self.variant.dropout:
+            if dropout_seed is None:
+                # A CPU tensor from torch's generator (torch.manual_seed reproduces it):
+                # no device sync, and under torch.compile an op of the graph, so every run
+                # draws anew (an int drawn here would be a constant of the graph).
+                drawn_seed = torch.randint(0, 2 ** 31 - 1, (1,))
+            else:
+                seed = dropout_seed
+        # Learnable inputs take gradients at their own strides: make them dense.
+        values = [inputs[d.name].contiguous() if d.learnable else inputs[d.name]
+                  for d in self.variant.inputs]
+        # Under torch.compile, the op (a node of the graph); in eager, its autograd kernel.
+        call = self._ops.forward if torch.compiler.is_compiling() else self._ops.apply
+        out, lse = call(self._op_id, q, k, v, values, q_offset, k_offset, seed, drawn_seed,
+                        ops.NO_TABLES if tables is None else tables._op_id)
+        out = as_bhsd(out, layout)
+        return (out, lse) if return_lse else out
+
+    def _tuning(self, p, inputs: dict, device, tables=None) -> tuple:
+        """The tuner's (context, density) for a call (tuning.config_for). Kept tables know
+        their density (one sync, once), so their calls tune per density bucket; without
+        them the config is keyed by shape, chosen on the first layout."""
+        return (self._tuning_context(p, inputs, device, tables),
+                tables.density if tables is not None else None)
+    def decode(self, q, k_cache, v_cache, *, cache_seqlens=None, k_new=None, v_new=None,
+               block_table=None, return_lse: bool = False, num_splits: int | None = None,
+               config: dict | None = None, **inputs):
+        """Split-KV decoding: n_q new query tokens per batch row against a KV cache.
+
+        q (B, Hq, n_q, D). The cache is contiguous, k_cache and v_cache (B, Hkv, capacity,
+        D) (any strides: a (B, capacity, Hkv, D) cache passes as cache.transpose(1, 2)),
+        or paged, (num_pages, page_size, Hkv, D) with block_table (B, max_pages) int32.
+        cache_seqlens: keys cached per row, a (B,) int32 tensor or an int. k_new, v_new
+        (B, Hkv, n_new, D), optional: written into the cache in place at positions
+        cache_seqlens[b] + j first (the caller advances cache_seqlens afterwards).
+
+        Row b then holds L = cache_seqlens[b] + n_new keys, and the call computes the last
+        n_q rows of its self-attention over them: query token i at position L - n_q + i,
+        and len_q = len_k = L in the variant (so `q >= k` is causal). Input axes on
+        positions and tiles span the capacity. Returns (B, Hq, n_q, D), and with
+        return_lse the natural LSE (B, Hq, n_q) in float32; a row that attends to no key
+        gives 0 and LSE -inf. Inference only: no autograd graph, no dropout. num_splits
+        or config={"BLOCK_N", "num_warps", "num_stages", "num_splits"} pin what is
+        otherwise tuned (attncc/runtime/decoding.py)."""
+        from .decoding import decode
+        return decode(self, q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new,
+                      v_new=v_new, block_table=block_table, return_lse=return_lse,
+                      num_splits=num_splits, config=config, **inputs)
+
+    def _tuning_context(self, p, inputs: dict, device, tables=None):
+        """For the tuner's progress lines: the density of the layout a layout variant is
+        tuned on, since its config then serves other layouts of the same shape (kept
+        tables: other layouts of the same density bucket; they know their density)."""
+        if tables is not None:
+            return lambda: f"on kept tables of tile density {tables.density:.3f}"
+        if self.variant.block is None or not self.module.USES_TABLES:
+            return None
+        return lambda: (f"on a layout of tile density "
+                        f"{tile_density(self.module, p, inputs, device, self.variant.block):.3f}")
+
+    def tile_tables(self, q, k, v, *, q_offset: int = 0, k_offset: int = 0,
+                    layout: str = "bhsd", **inputs) -> "TileTables":
+        """Tile tables for calls shaped like this one, to keep and pass as `tables=`.
+
+        Without them the kernel keeps the tables of its 32 latest calls, keyed by the
+        tensors they read and their version counters (ATTNCC_TABLE_CACHE=0 builds them on
+        every call instead). Keep them yourself to hold more (many layers with layouts of
+        their own) or to build them once, outside a training step. They are your promise
+        that the tensors they read keep their contents. Building them reads their
+        density (one sync);
+        calls given them are tuned per density bucket and make no host synchronisation
+        and no table work (CUDA graphs can capture them)."""
+        p = self.check_call(q, k, v, inputs, q_offset, k_offset, layout)
+        if not self.module.USES_TABLES:
+            raise CallError(f"variant '{self.variant.name}' has no tile tables to keep: its "
+                            f"kernels skip tiles by analytic bounds ({self.strategy}); call "
+                            "the kernel without tables=")
+        return TileTables(self, p, inputs, q.device)
+
+    def density(self, q, k, v, *, block: int | None = None, q_offset: int = 0,
+                k_offset: int = 0, layout: str = "bhsd", **inputs) -> float:
+        """The fraction of block x block tiles (default: the layout's block, else 64) that
+        the kernels visit for calls shaped like this one, averaged over batch and heads.
+        Tiles are classified as the tables do, so this may count a tile the kernels'
+        analytic bounds would skip, never the reverse. Reads the result: one sync."""
+        p = self.check_call(q, k, v, inputs, q_offset, k_offset, layout)
+        return tile_density(self.module, p, inputs, q.device, block or self.variant.block or 64)
+
+
+def tile_density(module, p, inputs: dict, device, block: int) -> float:
+    if block < 1:
+        raise CallError(f"block must be a positive number of positions, got {block}")
+    t = module.tile_tables(p.batch, p.heads_q, p.len_q, p.len_k, p.q_offset, p.k_offset, p.dim,
+                           inputs, block, block, device)
+    visited = (t["row_full_count"] + t["row_part_count"]).float().mean()
+    return visited.item() / -(-p.len_k // block)
+
+
+class TileTables:
+    """A kernel's tile tables for one problem shape and one state of the tensors the mask
+    and layout read, built by `kernel.tile_tables(...)` and passed as `kernel(...,
+    tables=t)`. Tables for each tile size the kernels use are built on first use and
+    kept here. A call whose shapes differ, or whose mask or layout tensors are other
+    tensors or were written in place since (their version counter moved), is refused:
+    such tables would skip the wrong tiles. A write that bypasses the version counter
+    is not seen: keeping the tables is the caller's promise that there is none."""
+
+    def __init__(self, kernel: Kernel, problem, inputs: dict, device):
+        self.kernel, self.problem, self.device = kernel, problem, device
+        self._op_id = ops.register_tables(self)  # how the operator finds them (attncc/runtime/ops.py)
+        self._reads = {name: _state(inputs[name]) for name in kernel.module.TABLE_INPUTS}
+        self._inputs = {name: inputs[name] for name in kernel.module.TABLE_INPUTS}
+        self.store: dict = {}  # (BLOCK_M, BLOCK_N) -> tables; filled by the generated module
+        # The fraction of tiles visited (see Kernel.density), at the layout's block: read
+        # here, outside the calls (one sync), since calls with these tables tune per
+        # density bucket.
+        self.density = tile_density(kernel.module, problem, self._inputs, device,
+                                    kernel.variant.block or 64)
+
+    def check(self, kernel: Kernel, problem):
+        """Whether a call of `kernel` shaped as `problem` may use these tables. Shapes only:
+        at trace time under torch.compile (where it fixes the shapes, as tables do)."""
+        if kernel is not self.kernel:
+            raise CallError(f"these tables belong to the kernel for '{self.kernel.variant.name}', "
+                            f"not to this one ('{kernel.variant.name}'); build them with "
+                            "this kernel's tile_tables(...)")
+        if _sizes(problem) != _sizes(self.problem):  # field by field: Dynamo compares ints
+            raise CallError(f"these tables were built for {_shape_text(self.problem)}, but this "
+                            f"call is {_shape_text(problem)}; build tables for it with "
+                            "kernel.tile_tables(...)")
+
+    def check_reads(self, inputs: dict):
+        """Whether the tensors the tables were built from are the call's, unchanged. Reads
+        data pointers and version counters: in the operator, where tensors are real."""
+        for name, state in self._reads.items():
+            t = inputs[name]
+            if _state(t) != state:
+                hint = ""
+                if t.is_cuda and torch.cuda.is_current_stream_capturing():
+                    hint = (f"; if torch.compile(mode=\"reduce-overhead\") is capturing this call, "
+                            f"it copied '{name}' into a buffer of its own: mark it with "
+                            f"torch._dynamo.mark_static_address({name}) so it keeps its address")
+                raise CallError(f"these tables were built from another '{name}' (or it was "
+                                "written in place since); rebuild them with "
+                                f"kernel.tile_tables(...) when it changes{hint}")
+
+    def __repr__(self):
+        sizes = ", ".join(f"{m}x{n}" for m, n in self.store) or "none yet"
+        return (f"<attncc tile tables for '{self.kernel.variant.name}', "
+                f"{_shape_text(self.problem)}; tile sizes built: {sizes}>")
+
+
+def _state(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype, str(t.device))
+
+
+def _sizes(p) -> tuple:
+    return (p.batch, p.heads_q, p.heads_kv, p.len_q, p.len_k, p.dim, p.dim_v, p.q_offset,
+            p.k_offset)
+
+
+def _shape_text(p) -> str:
+    b, hq, hk, lq, lk, d, _, qo, ko = _sizes(p)
+    text = f"batch {b}, heads {hq}/{hk}, len_q {lq}, len_k {lk}, dim {d}"
+    if qo or ko:
+        text += f", offsets {qo}/{ko}"
+    return text
+
+
+def compile_variant(variant: ir.Variant, *, config: dict | None = None,
+                    backend: str = "auto") -> Kernel:
+    return Kernel(variant, config, backend)
+
+
+# ------------------------------------------------------------ attncc.compile
+def compile(spec, *, backend: str = "auto", config: dict | None = None, **unknown):
+    """Compile a variant into a differentiable kernel: kernel(q, k, v, **inputs).
+
+    backend="auto" (default) | "triton" | "gluon": which kernels run the forward; see
+    kernel.backend and kernel.backend_reason. `config` pins the kernels' tiles:
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}. Everything else
+    about the attention is part of the variant."""
+    if unknown:
+        raise TypeError(_compile_option_hint(*next(iter(unknown.items()))))
+    return compile_variant(load(spec), backend=backend, config=config)
+
+
+_CONFIG_EXAMPLE = '{"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}'
+
+
+def _compile_option_hint(name: str, value) -> str:
+    """Why attncc.compile() takes no `name=`, and what to write instead."""
+    if name == "block":
+        block = value if isinstance(value, int) and not isinstance(value, bool) else 64
+        return (f"attncc.compile() takes no block=: a layout's block is part of the variant; "
+                f"declare `block {block}` in the spec (block= in @attncc.variant). Kernel "
+                f"tile sizes are pinned with config={_CONFIG_EXAMPLE}")
+    if name in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"):
+        return (f"attncc.compile() takes no {name}=: pin the tiles together, as "
+                f"config={_CONFIG_EXAMPLE}")
+    if name in ("heads", "scale", "dropout", "mask", "score", "layout", "params", "inputs"):
+        return (f"attncc.compile() takes no {name}=: it is part of the variant; declare it in "
+                f"the spec (or in @attncc.variant)")
+    return (f"attncc.compile() got an unexpected keyword argument '{name}'; it takes a spec "
+            f"(a path, spec text or Variant) and config={_CONFIG_EXAMPLE} to pin tiles")

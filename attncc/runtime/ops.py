@@ -1,0 +1,271 @@
+"""PyTorch operators for compiled variants: a torch.library custom op per variant.
+
+`Kernel.__call__` checks a call in Python and then calls the variant's forward op,
+`torch.ops.attncc.<name>_<key>`; its autograd kernel (an autograd.Function) calls the
+backward op, `torch.ops.attncc.<name>_<key>_bwd`. Each op has a real implementation (the
+generated module's launches, tuning included) and a fake one (empty outputs of the right
+shapes and strides), so torch.compile traces a call as one opaque node, with symbolic
+sequence lengths, and never traces into Triton's launch path, the tuner or the table
+caches; and since the backward is an op too, AOTAutograd traces it the same way.
+
+What crosses the op boundary, and how:
+- q, k, v and the variant's inputs (a Tensor[] in declared order); q_offset, k_offset
+  and a dropout_seed given by the caller as SymInts (dynamic under torch.compile, not
+  baked in). A seed the call draws itself is a one-element CPU int64 tensor from torch's
+  generator (`drawn_seed`), so that a compiled graph draws a fresh one on every run.
+- The Kernel and its kept TileTables as int ids into process-wide registries (weak: an
+  id outlives nothing). Tables are not tensors to hand over: the generated module builds
+  them lazily per tile size, and the tile size is picked inside the op by the tuner; the
+  tensors they are built from already pass through. An id is a constant in a traced
+  graph, so another TileTables object is another graph (Dynamo guards on the object).
+- The checks that read tensor data (index-list values, the state of the tensors kept
+  tables were built from) run in the real implementation, where tensors are real: under
+  torch.compile the Python call checks run at trace time on FakeTensors, and these
+  could not. In eager mode the op runs inside the call, so the errors are the same.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import warnings
+import weakref
+from typing import Callable, NamedTuple
+
+import torch
+
+from . import tuning
+from ..arguments import Problem, check_seed
+from ..errors import CallError
+
+_KERNELS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_TABLES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_IDS = itertools.count(1)  # never reused, so a stale id finds nothing rather than another object
+_OPS: dict = {}  # op name -> Operators; defined once per process and variant
+NO_TABLES = 0
+
+
+def register_kernel(kernel) -> int:
+    op_id = next(_IDS)
+    _KERNELS[op_id] = kernel
+    return op_id
+
+
+def register_tables(tables) -> int:
+    op_id = next(_IDS)
+    _TABLES[op_id] = tables
+    return op_id
+
+
+def op_name(variant) -> str:
+    return f"{variant.name}_{variant.key()}"
+
+
+class Operators(NamedTuple):
+    forward: torch._ops.OpOverload  # torch.ops.attncc.<name>_<key>.default
+    backward: torch._ops.OpOverload  # torch.ops.attncc.<name>_<key>_bwd.default
+    # The forward op's autograd kernel, for eager calls to enter directly: with the same
+    # arguments and results as `forward`, one trip through the dispatcher fewer (~20 us
+    # of host time on a slow CPU). Its forward calls the forward op, so the kernels run
+    # in the op's implementation either way.
+    apply: Callable
+
+
+def operators(kernel) -> Operators:
+    """The ops of the kernel's variant, defined on first use."""
+    name = op_name(kernel.variant)
+    if name not in _OPS:
+        _OPS[name] = _define(name, kernel.variant)
+    return _OPS[name]
+
+
+def _kernel(op_id: int):
+    kernel = _KERNELS.get(op_id)
+    if kernel is None:
+        raise CallError(f"attncc kernel #{op_id} no longer exists: a graph traced with it "
+                        "outlived it; keep the kernel (attncc.compile's result) alive while "
+                        "compiled code calls it")
+    return kernel
+
+
+def _tables(op_id: int):
+    if op_id == NO_TABLES:
+        return None
+    tables = _TABLES.get(op_id)
+    if tables is None:
+        raise CallError(f"the tile tables #{op_id} passed as tables= no longer exist: keep a "
+                        "reference to kernel.tile_tables(...)'s result while calls use it")
+    return tables
+
+
+def _seed(seed: int, drawn_seed) -> int:
+    # A seed drawn by the call (no dropout_seed given) is a CPU tensor, so that under
+    # torch.compile it is drawn on every run, in the graph; reading it syncs nothing. A
+    # given seed is checked here too: a traced call could not read its value.
+    return check_seed(seed) if drawn_seed is None else int(drawn_seed)
+
+
+def _problem(q, k, v, q_offset, k_offset) -> Problem:
+    return _problem_of(q.shape, k.shape, v.shape[3], q_offset, k_offset)
+
+
+@functools.lru_cache(maxsize=256)
+def _problem_of(q_shape, k_shape, dim_v, q_offset, k_offset) -> Problem:
+    # Cached: a frozen dataclass costs microseconds to build, and this runs on every call.
+    B, H, Lq, D = q_shape
+    return Problem(B, H, k_shape[1], Lq, k_shape[2], D, dim_v, q_offset, k_offset)
+
+
+# One library fragment for every variant's ops. torch.library.custom_op would do the
+# same with less code, but its implementations import torch._dynamo (and sympy) on
+# first call, a second or more of a warm start, and its generic autograd wrapper (pytree
+# flattening per call) cost ~130 us of host time per call on a 2-core CPU; a plain
+# Library definition, a fake implementation and an autograd.Function of our own cost a
+# few microseconds over the autograd.Function that ran the kernels before.
+_LIBRARY = torch.library.Library("attncc", "FRAGMENT")
+
+FORWARD_SCHEMA = ("(int kernel, Tensor q, Tensor k, Tensor v, Tensor[] inputs, SymInt q_offset, "
+                  "SymInt k_offset, SymInt seed, Tensor? drawn_seed, int tables) -> (Tensor, Tensor)")
+BACKWARD_SCHEMA = ("(int kernel, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
+                   "Tensor[] inputs, SymInt q_offset, SymInt k_offset, SymInt seed, "
+                   "Tensor? drawn_seed, int tables) -> (Tensor, Tensor, Tensor, Tensor[])")
+
+
+def _define(name: str, variant):
+    learnable = [i for i, d in enumerate(variant.inputs) if d.learnable]
+    _LIBRARY.define(name + FORWARD_SCHEMA)
+    _LIBRARY.define(name + "_bwd" + BACKWARD_SCHEMA)
+    forward = getattr(torch.ops.attncc, name).default
+    backward = getattr(torch.ops.attncc, name + "_bwd").default
+    # The real implementations serve every device (the kernels take CUDA tensors, and
+    # CPU ones under the interpreter); the fake ones, FakeTensors (torch.compile).
+    _LIBRARY.impl(name, _forward, "CompositeExplicitAutograd")
+    _LIBRARY.impl(name + "_bwd", _backward, "CompositeExplicitAutograd")
+
+    def forward_fake(kernel, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, tables):
+        # The same allocations as the generated module's forward (strides included).
+        return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    def backward_fake(kernel, q, k, v, out, lse, dout, inputs, q_offset, k_offset, seed,
+                      drawn_seed, tables):
+        return (q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(k.shape),
+                [inputs[i].new_empty(inputs[i].shape) for i in learnable])
+
+    torch.library.register_fake(f"attncc::{name}", forward_fake, lib=_LIBRARY)
+    torch.library.register_fake(f"attncc::{name}_bwd", backward_fake, lib=_LIBRARY)
+
+    class Attention(torch.autograd.Function):
+        """The autograd formula: the forward op below autograd, the backward op for the
+        gradients. Inputs are splatted (autograd tracks tensors, not lists of them)."""
+
+        @staticmethod
+        def forward(ctx, kernel, q, k, v, q_offset, k_offset, seed, drawn_seed, tables, *values):
+            with torch._C._AutoDispatchBelowAutograd():
+                out, lse = forward(kernel, q, k, v, list(values), q_offset, k_offset, seed,
+                                   drawn_seed, tables)
+            ctx.save_for_backward(q, k, v, out, lse, *values)
+            ctx.mark_non_differentiable(lse)
+            ctx.call = (kernel, q_offset, k_offset, seed, drawn_seed, tables)
+            # The registries are weak: the graph keeps the kernel and tables it needs, as
+            # in `attncc.compile(spec)(q, k, v).sum().backward()`.
+            ctx.keep_alive = (_kernel(kernel), _tables(tables))
+            return out, lse
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, dout, _dlse):
+            q, k, v, out, lse, *values = ctx.saved_tensors
+            kernel, q_offset, k_offset, seed, drawn_seed, tables = ctx.call
+            dq, dk, dv, dlearnable = backward(kernel, q, k, v, out, lse, dout, values, q_offset,
+                                              k_offset, seed, drawn_seed, tables)
+            dinputs = [None] * len(values)
+            for i, g in zip(learnable, dlearnable):
+                dinputs[i] = g
+            return None, dq, dk, dv, None, None, None, None, None, *dinputs
+
+    def autograd_kernel(kernel, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, tables):
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(q, k, v, *inputs):
+            return Attention.apply(kernel, q, k, v, q_offset, k_offset, seed, drawn_seed,
+                                   tables, *inputs)
+        with torch._C._AutoDispatchBelowAutograd():
+            return forward(kernel, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, tables)
+
+    _LIBRARY.impl(name, autograd_kernel, "Autograd")
+    return Operators(forward, backward, autograd_kernel)
+
+
+def _table_store(tables):
+    """Where a launch finds its tile tables: kept tables' store; else None, the generated
+    module's cache of recent calls; or, with ATTNCC_TABLE_CACHE=0, a store of this launch's
+    own (built once, shared by its tuning runs)."""
+    from .settings import TABLE_CACHE
+    if tables is not None:
+        return tables.store
+    return None if TABLE_CACHE == "1" else {}
+
+
+def _forward(kernel_id, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, tables_id):
+    kernel = _kernel(kernel_id)
+    seed = _seed(seed, drawn_seed)
+    tables = _tables(tables_id)
+    values = dict(zip(kernel.input_names, inputs))
+    p = _problem(q, k, v, q_offset, k_offset)
+    # The checks that read tensor data (see the module docstring).
+    kernel._check_index_lists(p, values)
+    if kernel.variant.dropout and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        warnings.warn(f"attncc: a call of '{kernel.variant.name}' (dropout) is being captured in "
+                      "a CUDA graph: the kernels take the dropout seed as a launch argument, so "
+                      "every replay drops the same elements", stacklevel=2)
+    if tables is not None:
+        tables.check_reads(values)
+    common = dict(q_offset=q_offset, k_offset=k_offset, seed=seed,
+                  tables=_table_store(tables))
+    run = lambda config: kernel.module.forward(q, k, v, values, config=config, **common)
+    tune = kernel._tuning(p, values, q.device, tables)
+    direction = "fwd"
+    # Which forward runs is decided here, on real tensors (strides, alignment), so that a
+    # traced call decides it on every run as an eager one does.
+    backend, reason = kernel._call_backend(q, k, v)
+    kernel._last_backend = (backend, reason)
+    if backend == "gluon":
+        # The Gluon forward; the portable module builds its tables and argument values.
+        run_gluon = lambda config: kernel.gluon_module.forward(
+            q, k, v, values, host=kernel.module, config=config, **common)
+        run = kernel._gluon_or_portable(p, q.dtype, tune[1], run_gluon, run)
+        direction = "gluon-fwd" if run is run_gluon else "fwd"
+    config = tuning.config_for(kernel, p, q.dtype, direction, run, *tune)
+    return run(config)
+
+
+def _backward(kernel_id, q, k, v, out, lse, dout, inputs, q_offset, k_offset, seed, drawn_seed,
+              tables_id):
+    from .settings import backward_directions
+    kernel = _kernel(kernel_id)
+    seed = _seed(seed, drawn_seed)
+    tables = _tables(tables_id)
+    values = dict(zip(kernel.input_names, inputs))
+    p = _problem(q, k, v, q_offset, k_offset)
+    module = kernel.module
+    common = dict(q_offset=q_offset, k_offset=k_offset, seed=seed,
+                  tables=_table_store(tables))
+    tune = kernel._tuning(p, values, q.device, tables)
+    if backward_directions(module.USES_TABLES) == ("bwd",):
+        # dK/dV and dQ as two roles of one grid, one config, both reading delta.
+        delta = module.backward_delta(out, dout)
+        run = lambda config: module.backward_one_launch(q, k, v, lse, delta, dout, values,
+                                                        config=config, **common)
+        config = tuning.config_for(kernel, p, q.dtype, "bwd", run, *tune)
+        dq, dk, dv, dinputs = run(config)
+    else:
+        # dQ first, computing delta = rowsum(dO * O) on the way, then dK/dV, which
+        # reads it. They are tuned apart: they want different tile shapes.
+        delta = module.new_delta(q)
+        run_dq = lambda config: module.backward_dq(q, k, v, lse, delta, dout, values,
+                                                   config=config, out=out, **common)
+        run_dkdv = lambda config: module.backward_dkdv(q, k, v, lse, delta, dout, values,
+                                                       config=config, **common)
+        # dQ's config first: tuning it fills delta, which tuning dK/dV then reads.
+        config_dq = tuning.config_for(kernel, p, q.dtype, "dq", run_dq, *tune)
+        dq, dinputs = run_dq(config_dq)
+        config_dkdv = tuning.config_for(kernel, p, q.dtype, "dkdv", run_dkdv, *tune)
+        dk, dv = run_dkdv(config_dkdv)
+    return dq, dk, dv, [dinputs[d.name] for d in kernel.variant.learnable_inputs]

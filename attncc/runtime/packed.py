@@ -1,0 +1,488 @@
+"""Packed variable-length sequences: a variant rewritten to run within each sequence.
+
+`attncc.varlen(spec)` takes q, k, v packed as (total, heads, dim) with flash-attn's
+`cu_seqlens_q`/`cu_seqlens_k` (int32 sequence starts, then the total) and runs them as
+one batch of one long sequence, viewed as (1, heads, total, dim) without a copy. No
+kernel changes: the variant is rewritten (`varlen_variant`; see `_Rewrite`) so that
+
+  * `q`, `k` count from their sequence's start, `len_q`, `len_k` are that sequence's
+    lengths and `b` its index, all read from per-position int32 inputs derived from
+    cu_seqlens (`varlen_...[q]`, `varlen_...[k]`);
+  * the mask gains `varlen_seq_q[q] == varlen_seq_k[k]` (the sequence of each position).
+
+The interval analysis then classifies tiles from per-block min/max summaries of these
+inputs (attncc/analysis/intervals.py): a tile joining two different sequences is empty, a tile
+inside one sequence is classified exactly as in a dense call, and only tiles on a
+sequence boundary evaluate the mask per element. Nothing is padded, nothing computed
+across sequences.
+
+Inputs the variant declares keep their meaning per sequence: an input on a `q` or `k`
+axis is packed like q or k (total_q or total_k entries), and its index expression is
+evaluated in in-sequence positions, reading the current sequence's entries (`doc[q]`
+reads query q's own entry). An input on the batch axis `b` has one entry per sequence
+and must be read as `x[b, ...]`; it is gathered per packed query position on the host.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections import OrderedDict
+
+import torch
+
+from .. import ir
+from ..errors import CallError
+
+PREFIX = "varlen_"
+# Per-position int32 inputs the rewrite may read, in declaration order: (name, axis).
+DERIVED = (("seq_q", "q"), ("seq_k", "k"), ("pos_q", "q"), ("pos_k", "k"),
+           ("len_q", "q"), ("len_k", "k"), ("start_q", "q"), ("start_k", "k"))
+# Per-sequence quantities a linear term combines, in the order names list them.
+SEQUENCE_VALUES = ("start_q", "start_k", "len_q", "len_k")
+POSITIONS = ("q", "k", "len_q", "len_k")
+FLIPPED = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "==", "!=": "!="}
+
+
+def _read(name: str, side: str) -> ir.Load:
+    """`varlen_<name>[q]` or `varlen_<name>[k]`: a per-position value at the pair's q or k."""
+    return ir.Load(PREFIX + name, (ir.Var(side),))
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+    """A per-position int32 input: a combination of the position's sequence's start and
+    length on each side, `sum(coef * value)`, read at each q (side "q") or k position."""
+    name: str
+    side: str
+    coefs: tuple  # ((value in SEQUENCE_VALUES, int), ...), nonzero, in that order
+
+
+def _term(side: str, coefs: dict) -> Term:
+    words = []
+    for value in SEQUENCE_VALUES:
+        c = coefs.get(value, 0)
+        if c:
+            size = f"{abs(c)}_" if abs(c) != 1 else ""
+            sign = ("minus_" if c < 0 else "plus_") if words or c < 0 else ""
+            words.append(f"{sign}{size}{value}")
+    return Term(f"{PREFIX}{side}_{'_'.join(words)}",
+                side, tuple((v, coefs[v]) for v in SEQUENCE_VALUES if coefs.get(v)))
+
+
+def _linear(e):
+    """`e` as an integer linear form {symbol: coefficient} (1 keys the constant; q, k,
+    len_q, len_k are positions; h, dim and int params pass through as IR nodes), or None
+    when it is not one."""
+    if isinstance(e, ir.Const):
+        return {1: e.value} if e.type == ir.INT else None
+    if isinstance(e, ir.Param):
+        return None  # its value is not known here; kept as it is by the caller
+    if isinstance(e, ir.Var):
+        if e.name in POSITIONS:
+            return {e.name: 1}
+        return {e: 1} if e.name in ("h", "dim") else None
+    if isinstance(e, ir.Neg):
+        x = _linear(e.operand)
+        return None if x is None else {key: -c for key, c in x.items()}
+    if isinstance(e, ir.BinOp) and e.op in ("+", "-"):
+        a, b = _linear(e.lhs), _linear(e.rhs)
+        if a is None or b is None:
+            return None
+        sign = 1 if e.op == "+" else -1
+        out = dict(a)
+        for key, c in b.items():
+            out[key] = out.get(key, 0) + sign * c
+        return {key: c for key, c in out.items() if c}
+    if isinstance(e, ir.BinOp) and e.op == "*":
+        a, b = _linear(e.lhs), _linear(e.rhs)
+        if a is None or b is None:
+            return None
+        if set(a) <= {1}:
+            a, b = b, a
+        if not set(b) <= {1}:
+            return None
+        c = b.get(1, 0)
+        return {key: c * x for key, x in a.items() if c * x}
+    return None
+
+
+class _Rewrite:
+    """Rewrites one variant's expressions into in-sequence form, noting what it reads.
+
+    Within sequence s, query q and key k sit at positions q - start_q(s) and
+    k - start_k(s). An integer expression linear in q, k, len_q, len_k becomes
+    `a*q + b*k + t[side]` with t one per-position input combining the sequence's starts
+    and lengths (a `Term`): the packed positions q and k stay exact, so a tile inside one
+    sequence is bounded exactly, and where the packings of q and k agree (self-attention)
+    t is the same on both sides of every sequence boundary, so `q - k + t[q] >= 0`
+    (causal) is exact on tiles that straddle a boundary too. A comparison of two linear
+    sides is rewritten as one linear form against a constant, for the same reason.
+    Anything else reads the positions themselves (`varlen_pos_q[q]`, ...)."""
+
+    def __init__(self, variant: ir.Variant):
+        self.inputs = {d.name: d for d in variant.inputs}
+        self.used: set = set()
+        self.terms: dict = {}  # name -> Term
+
+    def read(self, name: str) -> ir.Load:
+        side = dict(DERIVED)[name]
+        self.used.add(name)
+        return _read(name, side)
+
+    def linear(self, form: dict, extra: dict | None = None, with_constant: bool = True):
+        """The packed expression of an in-sequence linear form (plus `extra`, more
+        per-sequence values to add, as a load's start)."""
+        a, b = form.get("q", 0), form.get("k", 0)
+        coefs = {"start_q": -a, "start_k": -b, "len_q": form.get("len_q", 0),
+                 "len_k": form.get("len_k", 0)}
+        for value, c in (extra or {}).items():
+            coefs[value] += c
+        coefs = {v: c for v, c in coefs.items() if c}
+        parts = [(c, ir.Var(key)) for key, c in (("q", a), ("k", b)) if c]
+        parts += [(c, key) for key, c in form.items() if isinstance(key, ir.Var)]
+        if coefs:
+            side = "k" if a == 0 and b != 0 else "q"
+            term = _term(side, coefs)
+            self.terms[term.name] = term
+            parts.append((1, ir.Load(term.name, (ir.Var(side),))))
+        if with_constant and form.get(1):
+            parts.append((form[1], ir.Const(form[1], ir.INT)))
+        expr = None
+        for c, node in parts:
+            if isinstance(node, ir.Const):
+                node, c = ir.Const(abs(c), ir.INT), (1 if c > 0 else -1)
+            elif abs(c) != 1:
+                node = ir.BinOp("*", ir.Const(abs(c), ir.INT), node)
+            if expr is None:
+                expr = node if c > 0 else ir.Neg(node)
+            else:
+                expr = ir.BinOp("+" if c > 0 else "-", expr, node)
+        return expr if expr is not None else ir.Const(0, ir.INT)
+
+    def __call__(self, e):
+        if isinstance(e, ir.Cmp):
+            lhs, rhs = _linear(e.lhs), _linear(e.rhs)
+            if lhs is not None and rhs is not None:
+                form = dict(lhs)
+                for key, c in rhs.items():
+                    form[key] = form.get(key, 0) - c
+                form = {key: c for key, c in form.items() if c}
+                if any(key in POSITIONS for key in form):
+                    op = e.op
+                    if form.get("q", 0) < 0 or (not form.get("q") and form.get("k", 0) < 0):
+                        # q first and positive (`k <= q` reads `q - k >= 0`), so that
+                        # the same difference is the same Term.
+                        form = {key: -c for key, c in form.items()}
+                        op = FLIPPED[op]
+                    return ir.Cmp(op, self.linear(form, with_constant=False),
+                                  ir.Const(-form.get(1, 0), ir.INT))
+        form = _linear(e)
+        if form is not None and any(key in POSITIONS for key in form):
+            return self.linear(form)
+        if isinstance(e, ir.Var):
+            mapped = {"q": "pos_q", "k": "pos_k", "len_q": "len_q", "len_k": "len_k",
+                      "b": "seq_q"}.get(e.name)
+            return self.read(mapped) if mapped else e
+        if isinstance(e, ir.Load):
+            return self.load(e)
+        if isinstance(e, ir.Member):  # only in layouts, which varlen refuses
+            raise CallError("index lists (`kb in t[...]`) have no meaning in a packed stream")
+        if isinstance(e, (ir.Const, ir.Param)):
+            return e
+        fields = {f.name: getattr(e, f.name) for f in dataclasses.fields(e)}
+        for name, value in fields.items():
+            if isinstance(value, tuple):
+                fields[name] = tuple(self(x) for x in value)
+            elif not isinstance(value, str):
+                fields[name] = self(value)
+        return type(e)(**fields)
+
+    def load(self, e: ir.Load) -> ir.Load:
+        decl = self.inputs[e.tensor]
+        indices = []
+        for axis, index in zip(decl.axes, e.indices):
+            if axis in ("q", "k"):
+                if index == ir.Var(axis):
+                    indices.append(index)  # the position's own entry: its packed index
+                    continue
+                # An in-sequence index into this sequence's stretch of the packed axis.
+                form = _linear(index)
+                if form is not None:
+                    indices.append(self.linear(form, extra={f"start_{axis}": 1}))
+                else:
+                    indices.append(ir.BinOp("+", self(index), self.read(f"start_{axis}")))
+            elif axis == "b":
+                if index != ir.Var("b"):
+                    raise CallError(
+                        f"input '{e.tensor}' is read at batch index `{_text(index)}`; in a "
+                        f"packed call an input on the batch axis holds one entry per sequence "
+                        f"and must be read as {e.tensor}[b, ...]")
+                indices.append(ir.Var("q"))  # gathered per packed query position
+            else:
+                indices.append(self(index))
+        return ir.Load(e.tensor, tuple(indices))
+
+
+def _text(e) -> str:
+    from ..ir import print_expr
+    return print_expr(e)
+
+
+def _rewrite_variant(variant: ir.Variant):
+    """(the packed variant, its linear Terms by name)."""
+    if variant.layout is not None:
+        raise CallError(
+            f"variant '{variant.name}' has a layout (block {variant.block}): its blocks tile "
+            "one sequence from position 0, but in a packed batch the blocks of the stream do "
+            "not start where sequences start, so varlen cannot run it; pad the sequences to "
+            "a batch and call the kernel, or express the pattern as a mask")
+    taken = {d.name for d in variant.inputs} | {p.name for p in variant.params}
+    clash = sorted(n for n in taken if n.startswith(PREFIX))
+    if clash:
+        raise CallError(f"variant '{variant.name}' declares {clash[0]!r}; names starting with "
+                        f"'{PREFIX}' are the inputs varlen adds: rename it")
+    for decl in variant.inputs:
+        if "b" in decl.axes and any(a in ("q", "k", "qb", "kb") for a in decl.axes):
+            raise CallError(
+                f"input '{decl.name}' has axes [{', '.join(map(str, decl.axes))}]: varlen "
+                "gathers batch-axis inputs per packed position, which it can do only when "
+                "no other axis is a position axis")
+    rewrite = _Rewrite(variant)
+    same_sequence = ir.Cmp("==", rewrite.read("seq_q"), rewrite.read("seq_k"))
+    mask = same_sequence if variant.mask is None else ir.And(same_sequence, rewrite(variant.mask))
+    score = None if variant.score is None else rewrite(variant.score)
+    inputs = tuple(dataclasses.replace(d, axes=tuple("q" if a == "b" else a for a in d.axes))
+                   for d in variant.inputs)
+    inputs += tuple(ir.InputDecl(PREFIX + name, "i32", (axis,))
+                    for name, axis in DERIVED if name in rewrite.used)
+    terms = dict(sorted(rewrite.terms.items()))
+    inputs += tuple(ir.InputDecl(t.name, "i32", (t.side,)) for t in terms.values())
+    packed = dataclasses.replace(variant, name=f"{variant.name}_varlen", inputs=inputs,
+                                 mask=mask, score=score)
+    return packed, terms
+
+
+def varlen_variant(variant: ir.Variant) -> ir.Variant:
+    """The variant that runs `variant` within each sequence of a packed batch of one."""
+    return _rewrite_variant(variant)[0]
+
+
+# ----------------------------------------------------------------- per-position inputs
+def _state(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype, str(t.device))
+
+
+def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, total_name: str, device,
+                     max_seqlen, max_name: str) -> list:
+    """Check one cu_seqlens tensor and its max length; its values as a list (one sync)."""
+    if not isinstance(cu, torch.Tensor):
+        raise CallError(f"{name} must be a torch.Tensor of int32 sequence starts, "
+                        f"got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise CallError(f"{name} has dtype {cu.dtype}; it must be torch.int32, as in "
+                        f"flash-attn (convert it with .to(torch.int32))")
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise CallError(f"{name} must be 1-D with one entry per sequence plus one "
+                        f"(batch + 1,), got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise CallError(f"{name} is on {cu.device} but q is on {device}; move it with "
+                        ".to(q.device)")
+    if (not isinstance(max_seqlen, numbers.Integral) or isinstance(max_seqlen, bool)
+            or max_seqlen < 0):
+        raise CallError(f"{max_name} must be a non-negative int, got {max_seqlen!r}")
+    values = cu.tolist()
+    if values[0] != 0:
+        raise CallError(f"{name} must start at 0, got {values[0]}")
+    for i in range(1, len(values)):
+        if values[i] < values[i - 1]:
+            raise CallError(f"{name} must be non-decreasing (cumulative sequence lengths), but "
+                            f"entry {i} ({values[i]}) is less than entry {i - 1} ({values[i - 1]})")
+    if values[-1] != total:
+        raise CallError(f"{name} ends at {values[-1]}, but {total_name} has {total} tokens; "
+                        f"its last entry must be the total")
+    longest = max((b - a for a, b in zip(values, values[1:])), default=0)
+    if longest > max_seqlen:
+        i = next(i for i, (a, b) in enumerate(zip(values, values[1:])) if b - a == longest)
+        raise CallError(f"{max_name}={max_seqlen} is smaller than the longest sequence "
+                        f"(sequence {i} has {longest} tokens); pass at least {longest}")
+    return values
+
+
+def _positions(cu: torch.Tensor, total: int) -> dict:
+    """Per packed position: its sequence, position in it, sequence length and start (int32)."""
+    at = torch.arange(total, device=cu.device, dtype=torch.int32)
+    # The sequence holding position i is the number of sequence ends at or before i.
+    seq = torch.searchsorted(cu[1:], at, right=True).to(torch.int32)
+    start = cu[seq.long()]
+    length = cu[seq.long() + 1] - start
+    return {"seq": seq, "pos": at - start, "len": length.to(torch.int32),
+            "start": start.to(torch.int32)}
+
+
+class Packing:
+    """The checked packing of one call: per-position int32 tensors for both sides."""
+
+    def __init__(self, cu_q, cu_k, total_q, total_k):
+        self.n_sequences = cu_q.numel() - 1
+        q_side, k_side = _positions(cu_q, total_q), _positions(cu_k, total_k)
+        self.tensors = {}
+        for name, axis in DERIVED:
+            side = q_side if axis == "q" else k_side
+            self.tensors[name] = side[name.rsplit("_", 1)[0]].contiguous()
+        self.seq_q_long = q_side["seq"].long()
+        self._seq = {"q": self.seq_q_long, "k": k_side["seq"].long()}
+        self._per_sequence = {"start_q": cu_q[:-1].long(), "start_k": cu_k[:-1].long(),
+                              "len_q": (cu_q[1:] - cu_q[:-1]).long(),
+                              "len_k": (cu_k[1:] - cu_k[:-1]).long()}
+
+    def term(self, term: Term) -> torch.Tensor:
+        """A Term's values at each position of its side (computed once per packing)."""
+        if term.name not in self.tensors:
+            total = sum(c * self._per_sequence[value] for value, c in term.coefs)
+            self.tensors[term.name] = total[self._seq[term.side]].to(torch.int32).contiguous()
+        return self.tensors[term.name]
+
+
+class _PackingCache:
+    """Checked packings, keyed by the state of the cu_seqlens tensors: the layers of a
+    model share one packing per step, so its values are read (one sync) and its
+    per-position tensors built once, and the kernels' tile tables, keyed by those
+    tensors, are reused across layers. An entry holds its cu tensors, so their memory
+    cannot be reused by other tensors while it lives."""
+
+    SIZE = 16
+
+    def __init__(self):
+        self.entries: OrderedDict = OrderedDict()
+
+    def get(self, cu_q, cu_k, total_q, total_k, max_q, max_k, device) -> Packing:
+        key = None
+        if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor):
+            key = (_state(cu_q), _state(cu_k), total_q, total_k, max_q, max_k)
+            entry = self.entries.get(key)
+            if entry is not None:
+                self.entries.move_to_end(key)
+                return entry[0]
+        values_q = check_cu_seqlens("cu_seqlens_q", cu_q, total_q, "q", device, max_q,
+                                    "max_seqlen_q")
+        values_k = check_cu_seqlens("cu_seqlens_k", cu_k, total_k, "k", device, max_k,
+                                    "max_seqlen_k")
+        if len(values_q) != len(values_k):
+            raise CallError(f"cu_seqlens_q has {len(values_q)} entries and cu_seqlens_k "
+                            f"{len(values_k)}; both must hold one entry per sequence plus one")
+        packing = Packing(cu_q, cu_k, total_q, total_k)
+        self.entries[key] = (packing, cu_q, cu_k)
+        if len(self.entries) > self.SIZE:
+            self.entries.popitem(last=False)
+        return packing
+
+
+_PACKINGS = _PackingCache()
+
+
+def _check_packed(name: str, t, dims: str):
+    if not isinstance(t, torch.Tensor):
+        raise CallError(f"{name} must be a torch.Tensor of shape {dims}, got {type(t).__name__}")
+    if t.dim() != 3:
+        raise CallError(f"{name} must have 3 dimensions {dims}, packed as in flash-attn's "
+                        f"varlen functions, got shape {tuple(t.shape)}")
+
+
+class VarlenKernel:
+    """A compiled variant over packed sequences:
+    `vk(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **inputs)`."""
+
+    def __init__(self, kernel):
+        from .kernel import Kernel
+        self.base = kernel.variant
+        self.variant, self.terms = _rewrite_variant(kernel.variant)
+        self.kernel = Kernel(self.variant, kernel.pinned_config)
+
+    def __repr__(self):
+        return f"<attncc varlen kernel '{self.base.name}': {self.kernel.strategy}>"
+
+    def _bind(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs):
+        """(q, k, v as (1, heads, total, dim) views, the derived variant's inputs)."""
+        _check_packed("q", q, "(total_q, heads, dim)")
+        _check_packed("k", k, "(total_k, heads_k, dim)")
+        _check_packed("v", v, "(total_k, heads_k, dim)")
+        packing = _PACKINGS.get(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
+                                max_seqlen_q, max_seqlen_k, q.device)
+        bound = {}
+        for decl in self.base.inputs:
+            t = inputs.get(decl.name)
+            if decl.axes and decl.axes[0] == "b" and isinstance(t, torch.Tensor):
+                if t.shape[0] != packing.n_sequences:
+                    raise CallError(f"input '{decl.name}' has {t.shape[0]} entries on its batch "
+                                    f"axis, but cu_seqlens_q describes {packing.n_sequences} "
+                                    "sequences; a packed call takes one entry per sequence")
+                t = t.index_select(0, packing.seq_q_long)
+            if t is not None:
+                bound[decl.name] = t
+        for name in sorted(set(inputs) - set(bound)):
+            if name.startswith(PREFIX):
+                raise CallError(f"'{name}' is computed from cu_seqlens_q and cu_seqlens_k; "
+                                "do not pass it")
+            bound[name] = inputs[name]  # the kernel's checks name it as unexpected
+        for decl in self.variant.inputs:
+            if decl.name in self.terms:
+                bound[decl.name] = packing.term(self.terms[decl.name])
+            elif decl.name.startswith(PREFIX):
+                bound[decl.name] = packing.tensors[decl.name[len(PREFIX):]]
+        view = lambda t: t.unsqueeze(0).transpose(1, 2)  # (1, heads, total, dim), no copy
+        return view(q), view(k), view(v), bound
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                 return_lse: bool = False, dropout_seed: int | None = None,
+                 training: bool = True, **inputs):
+        """Attention within each packed sequence: out (total_q, heads, dim) and, with
+        return_lse, the LSE (heads, total_q), as flash-attn's varlen functions return."""
+        q4, k4, v4, bound = self._bind(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                       max_seqlen_k, inputs)
+        result = self.kernel(q4, k4, v4, return_lse=return_lse, dropout_seed=dropout_seed,
+                             training=training, **bound)
+        if return_lse:
+            out, lse = result
+            return out[0].transpose(0, 1), lse[0]
+        return result[0].transpose(0, 1)
+
+    def reference(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                  return_lse: bool = False, dropout_seed: int | None = None,
+                  training: bool = True, **inputs):
+        """The dense reference of the same packed call (attncc.reference of the derived
+        variant: any dtype, float64 for truth, the same dropout bits as the kernel)."""
+        from ..semantics.reference import reference
+        q4, k4, v4, bound = self._bind(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                       max_seqlen_k, inputs)
+        result = reference(self.variant, q4, k4, v4, return_lse=return_lse,
+                           dropout_seed=dropout_seed, training=training, **bound)
+        if return_lse:
+            out, lse = result
+            return out[0].transpose(0, 1), lse[0]
+        return result[0].transpose(0, 1)
+
+    def density(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                block: int = 64, **inputs) -> float:
+        """The fraction of block x block tiles of the packed (total_q x total_k) matrix that
+        the kernels visit (see Kernel.density)."""
+        q4, k4, v4, bound = self._bind(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                       max_seqlen_k, inputs)
+        return self.kernel.density(q4, k4, v4, block=block, **bound)
+
+
+def varlen(spec, *, config: dict | None = None) -> VarlenKernel:
+    """A kernel over packed variable-length sequences, from a compiled kernel (its pinned
+    config carries over), a Variant, a path or spec text. Only the rewritten variant is
+    compiled."""
+    from ..frontend.load import load
+    from .kernel import Kernel
+    if isinstance(spec, Kernel):
+        return VarlenKernel(spec)
+    return VarlenKernel(_Uncompiled(load(spec), config))
+
+
+@dataclasses.dataclass
+class _Uncompiled:
+    """What VarlenKernel reads of a kernel, for a variant that need not be compiled itself."""
+    variant: ir.Variant
+    pinned_config: dict | None

@@ -1,0 +1,47 @@
+"""Settings of the runtime read from the environment once, at import, and the limits of
+what the kernels take. Each setting is refused at import when its value is unknown.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
+
+def interpreting() -> bool:
+    """Whether kernels run under the Triton interpreter (TRITON_INTERPRET=1: on the CPU)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# Tile tables of calls without kept tables: "1" (default) reuses those of the kernel's 32
+# latest calls whose tensors are the same ones, unwritten since (autograd's version
+# counter: a write that bypasses it, through a custom kernel or `.data`, must call
+# torch.autograd.graph.increment_version); "0" builds them on every call, for code that
+# cannot. Building costs ~100 small launches: a document mask's forward at 16K tokens ran
+# 3.9x slower with tables built per call (benchmarks/RESULTS.md run 82).
+TABLE_CACHE = os.environ.get("ATTNCC_TABLE_CACHE", "1")
+if TABLE_CACHE not in ("0", "1"):
+    raise ValueError(f"ATTNCC_TABLE_CACHE={TABLE_CACHE!r}: expected 1 (reuse the tables of "
+                     "recent calls, the default) or 0 (build them on every call)")
+
+# How the backward of a table-driven variant runs: "one-launch" (dK/dV and dQ programs in
+# one grid) or "sequential" (dQ, then dK/dV), for A/B measurements. Analytic masks always
+# run sequentially. The one launch beat both the sequential kernels and the two kernels
+# side by side on two streams on every problem measured (RESULTS.md run 51: at tile
+# density 0.03 the backward ran 1.26x faster than with streams, BigBird's 1.04x).
+BACKWARD_SCHEDULES = ("one-launch", "sequential")
+TABLES_BACKWARD = os.environ.get("ATTNCC_BACKWARD", "one-launch")
+if TABLES_BACKWARD not in BACKWARD_SCHEDULES:
+    raise ValueError(f"ATTNCC_BACKWARD={TABLES_BACKWARD!r}: expected one of {BACKWARD_SCHEDULES}")
+
+
+def backward_directions(uses_tables: bool) -> tuple:
+    """The tuning directions the backward of a module runs, decided here alone: "bwd" (dK/dV
+    and dQ in one launch) for table-driven modules under the one-launch schedule, else "dq"
+    then "dkdv"."""
+    if uses_tables and TABLES_BACKWARD == "one-launch":
+        return ("bwd",)
+    return ("dq", "dkdv")

@@ -1,0 +1,129 @@
+"""Dense evaluation of IR expressions with PyTorch, broadcasting over index grids.
+
+The reference computes attention with it, and the tests use it as the dense ground
+truth for tile classification. Semantics match the kernels: `//` floors and `%` takes
+the sign of the divisor (as in Python), `/` is true division.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import ir
+from ..errors import CallError
+from . import operators
+from .random_blocks import chance, probability
+
+
+def check_index_list(name: str, tensor: torch.Tensor, n_tiles: int):
+    """An index list input holds, per list, distinct tile indices in [0, n_tiles) and -1
+    for padding. Reads the values: one host synchronisation."""
+    rows = tensor.long()
+    bad = (rows < -1) | (rows >= n_tiles)
+    if bool(bad.any()):
+        value = int(rows[bad][0])
+        raise CallError(f"input '{name}' holds tile index {value}, outside [0, {n_tiles}) for "
+                        "these shapes; index lists hold tile indices and -1 for padding")
+    ordered = rows.sort(-1).values
+    repeated = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
+    if bool(repeated.any()):
+        value = int(ordered[..., 1:][repeated][0])
+        raise CallError(f"input '{name}' lists tile {value} twice in one list; each list must "
+                        "name distinct tiles (pad with -1)")
+
+
+def evaluate(e, env: dict, *, float_dtype=torch.float64):
+    """Evaluate `e`. `env` maps index names to tensors or numbers, and holds
+    `params` (name -> value) and `inputs` (name -> tensor)."""
+    return _Evaluator(env, float_dtype).run(e)
+
+
+class _Evaluator:
+    def __init__(self, env, float_dtype):
+        self.env = env
+        self.float_dtype = float_dtype
+
+    def run(self, e):
+        method = getattr(self, type(e).__name__)
+        return method(e)
+
+    def _num(self, x):
+        return x if isinstance(x, torch.Tensor) else torch.tensor(x)
+
+    def Var(self, e):
+        return self._num(self.env[e.name])
+
+    def Const(self, e):
+        if e.type == ir.FLOAT:
+            return torch.tensor(e.value, dtype=self.float_dtype)
+        return torch.tensor(e.value)
+
+    def Param(self, e):
+        value = self.env["params"][e.name]
+        return torch.tensor(value, dtype=self.float_dtype) if isinstance(value, float) else torch.tensor(value)
+
+    def Load(self, e):
+        tensor = self.env["inputs"][e.tensor]
+        idx = [self.run(i).long() for i in e.indices]
+        for axis, (i, n) in enumerate(zip(idx, tensor.shape)):
+            if i.numel() and (int(i.min()) < 0 or int(i.max()) >= n):
+                bad = int(i.min()) if int(i.min()) < 0 else int(i.max())
+                raise CallError(f"input '{e.tensor}' is read at index {bad} along axis {axis}, "
+                                f"which has length {n}: the spec indexes it out of range "
+                                "for these shapes")
+        shape = torch.broadcast_shapes(*(i.shape for i in idx))
+        out = tensor[tuple(i.expand(shape) for i in idx)]
+        if out.is_floating_point():
+            return out.to(self.float_dtype)
+        # The language's integers are 64-bit: an i8 or i32 read must not make `x[q] * c`
+        # wrap in its own dtype (attncc/analysis/ranges.py).
+        return out if out.dtype == torch.bool else out.long()
+
+    def Member(self, e):
+        tensor = self.env["inputs"][e.tensor]
+        n_tiles = self._num(self.env[e.item.name]).numel()  # qb / kb range over every tile
+        check_index_list(e.tensor, tensor, n_tiles)
+        rows = self.Load(ir.Load(e.tensor, e.indices))  # [..., list length]
+        return (rows == self.run(e.item).unsqueeze(-1)).any(-1)
+
+    def _promote(self, a, b):
+        if a.is_floating_point() or b.is_floating_point():
+            return a.to(self.float_dtype), b.to(self.float_dtype)
+        return a, b
+
+    def BinOp(self, e):
+        a, b = self._promote(self.run(e.lhs), self.run(e.rhs))
+        return operators.apply(e.op, a, b, self.float_dtype)
+
+    def Neg(self, e):
+        return -self.run(e.operand)
+
+    def Cmp(self, e):
+        a, b = self._promote(self.run(e.lhs), self.run(e.rhs))
+        return {"<": torch.lt, "<=": torch.le, ">": torch.gt, ">=": torch.ge,
+                "==": torch.eq, "!=": torch.ne}[e.op](a, b)
+
+    def And(self, e):
+        return self.run(e.lhs) & self.run(e.rhs)
+
+    def Or(self, e):
+        return self.run(e.lhs) | self.run(e.rhs)
+
+    def Not(self, e):
+        return ~self.run(e.operand)
+
+    def Call(self, e):
+        if e.fn == "chance":
+            return chance(probability(e, self.env["params"]), *(self.run(a) for a in e.args[1:]))
+        args = [self.run(a) for a in e.args]
+        if e.fn == "abs":
+            return args[0].abs()
+        if e.fn in ("min", "max"):
+            a, b = self._promote(*args)
+            return torch.minimum(a, b) if e.fn == "min" else torch.maximum(a, b)
+        x = args[0].to(self.float_dtype)
+        return {"exp": torch.exp, "log": torch.log, "tanh": torch.tanh, "sqrt": torch.sqrt}[e.fn](x)
+
+    def Where(self, e):
+        c = self.run(e.cond)
+        a, b = self._promote(self.run(e.then), self.run(e.other))
+        return torch.where(c, a, b)

@@ -1,0 +1,121 @@
+"""The dense reference: a variant evaluated on every (q, k) pair with plain PyTorch.
+
+It is the ground truth of every kernel test, so it is written for clarity, not speed:
+it materialises the B×H×Lq×Lk score matrix. Run it in float64 to measure errors.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from . import dropout as dropout_bits
+from .. import ir
+from ..arguments import Problem, as_bhsd, bind, check_seed, refuse_positional
+from ..errors import CallError
+from .evaluate import evaluate
+
+
+def index_env(variant: ir.Variant, p: Problem, inputs: dict, device, float_dtype) -> dict:
+    """Index names as broadcastable tensors over [B, H, Lq, Lk]."""
+    ar = lambda n: torch.arange(n, device=device)
+    return {
+        "b": ar(p.batch).view(-1, 1, 1, 1),
+        "h": ar(p.heads_q).view(1, -1, 1, 1),
+        "q": (ar(p.len_q) + p.q_offset).view(1, 1, -1, 1),
+        "k": (ar(p.len_k) + p.k_offset).view(1, 1, 1, -1),
+        "dim": p.dim, "len_q": p.len_q, "len_k": p.len_k,
+        "params": {d.name: d.value for d in variant.params},
+        "inputs": inputs,
+    }
+
+
+def scale_value(variant: ir.Variant, dim: int) -> float:
+    if variant.scale is None:
+        return 1.0 / math.sqrt(dim)
+    env = {"dim": dim, "params": {d.name: d.value for d in variant.params}, "inputs": {}}
+    return float(evaluate(variant.scale, env))
+
+
+def layout_grid(variant: ir.Variant, p: Problem, inputs: dict, device) -> torch.Tensor:
+    """The layout on its own tile grid: bool, broadcastable to [B, H, QB, KB]."""
+    qb_n = math.ceil((p.q_offset + p.len_q) / variant.block)
+    kb_n = math.ceil((p.k_offset + p.len_k) / variant.block)
+    env = index_env(variant, p, inputs, device, torch.float64)
+    env["qb"] = torch.arange(qb_n, device=device).view(1, 1, -1, 1)
+    env["kb"] = torch.arange(kb_n, device=device).view(1, 1, 1, -1)
+    grid = evaluate(variant.layout, env)
+    return grid.expand(*grid.shape[:2], qb_n, kb_n) if grid.dim() == 4 else grid.expand(1, 1, qb_n, kb_n)
+
+
+def allowed_pairs(variant: ir.Variant, p: Problem, inputs: dict, device) -> torch.Tensor:
+    """Which (b, h, q, k) attend: bool, broadcastable to [B, H, Lq, Lk]."""
+    env = index_env(variant, p, inputs, device, torch.float64)
+    allowed = torch.ones(1, 1, p.len_q, p.len_k, dtype=torch.bool, device=device)
+    if not allowed.numel():
+        return allowed  # an empty call: nothing to evaluate (`q // len_k` has no value at 0)
+    if variant.mask is not None:
+        allowed = allowed & evaluate(variant.mask, env)
+    if variant.layout is not None:
+        grid = layout_grid(variant, p, inputs, device)  # [B|1, H|1, QB, KB]
+        qb = (env["q"] // variant.block).view(-1)
+        kb = (env["k"] // variant.block).view(-1)
+        allowed = allowed & grid[:, :, qb][:, :, :, kb]
+    return allowed
+
+
+def reference(variant: ir.Variant, q, k, v, *positional, return_lse: bool = False,
+              dropout_seed: int | None = None, training: bool = True, q_offset: int = 0,
+              k_offset: int = 0, layout: str = "bhsd", **inputs):
+    """Attention of `variant` computed densely; differentiable in q, k, v and float inputs.
+
+    Tensors are (batch, heads, seq, dim), or (batch, seq, heads, dim) with layout="bshd"
+    (the output too; the LSE is (batch, heads, seq) in both). Computes in the dtype of q
+    (use float64 for ground truth). A query that attends to no key gets output 0 and
+    LSE -inf, and zero gradients. With dropout, `dropout_seed` must be given: the same
+    seed gives the same mask as the kernels; `training=False` leaves dropout out, as the
+    kernels do.
+    """
+    if positional:
+        refuse_positional(variant, positional)
+    if not training and variant.dropout:
+        variant = dataclasses.replace(variant, dropout=None)
+    p = bind(variant, q, k, v, inputs, q_offset=q_offset, k_offset=k_offset,
+             exact_float_inputs=False, layout=layout)
+    q, k, v = (as_bhsd(t, layout) for t in (q, k, v))
+    if variant.dropout and dropout_seed is None:
+        raise CallError(f"the variant has dropout {variant.dropout}: pass dropout_seed=int "
+                        "so the reference draws the same mask as the kernel")
+    if dropout_seed is not None:
+        dropout_seed = check_seed(dropout_seed)
+    dtype, device = q.dtype, q.device
+    env = index_env(variant, p, inputs, device, dtype)
+    group = p.group
+    k_full = k.repeat_interleave(group, dim=1)  # [B, Hq, Lk, D]
+    v_full = v.repeat_interleave(group, dim=1)  # [B, Hq, Lk, Dv]
+
+    s = torch.matmul(q, k_full.transpose(-1, -2)) * scale_value(variant, p.dim)  # [B, Hq, Lq, Lk]
+    if variant.score is not None and s.numel():
+        # A score that does not read s (`score 0.0`) evaluates to a CPU scalar: place it.
+        s = torch.as_tensor(evaluate(variant.score, {**env, "s": s}, float_dtype=dtype),
+                            device=device).to(dtype)
+        s = s.expand(p.batch, p.heads_q, p.len_q, p.len_k)
+    allowed = allowed_pairs(variant, p, inputs, device).expand_as(s)
+    row_any = allowed.any(dim=-1, keepdim=True)  # [B, Hq, Lq, 1]
+
+    # Empty rows would give exp(-inf - -inf) = NaN, in values and gradients alike: give
+    # them finite stand-ins that no result reads.
+    neg_inf = torch.tensor(-math.inf, dtype=dtype, device=device)
+    s_for_lse = torch.where(allowed, s, torch.where(row_any, neg_inf, torch.zeros_like(s)))
+    lse = torch.logsumexp(s_for_lse, dim=-1, keepdim=True)
+    probs = torch.where(allowed, torch.exp(s_for_lse - lse), torch.zeros_like(s))
+    if variant.dropout:
+        bh = (env["b"] * p.heads_q + env["h"])
+        # Absolute positions (offsets included), as the kernels hash them.
+        keep = dropout_bits.keep_mask(dropout_seed, variant.dropout, bh, env["q"], env["k"])
+        probs = torch.where(keep, probs / (1.0 - variant.dropout), torch.zeros_like(probs))
+    out = as_bhsd(torch.matmul(probs, v_full), layout)
+    if return_lse:
+        return out, torch.where(row_any, lse, neg_inf).squeeze(-1)
+    return out

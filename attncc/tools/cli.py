@@ -1,0 +1,164 @@
+"""The `attncc` command: show, compile, check and bench a variant spec.
+
+Exit codes: 0 success, 1 a check out of tolerance, 2 a bad spec or bad usage (a located
+message on stderr, never a traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+
+from ..errors import AttnccError, SpecError
+
+
+def _lengths(text: str) -> list:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"lengths must be positive, got {text!r}")
+    return values
+
+
+def _heads(text: str):
+    try:
+        hq, _, hkv = text.partition("/")
+        return int(hq), int(hkv or hq)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HQ or HQ/HKV, got {text!r}")
+
+
+SPEC_HELP = ("the variant: a .attn file, spec text in quotes, or FILE.py:NAME for a variant "
+             "made with @attncc.variant in a Python file (FILE.py alone when it defines one)")
+HEADS_HELP = "HQ, or HQ/HKV query and key/value heads for GQA, such as 8/2"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..version import __version__
+    p = argparse.ArgumentParser(prog="attncc", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"attncc {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    show = sub.add_parser("show", help="print the variant's IR in the language")
+    show.add_argument("spec", help=SPEC_HELP)
+    show.add_argument("--plot", metavar="PNG", help="draw the mask and its tile classes (needs "
+                      "attncc[plot])")
+    show.add_argument("--len", type=int, default=512, help="sequence length for --plot")
+    show.add_argument("--len-k", type=int, default=None, help="key length for --plot (default --len)")
+    show.add_argument("--tile", type=int, default=64, help="tile size for --plot")
+
+    comp = sub.add_parser("compile", help="write the generated Triton module")
+    comp.add_argument("spec", help=SPEC_HELP)
+    comp.add_argument("-o", "--out", default=".", help="directory to write NAME.py into "
+                      "(created if missing; default: the current directory)")
+    comp.add_argument("--len", type=int, default=None, help="report the fraction of tiles "
+                      "visited at this length (at most 8192)")
+    comp.add_argument("--backend", default="triton", choices=["auto", "triton", "gluon"],
+                      help="gluon (or auto) also writes the Hopper Gluon forward, DIR/<name>_gluon.py")
+
+    check = sub.add_parser("check", help="compare the kernels with the reference on random inputs")
+    check.add_argument("spec", help=SPEC_HELP)
+    check.add_argument("--len", type=_lengths, default=None, help="sequence lengths (default: small awkward ones)")
+    check.add_argument("--dim", type=int, default=None, help="head dim (default: 64 on a GPU, "
+                       "32 under the interpreter)")
+    check.add_argument("--heads", type=_heads, default=None, help=HEADS_HELP + "; default: the "
+                       "declared heads, else 3")
+    check.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
+                       help="dtype of q, k, v (default: bfloat16 on a GPU, float32 under the "
+                       "interpreter, which cannot run bfloat16)")
+    check.add_argument("--seed", type=int, default=0, help="seed of the random inputs (each "
+                       "length adds its index)")
+
+    bench = sub.add_parser("bench", help="time forward and backward against SDPA and FlexAttention (GPU)")
+    bench.add_argument("spec", help=SPEC_HELP)
+    bench.add_argument("--len", type=_lengths, default=[4096, 16384], help="sequence lengths; "
+                       "each runs with batch 16384 // len (with --decode: cache lengths)")
+    bench.add_argument("--dim", type=int, default=128, help="head dim")
+    bench.add_argument("--heads", type=_heads, default=None, help=HEADS_HELP + "; default: the "
+                       "declared heads, else 16 (32/8 with --decode)")
+    bench.add_argument("--json", metavar="FILE", help="write every timing to FILE as JSON")
+    bench.add_argument("--plot", metavar="PNG", help="draw TFLOP/s per backend (needs "
+                       "attncc[plot])")
+    bench.add_argument("--decode", action="store_true",
+                       help="time a decode step (kernel.decode) on caches of --len keys instead, "
+                            "against FlexAttention's decoding kernel and SDPA")
+    bench.add_argument("--batch", type=int, default=1,
+                       help="--decode: batch rows (heads default to 32/8 there)")
+    bench.add_argument("--new", type=int, default=1, help="--decode: new query tokens per row")
+    bench.add_argument("--page", type=int, default=None,
+                       help="--decode: also time a paged cache of this page size (shuffled pages)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    with _progress_on_stderr():
+        try:
+            return COMMANDS[args.command](args)
+        except SpecError as err:
+            print(str(err), file=sys.stderr)
+            return 2
+        except AttnccError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+
+
+@contextlib.contextmanager
+def _progress_on_stderr():
+    """Show attncc's progress lines (tuning) on stderr while a command runs. The library
+    only logs them (logger "attncc.tuning", level INFO), so they stay quiet in programs
+    that configure no logging."""
+    logger = logging.getLogger("attncc")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("attncc: %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def cmd_show(args) -> int:
+    from .. import load
+    variant = load(args.spec)
+    if args.plot:
+        from .extras import require_plotting
+        require_plotting()
+    print(variant, end="")
+    if args.plot:
+        from .plot import plot_variant
+        summary = plot_variant(variant, args.plot, len_q=args.len, len_k=args.len_k or args.len,
+                               tile=args.tile)
+        print(f"wrote {args.plot}: {summary}")
+    return 0
+
+
+def cmd_compile(args) -> int:
+    from .compile_command import compile_command
+    return compile_command(args)
+
+
+def cmd_check(args) -> int:
+    from .check_command import check_command
+    return check_command(args)
+
+
+def cmd_bench(args) -> int:
+    if args.decode:
+        from .decode_bench import bench_decode_command
+        return bench_decode_command(args)
+    from .bench_command import bench_command
+    return bench_command(args)
+
+
+COMMANDS = {"show": cmd_show, "compile": cmd_compile, "check": cmd_check, "bench": cmd_bench}
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""The generated modules' contract (attncc/codegen/interface.py): every module keeps it, and
+attncc uses no name of a generated module that the contract does not list."""
+import re
+from pathlib import Path
+
+import pytest
+
+import attncc
+from attncc.codegen import interface
+from attncc.runtime.cache import load_generated
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+@pytest.mark.parametrize("name,uses_tables", [("causal", False), ("document", True),
+                                              ("bigbird", True), ("alibi", False)])
+def test_a_portable_module_keeps_the_contract(name, uses_tables):
+    gen, module = load_generated(attncc.load(EXAMPLES / f"{name}.attn"))
+    assert module.USES_TABLES is uses_tables
+    assert interface.missing(module, uses_tables) == []
+    if not uses_tables:  # one launch is a table-driven module's alone
+        assert not hasattr(module, "backward_one_launch")
+
+
+def test_the_gluon_module_keeps_the_contract():
+    gen, module = load_generated(attncc.load(EXAMPLES / "causal.attn"), "gluon")
+    assert interface.missing(module, False, backend="gluon") == []
+
+
+def test_attncc_uses_only_the_contracts_names():
+    # Every `module.NAME`, `kernel.module.NAME` and the Gluon template's `host.NAME`.
+    used = set()
+    sources = list((ROOT / "attncc").rglob("*.py")) + list((ROOT / "templates").glob("*.jinja"))
+    for path in sources:
+        used |= set(re.findall(r"\b(?:module|host)\.([A-Za-z_]\w*)", path.read_text()))
+    allowed = set(interface.PORTABLE) | set(interface.PORTABLE_WITH_TABLES) | set(interface.GLUON)
+    # Python's own attributes of any module.
+    allowed |= {"__file__", "__name__", "__dict__"}
+    assert used - allowed == set()

@@ -1,0 +1,137 @@
+"""Shipped winners (runtime/known_winners.py): the file is valid, lookups match only a
+call's own GPU, direction, head dim, dtype and class at a nearby length, and a match
+replaces tuning unless ATTNCC_TUNE=full asks for it."""
+import json
+import types
+
+import pytest
+import torch
+
+import attncc
+from attncc.runtime import known_winners, tuning
+
+CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+
+
+def _rows(entries):
+    rows = {}
+    for key, winner in entries.items():
+        head, q, k = known_winners._parse(key)
+        rows.setdefault(head, []).append((q, k, winner))
+    return rows
+
+
+def test_the_shipped_file_is_valid():
+    table = known_winners.load_table()  # raises on an entry that is not a config
+    data = json.loads(known_winners.WINNERS_FILE.read_text())
+    assert set(data) == {"about", "winners"}
+    assert sum(len(rows) for per_gpu in table.values() for rows in per_gpu.values()) == \
+        sum(len(entries) for entries in data["winners"].values())
+
+
+def test_a_bad_entry_in_the_file_is_an_error(tmp_path):
+    bad = tmp_path / "w.json"
+    bad.write_text(json.dumps({"about": "", "winners": {"GPU X": {
+        "fwd-d128-bfloat16-bounds-q16384-k16384": dict(CONFIG, num_warps=3)}}}))
+    with pytest.raises(ValueError, match="num_warps"):
+        known_winners.load_table(str(bad))
+    bad.write_text(json.dumps({"about": "", "winners": {"GPU X": {
+        "backend-d128-bfloat16-bounds-q16384-k16384": "cudnn"}}}))
+    with pytest.raises(ValueError, match="triton or gluon"):
+        known_winners.load_table(str(bad))
+
+
+@pytest.mark.parametrize("key", ["fwd-d128-bfloat16-bounds+score-q16384-k4096",
+                                 "gluon-fwd-d64-float16-full-q16-k32",
+                                 "bwd-d128-bfloat16-layout-q16384-k16384-density1/32"])
+def test_keys_parse_back(key):
+    head, q, k = known_winners._parse(key)
+    direction, dim, dtype, vclass, density = head
+    assert known_winners.entry_key(direction, dim, dtype, vclass, q, k, density) == key
+
+
+def test_lookup_takes_the_nearest_length_within_a_factor_of_four():
+    other = dict(CONFIG, BLOCK_N=32)
+    table = {"GPU X": _rows({"fwd-d128-bfloat16-bounds-q16384-k16384": CONFIG,
+                             "fwd-d128-bfloat16-bounds-q1024-k1024": other})}
+    look = lambda **kw: known_winners.lookup(**{**dict(gpu="GPU X", direction="fwd", dim=128,
+                                                     dtype="bfloat16", vclass="bounds",
+                                                     len_q=16384, len_k=16384), **kw},
+                                             table=table)
+    assert look() == CONFIG
+    assert look(len_q=65536, len_k=65536) == CONFIG
+    assert look(len_q=131072, len_k=131072) is None  # 8x: tuned, not guessed
+    assert look(len_q=2048, len_k=2048) == other  # nearer to 1024 than to 16384
+    assert look(len_q=512, len_k=16384) is None  # k near one entry, q near the other
+    for change in (dict(gpu="GPU Y"), dict(direction="dq"), dict(dim=64),
+                   dict(dtype="float16"), dict(vclass="bounds+score"), dict(vclass="tables")):
+        assert look(**change) is None, change
+
+
+@pytest.mark.parametrize("spec, uses_tables, expected", [
+    ("attention a { }", False, "full"),
+    ("attention a { mask q >= k }", False, "bounds"),
+    ("attention a { mask q >= k score 30.0 * tanh(s / 30.0) }", False, "bounds+score"),
+    ("attention a { input doc: i32[q] mask doc[q] == doc[k] }", True, "tables"),
+    ("attention a { input r: bool[qb, kb] layout r[qb, kb] block 64 }", True, "layout"),
+])
+def test_variant_classes(spec, uses_tables, expected):
+    assert known_winners.variant_class(attncc.parse(spec), uses_tables) == expected
+
+
+def _fake_call(monkeypatch, entries, spec="attention a { mask q >= k }"):
+    """A kernel and problem as config_for sees them, on a pretend GPU named GPU X."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU X")
+    monkeypatch.setattr(known_winners, "load_table", lambda *a: {"GPU X": _rows(entries)})
+    monkeypatch.setattr(tuning, "_MEMORY", {})
+    monkeypatch.setattr("attncc.runtime.settings.interpreting", lambda: False)
+    monkeypatch.setattr(tuning, "_versions", lambda: "test")
+    variant = attncc.parse(spec)
+    kernel = types.SimpleNamespace(variant=variant, key="k", pinned_config=None,
+                                   module=types.SimpleNamespace(USES_TABLES=False))
+    problem = types.SimpleNamespace(dim=128, len_q=16000, len_k=16000, group=1)
+    return kernel, problem
+
+
+def test_a_shipped_winner_replaces_tuning(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("ATTNCC_TUNE", raising=False)
+    kernel, problem = _fake_call(monkeypatch, {"fwd-d128-bfloat16-bounds-q16384-k16384": CONFIG})
+    ran = []
+    config = tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run=ran.append)
+    assert config == CONFIG and ran == []  # nothing compiled or timed
+    assert not list(tmp_path.rglob("*.json"))  # and nothing cached as if tuned
+
+
+def test_tune_full_tunes_even_where_a_winner_is_shipped(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("ATTNCC_TUNE", "full")
+    kernel, problem = _fake_call(monkeypatch, {"fwd-d128-bfloat16-bounds-q16384-k16384": CONFIG})
+    timed = []
+    monkeypatch.setattr(tuning, "tune", lambda name, key, candidates, run, context="": (
+        timed.append(candidates) or dict(candidates[0])))
+    config = tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run=lambda c: None)
+    assert timed and config == timed[0][0]
+
+
+def test_a_winner_the_variant_cannot_run_is_not_used(monkeypatch, tmp_path):
+    # An index-list layout of 32-blocks needs tiles within its block: a shipped 128x64
+    # winner for its class must be passed over (and the call tuned).
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("ATTNCC_TUNE", raising=False)
+    spec = "attention a { input t: i32[h, qb, 2] layout kb in t[h, qb] block 32 }"
+    kernel, problem = _fake_call(monkeypatch, {"fwd-d128-bfloat16-layout-q16384-k16384": CONFIG},
+                                 spec=spec)
+    assert known_winners.shipped_winner(kernel, problem, torch.bfloat16, "fwd") is None
+    # the same winner serves a layout whose tiles may span blocks
+    spec = "attention a { input r: bool[qb, kb] layout r[qb, kb] block 32 }"
+    kernel, problem = _fake_call(monkeypatch, {"fwd-d128-bfloat16-layout-q16384-k16384": CONFIG},
+                                 spec=spec)
+    assert known_winners.shipped_winner(kernel, problem, torch.bfloat16, "fwd") == CONFIG
+
+
+def test_an_unknown_tuning_mode_is_refused(monkeypatch):
+    monkeypatch.setenv("ATTNCC_TUNE", "fulll")
+    with pytest.raises(ValueError, match=r"ATTNCC_TUNE='fulll'.*full"):
+        tuning.tune_mode()
