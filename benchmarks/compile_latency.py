@@ -110,6 +110,15 @@ def child(row: str, against: dict | None) -> dict:
                         for w, runs in steady.items() if runs})
 
 
+def save(mode: str, rows: list, out_dir: str) -> str:
+    import torch
+    import triton
+    path = os.path.join(out_dir, f"cold-{mode}.json")
+    json.dump(dict(mode=mode, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                   triton=triton.__version__, rows=rows), open(path, "w"), indent=1)
+    return path
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", default="1", help="ATTNCC_TUNE for the children: full or 1")
@@ -147,11 +156,10 @@ def main():
             rows.append(result)
             print(f"{row}: first result {result['first_result_s']:.1f} s "
                   f"(process {wall:.1f} s)", flush=True)
+            save(args.mode, rows, out_dir)  # after each row: a run cut short keeps its rows
+    path = save(args.mode, rows, out_dir)
     import torch
     import triton
-    path = os.path.join(out_dir, f"cold-{args.mode}.json")
-    json.dump(dict(mode=args.mode, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                   triton=triton.__version__, rows=rows), open(path, "w"), indent=1)
     print(f"\nATTNCC_TUNE={args.mode} on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {triton.__version__}; seconds and ms; full results in {path}")
     print(f"{'variant':16s} {'import+compile+1st fwd+bwd':>27s} {'fwd ms':>8s} {'fwd+bwd ms':>10s}"
