@@ -5,6 +5,8 @@ and Triton caches, and what the configs it chose cost in steady calls.
     python benchmarks/compile_latency.py --mode full   # tune (what every first call did)
     python benchmarks/compile_latency.py --mode 1      # shipped winners (known_winners.json)
     python benchmarks/compile_latency.py --mode 1 --against $OUT/cold-full.json
+    python benchmarks/compile_latency.py --mode 1 --tune-too --rows causal_8k,prefix_lm,window_2048
+    python benchmarks/compile_latency.py --write-winners cold-full.json [--device cpu]
 
 Each child process times its phases, ending each in a device synchronisation: import
 torch, CUDA initialisation, import attncc, attncc.compile, the first forward, the first
@@ -36,9 +38,19 @@ ROWS = [("full", "full", 16384, 128), ("causal", "causal", 16384, 128),
         ("sliding_window", "sliding_window", 16384, 128), ("document", "document", 16384, 128),
         ("bigbird", "bigbird", 16384, 128), ("alibi", "alibi", 16384, 128),
         ("softcap", "softcap", 16384, 128)]
+# Variants no shipped winner was measured on, each near a measured class (a length, a
+# density and a mask away): --tune-too times their shipped configs against tuning's.
+EXTRA_SPECS = {
+    "prefix_lm": "attention prefix_lm { param prefix: int = 1024 mask q >= k or k < prefix }",
+    "window_2048": ("attention window_2048 { param window: int = 2048 "
+                    "mask q >= k and q - k < window }"),
+}
+EXTRA_ROWS = [("causal_8k", "causal", 8192, 128), ("prefix_lm", "prefix_lm", 16384, 128),
+              ("window_2048", "window_2048", 16384, 128)]
+ROWS_BY_NAME = {r[0]: r for r in ROWS + EXTRA_ROWS}
 
 
-def child(row: str, against: dict | None) -> dict:
+def child(row: str, against: dict | None, tune_too: bool = False) -> dict:
     clock = time.perf_counter
     phases = {}
     start = clock()
@@ -62,7 +74,8 @@ def child(row: str, against: dict | None) -> dict:
     from attncc.runtime import tuning
     phases["import attncc"] = clock() - t
     from gpu_suite import VARIANTS, anchor_problem
-    name, L, D = next((n, L, D) for r, n, L, D in ROWS if r == row)
+    VARIANTS.update(EXTRA_SPECS)
+    _, name, L, D = ROWS_BY_NAME[row]
     _, q, k, v, inputs = anchor_problem(name, L, D=D)
     torch.cuda.synchronize()
     t = clock()
@@ -99,6 +112,15 @@ def child(row: str, against: dict | None) -> dict:
 
     steady = {"own": [], "against": []}
     theirs = (against or {}).get(row, {}).get("chosen")
+    tune_s = None
+    if tune_too:  # this process tunes the same calls, for the configs to compare with
+        os.environ["ATTNCC_TUNE"] = "full"
+        tuning._MEMORY.clear()
+        t = clock()
+        fwd_bwd()
+        torch.cuda.synchronize()
+        tune_s = clock() - t
+        theirs = {key: config for (_, key), config in tuning._MEMORY.items()}
     for _ in range(3 if theirs else 1):  # alternate, so clock drift hits both alike
         steady["own"].append(time_with(chosen))
         if theirs:
@@ -106,8 +128,74 @@ def child(row: str, against: dict | None) -> dict:
     median = lambda runs, part: sorted(r[part] for r in runs)[len(runs) // 2] if runs else None
     return dict(row=row, phases=phases, first_result_s=first_result,
                 import_to_result_s=sum(phases.values()), chosen=chosen, tuner_log=records,
+                tuned=theirs, tune_s=tune_s,
                 steady={w: {p: median(runs, p) for p in ("fwd", "fwd+bwd")}
                         for w, runs in steady.items() if runs})
+
+
+def row_class(row: str, device: str) -> str:
+    """The shipped winners' class of an ANCHORS row at its shape (known_winners.py)."""
+    import attncc
+    from attncc.runtime import known_winners, tuning
+    from attncc.runtime.kernel import tile_density
+    from attncc.arguments import Problem
+    from gpu_suite import VARIANTS, anchor_problem
+    VARIANTS.update(EXTRA_SPECS)
+    _, name, L, D = ROWS_BY_NAME[row]
+    _, q, k, v, inputs = anchor_problem(name, L, D=D, dev=device)
+    kernel = attncc.compile(VARIANTS[name])
+    p = Problem(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], len_q=L, len_k=L,
+                dim=D, dim_v=D)
+    density = tile_density(kernel.module, p, inputs, device, kernel.variant.block or 64)
+    return known_winners.variant_class(kernel.variant, kernel.module.USES_TABLES,
+                                       tuning.density_bucket(density))
+
+
+def write_winners(run_file: str, device: str):
+    """Turn a --mode full run's tuned configs into known_winners.json entries for its GPU.
+    Rows of one class must agree (they did: causal and GQA causal); if they do not, the
+    entry is left out and the disagreement printed, so a class never gets a guess."""
+    import re
+
+    from attncc.runtime import known_winners
+    run = json.load(open(run_file))
+    entries, sources = {}, {}
+    for r in run["rows"]:
+        if "failed" in r:
+            continue
+        vclass = row_class(r["row"], device)
+        for key, winner in r["chosen"].items():
+            m = re.match(r"(.+)-d(\d+)-(\w+)-g\d+-q(\d+)-k(\d+)$", key)
+            if not m:
+                continue  # untuned or density-keyed entries are not shipped
+            direction, dim, dtype, lq, lk = m.groups()
+            entry = known_winners.entry_key(direction, int(dim), dtype, vclass, int(lq), int(lk))
+            if entry in entries and entries[entry] != winner:
+                print(f"{entry}: {sources[entry]} chose {entries[entry]}, {r['row']} {winner}; "
+                      "left out")
+                entries[entry] = None
+                continue
+            entries.setdefault(entry, winner)
+            sources.setdefault(entry, r["row"])
+    data = json.loads(known_winners.WINNERS_FILE.read_text())
+    data["winners"][run["gpu"]] = {k: w for k, w in sorted(entries.items()) if w is not None}
+    known_winners.WINNERS_FILE.write_text(format_winners(data))
+    print(f"{len(data['winners'][run['gpu']])} winners for {run['gpu']} "
+          f"(triton {run['triton']}) written to {known_winners.WINNERS_FILE}")
+
+
+def format_winners(data: dict) -> str:
+    """known_winners.json with one line per entry, to read and diff."""
+    lines = ["{", f' "about": {json.dumps(data["about"])},', ' "winners": {']
+    gpus = list(data["winners"].items())
+    for i, (gpu, entries) in enumerate(gpus):
+        lines.append(f"  {json.dumps(gpu)}: {{")
+        items = list(entries.items())
+        for j, (key, winner) in enumerate(items):
+            lines.append(f"   {json.dumps(key)}: {json.dumps(winner)}"
+                         + ("," if j < len(items) - 1 else ""))
+        lines.append("  }" + ("," if i < len(gpus) - 1 else ""))
+    return "\n".join(lines + [" }", "}"]) + "\n"
 
 
 def save(mode: str, rows: list, out_dir: str) -> str:
@@ -124,12 +212,21 @@ def main():
     parser.add_argument("--mode", default="1", help="ATTNCC_TUNE for the children: full or 1")
     parser.add_argument("--rows", default=",".join(r for r, *_ in ROWS))
     parser.add_argument("--against", help="an earlier run's JSON: time its configs too")
+    parser.add_argument("--tune-too", action="store_true",
+                        help="each child also tunes (ATTNCC_TUNE=full) and times both")
+    parser.add_argument("--write-winners", metavar="RUN_JSON",
+                        help="write a --mode full run's winners into known_winners.json")
+    parser.add_argument("--device", default="cuda", help="for --write-winners' tile densities")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.write_winners:
+        write_winners(args.write_winners, args.device)
+        return
     if args.child:
         against = json.load(open(args.against)) if args.against else None
-        result = child(args.child, {r["row"]: r for r in against["rows"]} if against else None)
+        result = child(args.child, {r["row"]: r for r in against["rows"]} if against else None,
+                       args.tune_too)
         json.dump(result, open(args.result, "w"))
         return
     out_dir = os.environ.get("OUT", "out")
@@ -144,6 +241,8 @@ def main():
             cmd = [sys.executable, __file__, "--child", row, "--result", result_file]
             if args.against:
                 cmd += ["--against", args.against]
+            if args.tune_too:
+                cmd += ["--tune-too"]
             t = time.perf_counter()
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             wall = time.perf_counter() - t
@@ -156,14 +255,15 @@ def main():
             rows.append(result)
             print(f"{row}: first result {result['first_result_s']:.1f} s "
                   f"(process {wall:.1f} s)", flush=True)
-            save(args.mode, rows, out_dir)  # after each row: a run cut short keeps its rows
-    path = save(args.mode, rows, out_dir)
+            save(args.mode + ("-tune-too" if args.tune_too else ""), rows, out_dir)  # after each row: a run cut short keeps its rows
+    path = save(args.mode + ("-tune-too" if args.tune_too else ""), rows, out_dir)
     import torch
     import triton
     print(f"\nATTNCC_TUNE={args.mode} on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {triton.__version__}; seconds and ms; full results in {path}")
     print(f"{'variant':16s} {'import+compile+1st fwd+bwd':>27s} {'fwd ms':>8s} {'fwd+bwd ms':>10s}"
-          + (f" {'vs tuned fwd':>12s} {'vs tuned f+b':>12s}" if args.against else ""))
+          + (f" {'tuned/own fwd':>13s} {'tuned/own f+b':>13s}" if args.against or args.tune_too
+             else ""))
     for r in rows:
         if "failed" in r:
             print(f"{r['row']:16s} FAILED")
@@ -172,7 +272,7 @@ def main():
         line = f"{r['row']:16s} {r['first_result_s']:27.1f} {own['fwd']:8.3f} {own['fwd+bwd']:10.3f}"
         if "against" in r["steady"]:
             them = r["steady"]["against"]
-            line += f" {them['fwd'] / own['fwd']:12.3f} {them['fwd+bwd'] / own['fwd+bwd']:12.3f}"
+            line += f" {them['fwd'] / own['fwd']:13.3f} {them['fwd+bwd'] / own['fwd+bwd']:13.3f}"
         print(line)
 
 

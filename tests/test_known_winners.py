@@ -14,11 +14,8 @@ CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
 
 
 def _rows(entries):
-    rows = {}
-    for key, winner in entries.items():
-        head, q, k = known_winners._parse(key)
-        rows.setdefault(head, []).append((q, k, winner))
-    return rows
+    """The table of one GPU, "GPU X"'s, for these entries."""
+    return known_winners.table_from({"GPU X": entries}, "test")["GPU X"]
 
 
 def test_the_shipped_file_is_valid():
@@ -32,30 +29,29 @@ def test_the_shipped_file_is_valid():
 def test_a_bad_entry_in_the_file_is_an_error(tmp_path):
     bad = tmp_path / "w.json"
     bad.write_text(json.dumps({"about": "", "winners": {"GPU X": {
-        "fwd-d128-bfloat16-bounds-q16384-k16384": dict(CONFIG, num_warps=3)}}}))
+        "fwd-d128-bfloat16-bounds@1/2-q16384-k16384": dict(CONFIG, num_warps=3)}}}))
     with pytest.raises(ValueError, match="num_warps"):
         known_winners.load_table(str(bad))
     bad.write_text(json.dumps({"about": "", "winners": {"GPU X": {
-        "backend-d128-bfloat16-bounds-q16384-k16384": "cudnn"}}}))
+        "backend-d128-bfloat16-bounds@1/2-q16384-k16384": "cudnn"}}}))
     with pytest.raises(ValueError, match="triton or gluon"):
         known_winners.load_table(str(bad))
 
 
-@pytest.mark.parametrize("key", ["fwd-d128-bfloat16-bounds+score-q16384-k4096",
-                                 "gluon-fwd-d64-float16-full-q16-k32",
-                                 "bwd-d128-bfloat16-layout-q16384-k16384-density1/32"])
+@pytest.mark.parametrize("key", ["fwd-d128-bfloat16-bounds+score@1/2-q16384-k4096",
+                                 "gluon-fwd-d64-float16-full@1/1-q16-k32",
+                                 "bwd-d128-bfloat16-layout@1/32-q16384-k16384"])
 def test_keys_parse_back(key):
     head, q, k = known_winners._parse(key)
-    direction, dim, dtype, vclass, density = head
-    assert known_winners.entry_key(direction, dim, dtype, vclass, q, k, density) == key
+    assert known_winners.entry_key(*head, q, k) == key
 
 
 def test_lookup_takes_the_nearest_length_within_a_factor_of_four():
     other = dict(CONFIG, BLOCK_N=32)
-    table = {"GPU X": _rows({"fwd-d128-bfloat16-bounds-q16384-k16384": CONFIG,
-                             "fwd-d128-bfloat16-bounds-q1024-k1024": other})}
+    table = {"GPU X": _rows({"fwd-d128-bfloat16-bounds@1/2-q16384-k16384": CONFIG,
+                             "fwd-d128-bfloat16-bounds@1/2-q1024-k1024": other})}
     look = lambda **kw: known_winners.lookup(**{**dict(gpu="GPU X", direction="fwd", dim=128,
-                                                     dtype="bfloat16", vclass="bounds",
+                                                     dtype="bfloat16", vclass="bounds@1/2",
                                                      len_q=16384, len_k=16384), **kw},
                                              table=table)
     assert look() == CONFIG
@@ -64,19 +60,22 @@ def test_lookup_takes_the_nearest_length_within_a_factor_of_four():
     assert look(len_q=2048, len_k=2048) == other  # nearer to 1024 than to 16384
     assert look(len_q=512, len_k=16384) is None  # k near one entry, q near the other
     for change in (dict(gpu="GPU Y"), dict(direction="dq"), dict(dim=64),
-                   dict(dtype="float16"), dict(vclass="bounds+score"), dict(vclass="tables")):
+                   dict(dtype="float16"), dict(vclass="bounds+score@1/2"),
+                   dict(vclass="bounds@1/8"), dict(vclass="tables@1/2")):
         assert look(**change) is None, change
 
 
 @pytest.mark.parametrize("spec, uses_tables, expected", [
-    ("attention a { }", False, "full"),
-    ("attention a { mask q >= k }", False, "bounds"),
-    ("attention a { mask q >= k score 30.0 * tanh(s / 30.0) }", False, "bounds+score"),
-    ("attention a { input doc: i32[q] mask doc[q] == doc[k] }", True, "tables"),
-    ("attention a { input r: bool[qb, kb] layout r[qb, kb] block 64 }", True, "layout"),
+    ("attention a { }", False, "full@1/2"),
+    ("attention a { mask q >= k }", False, "bounds@1/2"),
+    ("attention a { input sl: f32[h] mask q >= k score s + sl[h] * (k - q) }", False,
+     "bounds+score@1/2"),
+    ("attention a { mask q >= k score 30.0 * tanh(s / 30.0) }", False, "bounds+heavyscore@1/2"),
+    ("attention a { input doc: i32[q] mask doc[q] == doc[k] }", True, "tables@1/2"),
+    ("attention a { input r: bool[qb, kb] layout r[qb, kb] block 64 }", True, "layout@1/2"),
 ])
 def test_variant_classes(spec, uses_tables, expected):
-    assert known_winners.variant_class(attncc.parse(spec), uses_tables) == expected
+    assert known_winners.variant_class(attncc.parse(spec), uses_tables, "1/2") == expected
 
 
 def _fake_call(monkeypatch, entries, spec="attention a { mask q >= k }"):
@@ -97,9 +96,10 @@ def _fake_call(monkeypatch, entries, spec="attention a { mask q >= k }"):
 def test_a_shipped_winner_replaces_tuning(monkeypatch, tmp_path):
     monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("ATTNCC_TUNE", raising=False)
-    kernel, problem = _fake_call(monkeypatch, {"fwd-d128-bfloat16-bounds-q16384-k16384": CONFIG})
+    kernel, problem = _fake_call(monkeypatch, {"fwd-d128-bfloat16-bounds@1/2-q16384-k16384": CONFIG})
     ran = []
-    config = tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run=ran.append)
+    config = tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run=ran.append,
+                               shape_density=lambda: 0.45)
     assert config == CONFIG and ran == []  # nothing compiled or timed
     assert not list(tmp_path.rglob("*.json"))  # and nothing cached as if tuned
 
@@ -107,12 +107,25 @@ def test_a_shipped_winner_replaces_tuning(monkeypatch, tmp_path):
 def test_tune_full_tunes_even_where_a_winner_is_shipped(monkeypatch, tmp_path):
     monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("ATTNCC_TUNE", "full")
-    kernel, problem = _fake_call(monkeypatch, {"fwd-d128-bfloat16-bounds-q16384-k16384": CONFIG})
+    kernel, problem = _fake_call(monkeypatch, {"fwd-d128-bfloat16-bounds@1/2-q16384-k16384": CONFIG})
     timed = []
     monkeypatch.setattr(tuning, "tune", lambda name, key, candidates, run, context="": (
         timed.append(candidates) or dict(candidates[0])))
-    config = tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run=lambda c: None)
+    config = tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run=lambda c: None,
+                               shape_density=lambda: 0.45)
     assert timed and config == timed[0][0]
+
+
+def test_another_density_is_another_class(monkeypatch, tmp_path):
+    # causal (half the tiles) and a 1024-wide window at 16K (1/16) want other tiles
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("ATTNCC_TUNE", raising=False)
+    kernel, problem = _fake_call(monkeypatch, {"fwd-d128-bfloat16-bounds@1/2-q16384-k16384": CONFIG})
+    shipped = lambda d: known_winners.shipped_winner(kernel, problem, torch.bfloat16, "fwd", d)
+    assert shipped(lambda: 0.5) == CONFIG
+    assert shipped(lambda: 0.26) == CONFIG  # 1/4: the neighbouring bucket
+    assert shipped(lambda: 0.07) is None  # 1/16: too far
+    assert shipped(None) is None  # a caller that cannot say its density gets none
 
 
 def test_a_winner_the_variant_cannot_run_is_not_used(monkeypatch, tmp_path):
@@ -121,14 +134,15 @@ def test_a_winner_the_variant_cannot_run_is_not_used(monkeypatch, tmp_path):
     monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("ATTNCC_TUNE", raising=False)
     spec = "attention a { input t: i32[h, qb, 2] layout kb in t[h, qb] block 32 }"
-    kernel, problem = _fake_call(monkeypatch, {"fwd-d128-bfloat16-layout-q16384-k16384": CONFIG},
+    kernel, problem = _fake_call(monkeypatch, {"fwd-d128-bfloat16-layout@1/2-q16384-k16384": CONFIG},
                                  spec=spec)
-    assert known_winners.shipped_winner(kernel, problem, torch.bfloat16, "fwd") is None
+    half = lambda: 0.5
+    assert known_winners.shipped_winner(kernel, problem, torch.bfloat16, "fwd", half) is None
     # the same winner serves a layout whose tiles may span blocks
     spec = "attention a { input r: bool[qb, kb] layout r[qb, kb] block 32 }"
-    kernel, problem = _fake_call(monkeypatch, {"fwd-d128-bfloat16-layout-q16384-k16384": CONFIG},
+    kernel, problem = _fake_call(monkeypatch, {"fwd-d128-bfloat16-layout@1/2-q16384-k16384": CONFIG},
                                  spec=spec)
-    assert known_winners.shipped_winner(kernel, problem, torch.bfloat16, "fwd") == CONFIG
+    assert known_winners.shipped_winner(kernel, problem, torch.bfloat16, "fwd", half) == CONFIG
 
 
 def test_an_unknown_tuning_mode_is_refused(monkeypatch):

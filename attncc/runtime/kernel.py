@@ -43,6 +43,7 @@ class Kernel:
         self._index_lists = ir.index_lists(variant.layout)  # {input: "qb" | "kb"}
         self._checked_lists: dict = {}  # index-list states already validated
         self._tables_owner = self  # whose tile_tables(...) this kernel's calls accept
+        self._shape_densities: dict = {}  # for the shipped winners' class (_tuning)
         self.input_names = [d.name for d in variant.inputs]  # the operator's input order
         self._ops = ops.operators(self)  # torch.ops.attncc.<name>_<key>[_bwd]
         self._op_id = ops.register_kernel(self)  # how the operator finds this kernel
@@ -127,7 +128,7 @@ class Kernel:
             return "triton", why
         return "gluon", self.backend_reason
 
-    def _gluon_or_portable(self, problem, dtype, density, run_gluon, run_portable):
+    def _gluon_or_portable(self, problem, dtype, tune, run_gluon, run_portable):
         """The forward to run for a call the Gluon backend can take: Gluon when asked for,
         else (auto) whichever the tuner measured faster for this tuning key."""
         if self.requested_backend == "gluon":
@@ -136,7 +137,7 @@ class Kernel:
             faster = tuning.faster_backend(self, problem, dtype,
                                            {"gluon": ("gluon-fwd", run_gluon),
                                             "triton": ("fwd", run_portable)},
-                                           density=density)
+                                           density=tune[1], shape_density=tune[2])
         except RuntimeError as e:  # no Gluon config could run here: say so, run portable
             self.backend, self.backend_reason = "triton", f"the Gluon forward could not run ({e})"
             self._last_backend = ("triton", self.backend_reason)
@@ -277,11 +278,22 @@ class Kernel:
         return (out, lse) if return_lse else out
 
     def _tuning(self, p, inputs: dict, device, tables=None) -> tuple:
-        """The tuner's (context, density) for a call (tuning.config_for). Kept tables know
-        their density (one sync, once), so their calls tune per density bucket; without
-        them the config is keyed by shape, chosen on the first layout."""
+        """The tuner's (context, density, shape_density) for a call (tuning.config_for).
+        Kept tables know their density (one sync, once), so their calls tune per density
+        bucket; without them the config is keyed by shape, chosen on the first layout.
+        shape_density() is the call's tile density, for the shipped winners' class: one
+        sync, once per shape (the first inputs of a shape stand for the later ones, as the
+        configs chosen on them do)."""
+        def shape_density():
+            key = (p.batch, p.heads_q, p.len_q, p.len_k, p.q_offset, p.k_offset)
+            if key not in self._shape_densities:
+                if len(self._shape_densities) >= 64:
+                    self._shape_densities.pop(next(iter(self._shape_densities)))
+                self._shape_densities[key] = tile_density(self.module, p, inputs, device,
+                                                          self.variant.block or 64)
+            return self._shape_densities[key]
         return (self._tuning_context(p, inputs, device, tables),
-                tables.density if tables is not None else None)
+                tables.density if tables is not None else None, shape_density)
     def decode(self, q, k_cache, v_cache, *, cache_seqlens=None, k_new=None, v_new=None,
                block_table=None, return_lse: bool = False, num_splits: int | None = None,
                config: dict | None = None, **inputs):

@@ -1,13 +1,16 @@
 """Winners the tuner found on GPUs we measured, shipped with attncc (known_winners.json).
 
-Tuning a new variant compiles every candidate of every kernel: 24-42 s before the first
-result on an H100 (ANCHORS.md). On a GPU listed in the file, the first call of a variant
-instead runs the config measured best for its *class*, compiling one config per kernel:
-variants of a class (no mask; a mask the loop bounds solve; a mask that needs tile
-tables; a block layout; each with or without a score) shared their winners when
-measured (benchmarks/compile_latency.py, RESULTS.md). A call matches an entry of the
-same GPU, direction, head dim, dtype and class whose length buckets are within a factor
-of four of its own (the nearest one); anything else is tuned as before, and so is
+Tuning a new variant compiles every candidate of every kernel: 29-50 s before the first
+result on an H100 (RESULTS.md). On a GPU listed in the file, the first call of a variant
+instead runs the config measured best for its *class*, compiling one config per kernel.
+What the winners were measured to depend on (benchmarks/compile_latency.py) is the class:
+how tiles are skipped (no mask; a mask the loop bounds solve; a mask that needs tile
+tables; a block layout), the tile density of the call (a 1024-wide window wants small
+tiles where causal wants large ones), and the score's weight (a score calling tanh, exp,
+log or sqrt wants small tiles where a linear bias does not). A call matches an entry of
+the same GPU, direction, head dim, dtype and kind of class whose density bucket is within
+a factor of two and whose length buckets are within a factor of four of its own (the
+nearest one); anything else is tuned as before, and so is
 everything under `ATTNCC_TUNE=full`. A shipped config is checked like a cached one
 (configs.usable) before it is used.
 """
@@ -23,11 +26,13 @@ from . import configs
 
 WINNERS_FILE = Path(__file__).with_name("known_winners.json")
 MAX_LENGTH_RATIO = 4  # a 16K winner serves 4K..64K
+MAX_DENSITY_RATIO = 2  # a 1/16 winner serves 1/8..1/32
 
 
-def variant_class(variant: ir.Variant, uses_tables: bool) -> str:
-    """What the winners depend on beyond the shape: how tiles are skipped, and whether a
-    score adds work (registers) to every tile."""
+def variant_class(variant: ir.Variant, uses_tables: bool, density_bucket: str) -> str:
+    """What the winners depend on beyond the shape: how tiles are skipped, how many are
+    visited (density1/2: half of them), and whether the score adds work to every
+    element (a call of tanh, exp, log or sqrt: "heavy")."""
     if variant.block is not None:
         kind = "layout"
     elif uses_tables:
@@ -36,73 +41,94 @@ def variant_class(variant: ir.Variant, uses_tables: bool) -> str:
         kind = "bounds"
     else:
         kind = "full"
-    return kind + ("+score" if variant.score is not None else "")
+    if variant.score is not None:
+        heavy = any(isinstance(e, ir.Call) and e.fn in ir.FLOAT_FUNCTIONS
+                    for e in ir.walk(variant.score))
+        kind += "+heavyscore" if heavy else "+score"
+    return f"{kind}@{density_bucket}"
 
 
-def entry_key(direction: str, dim: int, dtype: str, vclass: str, len_q: int, len_k: int,
-              density: str | None = None) -> str:
-    """fwd-d128-bfloat16-bounds-q16384-k16384[-density1/32]: lengths as length buckets."""
-    key = f"{direction}-d{dim}-{dtype}-{vclass}-q{len_q}-k{len_k}"
-    return key + (f"-density{density}" if density else "")
+def entry_key(direction: str, dim: int, dtype: str, vclass: str, len_q: int, len_k: int) -> str:
+    """fwd-d128-bfloat16-bounds@1/2-q16384-k16384: lengths as length buckets."""
+    return f"{direction}-d{dim}-{dtype}-{vclass}-q{len_q}-k{len_k}"
 
 
 def _parse(key: str):
-    """entry_key's inverse: ((direction, dim, dtype, class, density), len_q, len_k)."""
+    """entry_key's inverse: ((direction, dim, dtype, class), len_q, len_k)."""
     parts = key.split("-")
-    density = parts.pop()[len("density"):] if parts[-1].startswith("density") else None
     if parts[0] == "gluon":  # "gluon-fwd" has a dash of its own
         parts = ["gluon-fwd", *parts[2:]]
     direction, dim, dtype, vclass, q, k = parts
-    return (direction, int(dim[1:]), dtype, vclass, density), int(q[1:]), int(k[1:])
+    return (direction, int(dim[1:]), dtype, vclass), int(q[1:]), int(k[1:])
 
 
 @functools.lru_cache(maxsize=None)
 def load_table(path: str = str(WINNERS_FILE)) -> dict:
-    """{gpu name: {(direction, dim, dtype, class, density): [(len_q, len_k, winner)]}}.
-    The file ships with attncc; an entry that is not a valid config (or backend name) is
-    an error of the package, raised here rather than skipped."""
-    data = json.loads(Path(path).read_text())
+    """{gpu name: {(direction, dim, dtype, kind): [(density, len_q, len_k, winner)]}}, the
+    class split into its kind and its density (1/16 -> 16). The file ships with attncc;
+    an entry that is not a valid config (or backend name) is an error of the package,
+    raised here rather than skipped."""
+    return table_from(json.loads(Path(path).read_text())["winners"], path)
+
+
+def table_from(winners: dict, path: str) -> dict:
+    """load_table's table from the file's {gpu: {key: winner}}."""
     table = {}
-    for gpu, entries in data["winners"].items():
+    for gpu, entries in winners.items():
         per_gpu = table.setdefault(gpu, {})
         for key, winner in entries.items():
-            head, len_q, len_k = _parse(key)
-            if head[0] == "backend":
+            (direction, dim, dtype, vclass), len_q, len_k = _parse(key)
+            kind, density = _split_class(vclass)
+            if direction == "backend":
                 if winner not in ("triton", "gluon"):
                     raise ValueError(f"{path}: {gpu} {key}: backend must be triton or gluon")
             else:
                 winner = configs.check_config(winner, f"{path}: {gpu} {key}")
-            per_gpu.setdefault(head, []).append((len_q, len_k, winner))
+            per_gpu.setdefault((direction, dim, dtype, kind), []).append(
+                (density, len_q, len_k, winner))
     return table
 
 
+def _split_class(vclass: str):
+    """"bounds@1/16" -> ("bounds", 16)."""
+    kind, _, density = vclass.partition("@")
+    return kind, int(density.split("/")[1])
+
+
 def lookup(gpu: str, direction: str, dim: int, dtype: str, vclass: str, len_q: int,
-           len_k: int, density: str | None = None, table: dict | None = None):
-    """The shipped winner nearest in length (buckets within MAX_LENGTH_RATIO), or None."""
+           len_k: int, table: dict | None = None):
+    """The nearest shipped winner of the same kind: density bucket within a factor of
+    MAX_DENSITY_RATIO, length buckets within MAX_LENGTH_RATIO; or None."""
     table = load_table() if table is None else table
-    rows = table.get(gpu, {}).get((direction, dim, dtype, vclass, density), [])
-    distance = lambda row: abs(math.log2(row[0] / len_q)) + abs(math.log2(row[1] / len_k))
-    near = [row for row in rows if max(row[0] / len_q, len_q / row[0],
-                                       row[1] / len_k, len_k / row[1]) <= MAX_LENGTH_RATIO]
+    kind, density = _split_class(vclass)
+    rows = table.get(gpu, {}).get((direction, dim, dtype, kind), [])
+    ratio = lambda a, b: max(a / b, b / a)
+    near = [row for row in rows if ratio(row[0], density) <= MAX_DENSITY_RATIO
+            and max(ratio(row[1], len_q), ratio(row[2], len_k)) <= MAX_LENGTH_RATIO]
     if not near:
         return None
-    return min(near, key=distance)[2]
+    # a density step counts as two length steps: it moved the winners more (RESULTS.md)
+    distance = lambda row: (2 * abs(math.log2(row[0] / density)) + abs(math.log2(row[1] / len_q))
+                            + abs(math.log2(row[2] / len_k)))
+    return min(near, key=distance)[3]
 
 
-def shipped_winner(kernel, problem, dtype, direction: str, density=None):
+def shipped_winner(kernel, problem, dtype, direction: str, density):
     """The shipped winner for this call (a config, or for direction "backend" the faster
     backend's name), or None: none for this GPU and class, ATTNCC_TUNE=full, or one the
-    variant cannot run."""
+    variant cannot run. `density()`: the call's tile density (computed only when this GPU
+    has winners at all)."""
     import torch
 
     from .tuning import density_bucket, length_bucket, tune_mode
-    if tune_mode() == "full" or not torch.cuda.is_available():
+    if tune_mode() == "full" or density is None or not torch.cuda.is_available():
         return None
-    winner = lookup(torch.cuda.get_device_name(), direction, problem.dim,
-                    str(dtype).replace("torch.", ""),
-                    variant_class(kernel.variant, kernel.module.USES_TABLES),
-                    length_bucket(problem.len_q), length_bucket(problem.len_k),
-                    density_bucket(density) if density is not None else None)
+    gpu = torch.cuda.get_device_name()
+    if gpu not in load_table():
+        return None
+    vclass = variant_class(kernel.variant, kernel.module.USES_TABLES, density_bucket(density()))
+    winner = lookup(gpu, direction, problem.dim, str(dtype).replace("torch.", ""), vclass,
+                    length_bucket(problem.len_q), length_bucket(problem.len_k))
     if winner is None or direction == "backend":
         return winner
     return dict(winner) if configs.usable(winner, kernel.variant, problem.dim, direction) else None

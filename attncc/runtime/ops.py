@@ -230,7 +230,7 @@ def _forward(kernel_id, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, t
         # The Gluon forward; the portable module builds its tables and argument values.
         run_gluon = lambda config: kernel.gluon_module.forward(
             q, k, v, values, host=kernel.module, config=config, **common)
-        run = kernel._gluon_or_portable(p, q.dtype, tune[1], run_gluon, run)
+        run = kernel._gluon_or_portable(p, q.dtype, tune, run_gluon, run)
         direction = "gluon-fwd" if run is run_gluon else "fwd"
     config = tuning.config_for(kernel, p, q.dtype, direction, run, *tune)
     return run(config)

@@ -106,14 +106,16 @@ def density_bucket(density: float) -> str:
 
 
 def config_for(kernel, problem, dtype, direction: str, run=None, context=None,
-               density=None) -> dict:
+               density=None, shape_density=None) -> dict:
     """The config for this call; `run(config)` launches the direction once (for tuning).
     Every call of a kernel comes here (three times per forward + backward), so a config
     already chosen in this process is found before any candidate is filtered.
     `context()`, called only when tuning, says what the tuning ran on beyond the key
     (a runtime layout's density), for the progress lines. `density`: the tile density
     of kept tables (known without a sync in the call); configs are then tuned per
-    density bucket, since few tiles per row want shorter pipelines (RESULTS.md run 38)."""
+    density bucket, since few tiles per row want shorter pipelines (RESULTS.md run 38).
+    `shape_density()`: this call's tile density, for the shipped winners' class (computed
+    only when this GPU has shipped winners)."""
     # With backend="gluon", config= pins the Gluon forward and the (portable) backward is
     # tuned; otherwise config= and ATTNCC_CONFIG pin the portable kernels.
     gluon_pin = getattr(kernel, "requested_backend", None) == "gluon"
@@ -139,7 +141,8 @@ def config_for(kernel, problem, dtype, direction: str, run=None, context=None,
     if cached and configs.usable(cached, kernel.variant, problem.dim, direction):
         _MEMORY[mem_key] = cached
         return cached
-    shipped = known_winners.shipped_winner(kernel, problem, dtype, direction, density)
+    shipped = known_winners.shipped_winner(kernel, problem, dtype, direction,
+                                           _call_density(density, shape_density))
     if shipped is not None:  # no candidate compiled or timed: cold start is one compile
         log.info("%s %s: %s, the shipped winner for its class (ATTNCC_TUNE=full tunes "
                  "instead)", kernel.variant.name, key, configs.label(shipped))
@@ -165,7 +168,14 @@ def tuning_key(direction: str, problem, dtype, density=None) -> str:
     return key
 
 
-def faster_backend(kernel, problem, dtype, options: dict, density=None) -> str:
+def _call_density(density, shape_density):
+    """The tile density the shipped winners' class is read at: kept tables' own, else the
+    call's (None, so no shipped winner, where the caller cannot compute it)."""
+    return (lambda: density) if density is not None else shape_density
+
+
+def faster_backend(kernel, problem, dtype, options: dict, density=None,
+                   shape_density=None) -> str:
     """The name of the faster of `options` ({backend: (direction, run)}), each timed at
     its own tuned config on this call's inputs (median of do_bench), and remembered on
     disk beside the configs. ATTNCC_TUNE=0 times nothing and takes the portable one."""
@@ -184,7 +194,8 @@ def faster_backend(kernel, problem, dtype, options: dict, density=None) -> str:
     if cached in options:
         _MEMORY[mem_key] = cached
         return cached
-    shipped = known_winners.shipped_winner(kernel, problem, dtype, "backend", density)
+    shipped = known_winners.shipped_winner(kernel, problem, dtype, "backend",
+                                           _call_density(density, shape_density))
     if shipped in options:  # the other backend is never compiled
         log.info("%s %s: the %s forward, the shipped winner for its class (ATTNCC_TUNE=full "
                  "times both instead)", kernel.variant.name, key, shipped)
@@ -193,7 +204,8 @@ def faster_backend(kernel, problem, dtype, options: dict, density=None) -> str:
     import triton
     timings = {}
     for name, (direction, run) in options.items():
-        config = config_for(kernel, problem, dtype, direction, run, density=density)
+        config = config_for(kernel, problem, dtype, direction, run, density=density,
+                            shape_density=shape_density)
         timings[name] = triton.testing.do_bench(lambda: run(config), warmup=TUNE_WARMUP_MS,
                                                 rep=TUNE_REP_MS, return_mode="median")
     best = min(timings, key=timings.get)
