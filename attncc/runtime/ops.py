@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import tuning
+from . import precompile, tuning
 from ..arguments import Problem, check_seed
 from ..errors import CallError
 
@@ -253,6 +253,10 @@ def _backward(kernel_id, q, k, v, out, lse, dout, inputs, q_offset, k_offset, se
         delta = module.backward_delta(out, dout)
         run = lambda config: module.backward_one_launch(q, k, v, lse, delta, dout, values,
                                                         config=config, **common)
+        config, new = tuning.untimed_config(kernel, p, q.dtype, "bwd", *tune[1:])
+        if new:  # its first launch: compile the delta pass beside it
+            precompile.launch_together([lambda: module.backward_delta(out, dout),
+                                        lambda: run(config)])
         config = tuning.config_for(kernel, p, q.dtype, "bwd", run, *tune)
         dq, dk, dv, dinputs = run(config)
     else:
@@ -263,6 +267,12 @@ def _backward(kernel_id, q, k, v, out, lse, dout, inputs, q_offset, k_offset, se
                                                    config=config, out=out, **common)
         run_dkdv = lambda config: module.backward_dkdv(q, k, v, lse, delta, dout, values,
                                                        config=config, **common)
+        # Configs known without timing and not launched yet: compile both at once (each
+        # launch is discarded; dK/dV's reads a delta dQ's has not finished).
+        config_dq, new_dq = tuning.untimed_config(kernel, p, q.dtype, "dq", *tune[1:])
+        config_dkdv, new_dkdv = tuning.untimed_config(kernel, p, q.dtype, "dkdv", *tune[1:])
+        if new_dq and new_dkdv:
+            precompile.launch_together([lambda: run_dq(config_dq), lambda: run_dkdv(config_dkdv)])
         # dQ's config first: tuning it fills delta, which tuning dK/dV then reads.
         config_dq = tuning.config_for(kernel, p, q.dtype, "dq", run_dq, *tune)
         dq, dinputs = run_dq(config_dq)

@@ -19,7 +19,7 @@ import threading
 import time
 
 from .. import ir
-from . import configs, known_winners
+from . import configs, known_winners, precompile
 
 # Candidates timed per key: compiles dominate cold-start time. ATTNCC_TUNE_CANDIDATES
 # raises it (to search more widely once; the winner is cached either way).
@@ -116,14 +116,9 @@ def config_for(kernel, problem, dtype, direction: str, run=None, context=None,
     density bucket, since few tiles per row want shorter pipelines (RESULTS.md run 38).
     `shape_density()`: this call's tile density, for the shipped winners' class (computed
     only when this GPU has shipped winners)."""
-    # With backend="gluon", config= pins the Gluon forward and the (portable) backward is
-    # tuned; otherwise config= and ATTNCC_CONFIG pin the portable kernels.
-    gluon_pin = getattr(kernel, "requested_backend", None) == "gluon"
-    if kernel.pinned_config and gluon_pin == (direction == "gluon-fwd"):
-        return kernel.pinned_config  # checked when the kernel was compiled
-    pinned = configs.env_config() if direction != "gluon-fwd" else None
+    pinned = _pinned(kernel, direction)
     if pinned:
-        return configs.check_pinned(pinned, kernel.variant, "ATTNCC_CONFIG")
+        return pinned
     from .settings import interpreting
     if interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
@@ -132,25 +127,14 @@ def config_for(kernel, problem, dtype, direction: str, run=None, context=None,
         return kept()[0]
     if tune_mode() == "0":
         return first_that_runs(kernel, problem, dtype, direction, kept, run)
+    config, _ = untimed_config(kernel, problem, dtype, direction, density, shape_density)
+    if config is not None:
+        return config
     key = tuning_key(direction, problem, dtype, density)
-    mem_key = (kernel.key, key)
-    if mem_key in _MEMORY:
-        return _MEMORY[mem_key]
     path = _cache_file(kernel.variant)
-    cached = _load(path).get(key)
-    if cached and configs.usable(cached, kernel.variant, problem.dim, direction):
-        _MEMORY[mem_key] = cached
-        return cached
-    shipped = known_winners.shipped_winner(kernel, problem, dtype, direction,
-                                           _call_density(density, shape_density))
-    if shipped is not None:  # no candidate compiled or timed: cold start is one compile
-        log.info("%s %s: %s, the shipped winner for its class (ATTNCC_TUNE=full tunes "
-                 "instead)", kernel.variant.name, key, configs.label(shipped))
-        _MEMORY[mem_key] = shipped
-        return shipped
     best = tune(kernel.variant.name, key, kept()[:TUNE_AT_MOST], run,
                 context=context() if context else "")
-    _MEMORY[mem_key] = best
+    _MEMORY[(kernel.key, key)] = best
     try:
         _store(path, key, best)
     except OSError as e:
@@ -158,6 +142,43 @@ def config_for(kernel, problem, dtype, direction: str, run=None, context=None,
         from .cache import cache_unwritable
         raise CacheError(cache_unwritable(path, e)) from None
     return best
+
+
+def _pinned(kernel, direction: str):
+    """The config pinned for this direction, if any. With backend="gluon", config= pins
+    the Gluon forward and the (portable) backward is tuned; otherwise config= and
+    ATTNCC_CONFIG pin the portable kernels."""
+    gluon_pin = getattr(kernel, "requested_backend", None) == "gluon"
+    if kernel.pinned_config and gluon_pin == (direction == "gluon-fwd"):
+        return kernel.pinned_config  # checked when the kernel was compiled
+    pinned = configs.env_config() if direction != "gluon-fwd" else None
+    return configs.check_pinned(pinned, kernel.variant, "ATTNCC_CONFIG") if pinned else None
+
+
+def untimed_config(kernel, problem, dtype, direction: str, density=None, shape_density=None):
+    """(config, new) where choosing this call's config needs no timing: chosen earlier in
+    this process (new False), or read from the tuning cache or the shipped winners (new
+    True: this process has not launched it yet, so its first launch compiles). (None,
+    False) where it must be tuned, and for pinned or untuned configs (config_for's)."""
+    from .settings import interpreting
+    if _pinned(kernel, direction) or interpreting() or tune_mode() == "0":
+        return None, False
+    key = tuning_key(direction, problem, dtype, density)
+    mem_key = (kernel.key, key)
+    if mem_key in _MEMORY:
+        return _MEMORY[mem_key], False
+    cached = _load(_cache_file(kernel.variant)).get(key)
+    if cached and configs.usable(cached, kernel.variant, problem.dim, direction):
+        _MEMORY[mem_key] = cached
+        return cached, True
+    shipped = known_winners.shipped_winner(kernel, problem, dtype, direction,
+                                           _call_density(density, shape_density))
+    if shipped is not None:  # no candidate compiled or timed: cold start is one compile
+        log.info("%s %s: %s, the shipped winner for its class (ATTNCC_TUNE=full tunes "
+                 "instead)", kernel.variant.name, key, configs.label(shipped))
+        _MEMORY[mem_key] = shipped
+        return shipped, True
+    return None, False
 
 
 def tuning_key(direction: str, problem, dtype, density=None) -> str:
@@ -259,6 +280,8 @@ def tune(name: str, key: str, candidates: list, run, context: str = "") -> dict:
     if context:
         key = f"{key} ({context})"
     start = time.perf_counter()
+    # Compile them all at once before timing any (runtime/precompile.py).
+    precompile.launch_together([lambda config=config: run(config) for config in candidates])
     timings = []
     for i, config in enumerate(candidates):
         label = configs.label(config)

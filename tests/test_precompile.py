@@ -1,0 +1,71 @@
+"""runtime/precompile.py: launches meant to compile run at the same time, on the caller's
+device and stream, and never during a CUDA graph capture. (On the GPU, RESULTS.md
+run 88 times what it saves; here CUDA is stood in for.)"""
+import contextlib
+import threading
+
+import pytest
+import torch
+
+from attncc.runtime import precompile
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    state = {"capturing": False, "entered": []}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: "the caller's stream")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+
+    @contextlib.contextmanager
+    def device(d):
+        state["entered"].append(("device", d, threading.current_thread().name))
+        yield
+
+    @contextlib.contextmanager
+    def stream(s):
+        state["entered"].append(("stream", s, threading.current_thread().name))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    return state
+
+
+def test_launches_run_at_the_same_time_on_the_callers_device_and_stream(fake_cuda, monkeypatch):
+    monkeypatch.setattr(precompile.os, "cpu_count", lambda: 16)  # threads: one per core
+    n = 4
+    barrier = threading.Barrier(n, timeout=10)  # passes only if all four wait together
+    met = []
+    precompile.launch_together([lambda: met.append(barrier.wait()) for _ in range(n)])
+    assert sorted(met) == list(range(n))
+    workers = {name for _, _, name in fake_cuda["entered"]}
+    assert threading.current_thread().name not in workers
+    assert {(kind, what) for kind, what, _ in fake_cuda["entered"]} == {
+        ("device", 3), ("stream", "the caller's stream")}
+
+
+def test_a_failing_launch_is_left_for_the_real_one(fake_cuda):
+    ran = []
+
+    def does_not_fit():
+        raise RuntimeError("out of resources")
+
+    precompile.launch_together([does_not_fit, lambda: ran.append(1)])
+    assert ran == [1]
+
+
+def test_nothing_runs_while_a_graph_is_captured(fake_cuda):
+    fake_cuda["capturing"] = True
+    ran = []
+    precompile.launch_together([lambda: ran.append(1), lambda: ran.append(2)])
+    assert ran == []
+
+
+def test_one_launch_or_no_gpu_is_left_alone(fake_cuda, monkeypatch):
+    ran = []
+    precompile.launch_together([lambda: ran.append(1)])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    precompile.launch_together([lambda: ran.append(2), lambda: ran.append(3)])
+    assert ran == []
