@@ -84,16 +84,28 @@ def bind(variant: ir.Variant, q, k, v, inputs: dict, *, q_offset: int = 0,
     heads or position axes, tell them apart) is refused with a hint to pass it."""
     check_layout(layout)
     check_input_names(variant, inputs)  # wrong whatever the layout: said first
+    # No `raise ... from` and no raise inside an except block here: torch.compile traces
+    # this function, and Dynamo in PyTorch 2.11 fails with an internal error where a
+    # traced user exception gets a cause set (tests/test_compile.py, on the GPU image).
+    error = None
     try:
         return _bind(variant, q, k, v, inputs, q_offset, k_offset, exact_float_inputs, layout)
     except CallError as err:
-        other = "bshd" if layout == "bhsd" else "bhsd"
-        try:
-            _bind(variant, q, k, v, inputs, q_offset, k_offset, exact_float_inputs, other)
-        except CallError:
-            raise err from None
-        raise CallError(f"{err}; q, k and v look like {LAYOUTS[other]} tensors: pass "
-                        f"layout='{other}'") from None
+        error = err
+    other = "bshd" if layout == "bhsd" else "bhsd"
+    if _binds(variant, q, k, v, inputs, q_offset, k_offset, exact_float_inputs, other):
+        raise CallError(f"{error}; q, k and v look like {LAYOUTS[other]} tensors: pass "
+                        f"layout='{other}'")
+    raise error
+
+
+def _binds(*args) -> bool:
+    """Whether the call binds in the given layout (_bind's arguments)."""
+    try:
+        _bind(*args)
+    except CallError:
+        return False
+    return True
 
 
 def _bind(variant, q, k, v, inputs, q_offset, k_offset, exact_float_inputs, layout) -> Problem:
