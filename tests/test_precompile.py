@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+import attncc
 from attncc.runtime import precompile
 
 
@@ -69,3 +70,39 @@ def test_one_launch_or_no_gpu_is_left_alone(fake_cuda, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     precompile.launch_together([lambda: ran.append(2), lambda: ran.append(3)])
     assert ran == []
+
+
+# ------------------------------------------------------------------ on the GPU
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
+                               reason="speculative launches are made on CUDA tensors only")
+
+
+@needs_gpu
+@pytest.mark.parametrize("spec", [
+    "attention spec_causal { mask q >= k }",  # dQ and dK/dV: two backward kernels
+    # tile tables: the delta pass and the one-launch backward
+    "attention spec_doc { input doc: i32[q] input doc_k: i32[k] mask doc[q] == doc_k[k] }",
+])
+def test_a_first_call_compiling_its_backward_beside_its_forward_is_exact(spec, monkeypatch):
+    # A first call with winners known without timing (stood in for here: every direction's
+    # first candidate, portable forward) launches the backward on stand-in tensors beside
+    # its forward; the results must be those of the float64 reference all the same.
+    from attncc.runtime import configs, known_winners, tuning
+    from test_kernels import compare
+
+    monkeypatch.delenv("ATTNCC_TUNE", raising=False)
+    monkeypatch.setattr(tuning, "_MEMORY", {})
+
+    def winner(kernel, problem, dtype, direction, density):
+        if direction == "backend":
+            return "triton"
+        return configs.kept_candidates(kernel.variant, problem.dim, direction)[0]
+
+    monkeypatch.setattr(known_winners, "shipped_winner", winner)
+    batches = []
+    real = precompile.launch_together
+    monkeypatch.setattr(precompile, "launch_together",
+                        lambda runs: (batches.append(len(runs)), real(runs)))
+    variant = attncc.parse(spec)
+    compare(variant, B=2, H=3, Lq=200, Lk=333, D=64, dtype=torch.float16)
+    assert batches and batches[0] == 3, batches  # forward + dQ + dK/dV, or + delta + one launch

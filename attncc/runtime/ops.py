@@ -232,8 +232,43 @@ def _forward(kernel_id, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, t
             q, k, v, values, host=kernel.module, config=config, **common)
         run = kernel._gluon_or_portable(p, q.dtype, tune, run_gluon, run)
         direction = "gluon-fwd" if run is run_gluon else "fwd"
+    if q.is_cuda and (q.requires_grad or k.requires_grad or v.requires_grad):
+        _compile_backward_beside(kernel, p, q, k, v, values, common, tune, direction, run)
     config = tuning.config_for(kernel, p, q.dtype, direction, run, *tune)
     return run(config)
+
+
+def _compile_backward_beside(kernel, p, q, k, v, values, common, tune, direction, run):
+    """A first forward whose inputs take gradients compiles the backward's kernels at the
+    same time as its own (runtime/precompile.py), where every config is known without
+    timing and none was launched yet: the first result then waits for the slowest compile
+    instead of their sum. The backward launches run on stand-in tensors (empty lse, delta
+    and dO): what they compute is discarded, and nothing they index depends on it."""
+    from .settings import backward_directions
+    module = kernel.module
+    forward, new = tuning.untimed_config(kernel, p, q.dtype, direction, *tune[1:])
+    if not new:
+        return
+    launches = [lambda: run(forward)]
+    out = torch.empty_like(q)
+    dout = torch.empty_like(out)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    delta = module.new_delta(q)
+    for d in backward_directions(module.USES_TABLES):
+        config, new = tuning.untimed_config(kernel, p, q.dtype, d, *tune[1:])
+        if not new:
+            return  # tuned later, on real tensors; or already compiled
+        if d == "bwd":
+            launches += [lambda: module.backward_delta(out, dout),
+                         lambda c=config: module.backward_one_launch(q, k, v, lse, delta, dout,
+                                                                     values, config=c, **common)]
+        elif d == "dq":
+            launches.append(lambda c=config: module.backward_dq(q, k, v, lse, delta, dout, values,
+                                                                config=c, out=out, **common))
+        else:
+            launches.append(lambda c=config: module.backward_dkdv(q, k, v, lse, delta, dout,
+                                                                  values, config=c, **common))
+    precompile.launch_together(launches)
 
 
 def _backward(kernel_id, q, k, v, out, lse, dout, inputs, q_offset, k_offset, seed, drawn_seed,
@@ -250,13 +285,16 @@ def _backward(kernel_id, q, k, v, out, lse, dout, inputs, q_offset, k_offset, se
     tune = kernel._tuning(p, values, q.device, tables)
     if backward_directions(module.USES_TABLES) == ("bwd",):
         # dK/dV and dQ as two roles of one grid, one config, both reading delta.
+        config, new = tuning.untimed_config(kernel, p, q.dtype, "bwd", *tune[1:])
+        if new:  # its first launch: compile the delta pass beside it (on a stand-in delta)
+            scratch = module.new_delta(q)
+            precompile.launch_together([lambda: module.backward_delta(out, dout),
+                                        lambda: module.backward_one_launch(
+                                            q, k, v, lse, scratch, dout, values, config=config,
+                                            **common)])
         delta = module.backward_delta(out, dout)
         run = lambda config: module.backward_one_launch(q, k, v, lse, delta, dout, values,
                                                         config=config, **common)
-        config, new = tuning.untimed_config(kernel, p, q.dtype, "bwd", *tune[1:])
-        if new:  # its first launch: compile the delta pass beside it
-            precompile.launch_together([lambda: module.backward_delta(out, dout),
-                                        lambda: run(config)])
         config = tuning.config_for(kernel, p, q.dtype, "bwd", run, *tune)
         dq, dk, dv, dinputs = run(config)
     else:
