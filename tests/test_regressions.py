@@ -27,12 +27,10 @@ from test_kernels import DEVICE, compare
 def test_layout_that_reads_only_one_tile_index(layout):
     # _layout_grid returned the grid at its broadcast shape ([1, 1, QB, 1] for `qb < 2`)
     # and _tile_tables indexed both tile axes: IndexError with more than one tile.
+    # Held to the tests' tolerance rule (compare): a fixed bound of 1e-5 on `out` failed
+    # on the GPU for `true` (RESULTS.md run 91; its error was not recorded).
     v = attncc.parse(f"attention one_index {{ layout {layout} block 16 }}")
-    gen = torch.Generator().manual_seed(0)
-    q, k, w = (torch.randn(2, 2, 40, 16, generator=gen).to(DEVICE) for _ in range(3))
-    out = attncc.compile(v)(q, k, w)
-    ref = attncc.reference(v, q.double(), k.double(), w.double())
-    assert (out.double() - ref).abs().max() < 1e-5
+    compare(v, B=2, H=2, Lq=40, Lk=40, D=16)
 
 
 # ------------------------------------------------------------------ caches and bad bytes
