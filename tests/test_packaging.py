@@ -76,6 +76,7 @@ def test_installed_package_carries_its_grammar_and_templates(venv):
             assert not found.is_relative_to(checkout), found
         assert resources.grammar_path().is_file()
         assert any(resources.templates_dir().glob("*.jinja"))
+        assert any(resources.templates_dir().glob("portable/*.jinja"))  # the template's parts
         v = attncc.parse_file({str(example)!r})
         assert v.name == "sliding_window" and v.param("window").value == 1024
         import attncc.flash, attncc.integrations.transformers
