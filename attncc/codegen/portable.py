@@ -19,7 +19,7 @@ from .derivative import score_gradients
 from ..ir import print_variant
 from ..resources import templates_dir
 from ..semantics import dropout, operators
-from . import interface
+from . import helpers, interface
 from .decode import decode_context
 from .elementwise import (TritonEmitter, chance_threshold, element_offset, grad_arg_name,
                           input_arg_names, input_code)
@@ -185,7 +185,10 @@ def describe_strategy(variant: ir.Variant, plan: bounds.LoopPlan, summary_reads,
 def generate(variant: ir.Variant) -> Generated:
     """The Triton module source for `variant`."""
     context = template_context(variant)
-    source = _environment().get_template("attention.py.jinja").render(**context)
+    template = _environment().get_template("attention.py.jinja")
+    used, aliases = helpers.needed(template.render(**context))
+    source = template.render(**dict(context, emit=used.__contains__, host_aliases=aliases))
+    source = re.sub(r"\n{4,}", "\n\n\n", source)  # where left-out helpers were
     return Generated(source=source, strategy=context["strategy"], module_name=module_name(variant))
 
 
@@ -232,6 +235,8 @@ def template_context(variant: ir.Variant) -> dict:
                                               "kb": f"_fdiv(k_pos, {variant.block})"},
                                     wide=widths["layout"][0])(variant.layout)
     context = dict(
+        # every helper: generate() renders a second time with only those used (helpers.py)
+        emit=lambda name: True, host_aliases=helpers.HOST_ALIASES,
         version=_package_version(),
         spec_comment="\n".join(f"#   {line}" for line in spec_text.rstrip().splitlines()),
         spec_text=spec_text,
