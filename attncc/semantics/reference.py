@@ -45,7 +45,8 @@ def layout_grid(variant: ir.Variant, p: Problem, inputs: dict, device) -> torch.
     env = index_env(variant, p, inputs, device, torch.float64)
     env["qb"] = torch.arange(qb_n, device=device).view(1, 1, -1, 1)
     env["kb"] = torch.arange(kb_n, device=device).view(1, 1, 1, -1)
-    grid = evaluate(variant.layout, env)
+    # A constant layout (`true`) evaluates to a CPU scalar: put it where the indices are.
+    grid = torch.as_tensor(evaluate(variant.layout, env), device=device)
     return grid.expand(*grid.shape[:2], qb_n, kb_n) if grid.dim() == 4 else grid.expand(1, 1, qb_n, kb_n)
 
 
