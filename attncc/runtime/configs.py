@@ -4,12 +4,14 @@ A config is a dict {BLOCK_M, BLOCK_N, num_warps, num_stages} (plain data: the ge
 modules read it, the tuning cache stores it as JSON). This module owns its keys and
 their checks (`check_config`; a pinned or cached one must also suit the variant:
 `check_pinned`, `usable`), the candidates per direction and the `keep()` rule, and how
-a config is written in progress lines (`label`, `describe`). runtime/tuning.py times
-them; codegen/gluon.py lists the Gluon forward's own.
+a config is written in progress lines (`label`, `describe`), and how calls are grouped
+to share one (`length_bucket`, `density_bucket`). runtime/tuning.py times them;
+codegen/gluon.py lists the Gluon forward's own.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from .. import ir
@@ -17,6 +19,18 @@ from .. import ir
 KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 
 
+# ---------------------------------------------------------------- how calls are grouped
+def length_bucket(n: int) -> int:
+    """Lengths tune in power-of-two buckets: 1000 and 1024 share a config."""
+    return 1 << max(4, (max(1, n) - 1).bit_length())
+
+
+def density_bucket(density: float) -> str:
+    """Tile density to the nearest power of two from 1/64 to 1 ("1/32" for 0.03)."""
+    return f"1/{2 ** min(6, max(0, round(-math.log2(max(density, 2 ** -6)))))}"
+
+
+# ---------------------------------------------------------------- configs
 def env_config():
     """ATTNCC_CONFIG='{"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}'."""
     text = os.environ.get("ATTNCC_CONFIG")

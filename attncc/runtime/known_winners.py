@@ -115,13 +115,13 @@ def lookup(gpu: str, direction: str, dim: int, dtype: str, vclass: str, len_q: i
 
 def shipped_winner(kernel, problem, dtype, direction: str, density):
     """The shipped winner for this call (a config, or for direction "backend" the faster
-    backend's name), or None: none for this GPU and class, ATTNCC_TUNE=full, or one the
-    variant cannot run. `density()`: the call's tile density (computed only when this GPU
+    backend's name), or None: none for this GPU and class, or one the variant cannot run.
+    (Under ATTNCC_TUNE=full, runtime/tuning.py does not ask.) `density()`: the call's tile density (computed only when this GPU
     has winners at all)."""
     import torch
 
-    from .tuning import density_bucket, length_bucket, tune_mode
-    if tune_mode() == "full" or density is None or not torch.cuda.is_available():
+    from .configs import density_bucket, length_bucket
+    if density is None or not torch.cuda.is_available():
         return None
     gpu = torch.cuda.get_device_name()
     if gpu not in load_table():

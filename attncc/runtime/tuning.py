@@ -20,6 +20,7 @@ import time
 
 from .. import ir
 from . import configs, known_winners, precompile
+from .configs import density_bucket, length_bucket  # noqa: F401 - tuning keys use them
 
 # Candidates timed per key: compiles dominate cold-start time. ATTNCC_TUNE_CANDIDATES
 # raises it (to search more widely once; the winner is cached either way).
@@ -44,11 +45,6 @@ def tune_mode() -> str:
         raise ValueError(f"ATTNCC_TUNE={mode!r} is not a tuning mode; use "
                          + "; ".join(f"{m} ({what})" for m, what in TUNE_MODES.items()))
     return mode
-
-
-def length_bucket(n: int) -> int:
-    """Lengths tune in power-of-two buckets: 1000 and 1024 share a config."""
-    return 1 << max(4, (max(1, n) - 1).bit_length())
 
 
 def _versions() -> str:
@@ -98,11 +94,6 @@ def _store(path, key: str, config: dict, check=configs.check_config):
         data = _load(path, check)
         data[key] = config
         write_if_changed(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
-
-
-def density_bucket(density: float) -> str:
-    """Tile density to the nearest power of two from 1/64 to 1 ("1/32" for 0.03)."""
-    return f"1/{2 ** min(6, max(0, round(-math.log2(max(density, 2 ** -6)))))}"
 
 
 def config_for(kernel, problem, dtype, direction: str, run=None, context=None,
@@ -171,8 +162,8 @@ def untimed_config(kernel, problem, dtype, direction: str, density=None, shape_d
     if cached and configs.usable(cached, kernel.variant, problem.dim, direction):
         _MEMORY[mem_key] = cached
         return cached, True
-    shipped = known_winners.shipped_winner(kernel, problem, dtype, direction,
-                                           _call_density(density, shape_density))
+    shipped = None if tune_mode() == "full" else known_winners.shipped_winner(
+        kernel, problem, dtype, direction, _call_density(density, shape_density))
     if shipped is not None:  # no candidate compiled or timed: cold start is one compile
         log.info("%s %s: %s, the shipped winner for its class (ATTNCC_TUNE=full tunes "
                  "instead)", kernel.variant.name, key, configs.label(shipped))
@@ -215,8 +206,8 @@ def faster_backend(kernel, problem, dtype, options: dict, density=None,
     if cached in options:
         _MEMORY[mem_key] = cached
         return cached
-    shipped = known_winners.shipped_winner(kernel, problem, dtype, "backend",
-                                           _call_density(density, shape_density))
+    shipped = None if tune_mode() == "full" else known_winners.shipped_winner(
+        kernel, problem, dtype, "backend", _call_density(density, shape_density))
     if shipped in options:  # the other backend is never compiled
         log.info("%s %s: the %s forward, the shipped winner for its class (ATTNCC_TUNE=full "
                  "times both instead)", kernel.variant.name, key, shipped)
