@@ -77,6 +77,8 @@ def test_installed_package_carries_its_grammar_and_templates(venv):
         assert resources.grammar_path().is_file()
         assert any(resources.templates_dir().glob("*.jinja"))
         assert any(resources.templates_dir().glob("portable/*.jinja"))  # the template's parts
+        from attncc.codegen import portable  # rendering reaches every part the wheel ships
+        assert "def attn_fwd(" in portable.generate(attncc.parse("attention c {{ mask q >= k }}")).source
         v = attncc.parse_file({str(example)!r})
         assert v.name == "sliding_window" and v.param("window").value == 1024
         import attncc.flash, attncc.integrations.transformers
