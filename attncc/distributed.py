@@ -4,7 +4,9 @@ Each rank holds a shard of the sequence: one or two *pieces* of equal length, in
 order `Sharding` gives them. Keys and values visit the other ranks; every (query piece,
 key piece) pair that may hold an allowed (q, k) pair is one call of the compiled
 kernel at the two pieces' absolute offsets (the kernels take absolute positions), and
-the partial outputs merge exactly through their log-sum-exps. The backward sends the
+the partial outputs merge exactly through their log-sum-exps. Each pair's forward is the
+one a single-device call of that pair would run (`Kernel.forward_runner`: on Hopper the
+Gluon forward where it takes the call); the backward is portable. The backward sends the
 keys and values again; each rank adds dQ for its own queries, and sends the dK/dV it
 computed for a visiting piece back to that piece's owner.
 
@@ -427,19 +429,34 @@ class _RingAttention:
         return dataclasses.replace(self.problem, len_q=self.c, len_k=self.c, q_offset=q_offset,
                                    k_offset=k_offset)
 
-    def _pair_call(self, hop, i, j, direction, fn, *args):
-        """Run `fn` (a module entry point) on local query piece i and visiting key piece j,
-        at their absolute offsets, with the tuned config of `direction`."""
+    def _pair_offsets(self, hop, i, j) -> tuple:
+        """(q_offset, k_offset, tables) of local query piece i and visiting key piece j."""
         c, sharding = self.c, self.sharding
         q_offset = sharding.pieces[i] * c
         k_offset = sharding.pieces_of(self.schedule.source(hop))[j] * c
         tables = None
         if self.tables is not None:
             tables = self.tables.setdefault((q_offset, k_offset), {})
+        return q_offset, k_offset, tables
+
+    def _pair_call(self, hop, i, j, direction, fn, *args):
+        """Run `fn` (a module entry point) on local query piece i and visiting key piece j,
+        at their absolute offsets, with the tuned config of `direction`."""
+        q_offset, k_offset, tables = self._pair_offsets(hop, i, j)
         run = lambda config: fn(*args, q_offset=q_offset, k_offset=k_offset, seed=self.seed,
                                 config=config, tables=tables)
         problem = self._pair_problem(q_offset, k_offset)
         return run(tuning.config_for(self.kernel, problem, args[0].dtype, direction, run))
+
+    def _pair_forward(self, hop, i, j, q, k, v, inputs):
+        """The forward of one piece pair: the kernel's own choice of forward (the Gluon
+        one on Hopper where it takes the call and measured faster), as a single-device
+        call of the same pair would make it."""
+        q_offset, k_offset, tables = self._pair_offsets(hop, i, j)
+        common = dict(q_offset=q_offset, k_offset=k_offset, seed=self.seed, tables=tables)
+        problem = self._pair_problem(q_offset, k_offset)
+        direction, run = self.kernel.forward_runner(q, k, v, inputs, problem, common)
+        return run(tuning.config_for(self.kernel, problem, q.dtype, direction, run))
 
     # ---------------------------------------------------------------- forward
     def forward(self, q, k, v, inputs):
@@ -452,9 +469,9 @@ class _RingAttention:
         merged = set()  # local query pieces that hold a partial result already
         for hop, keys, values in self._visits(k, v, list(range(W))):
             for i, j in self.schedule.pairs(hop):
-                out, lse = self._pair_call(hop, i, j, "fwd", self.module.forward,
-                                           q.narrow(2, i * c, c), keys.narrow(2, j * c, c),
-                                           values.narrow(2, j * c, c), inputs)
+                out, lse = self._pair_forward(hop, i, j, q.narrow(2, i * c, c),
+                                              keys.narrow(2, j * c, c),
+                                              values.narrow(2, j * c, c), inputs)
                 rows, rows_lse = acc.narrow(2, i * c, c), acc_lse.narrow(2, i * c, c)
                 if i in merged:
                     merge_partial(rows, rows_lse, out, lse)

@@ -204,8 +204,10 @@ def main():
             out_single, lse_single = kernel(*qkv, return_lse=True)
             grads_single = torch.autograd.grad(out_single, qkv, do)
             single_results = [out_single.detach(), lse_single, *grads_single]
+            result["single_gpu_forward_backend"] = kernel.last_backend
             say(f"one GPU: forward {single['fwd'][0] * 1e3:.2f} ms, "
-                f"forward+backward {single['fwd_bwd'][0] * 1e3:.2f} ms")
+                f"forward+backward {single['fwd_bwd'][0] * 1e3:.2f} ms; forward backend "
+                f"{kernel.last_backend}")
         dist.barrier()
 
     # Context parallel: each rank its shard.
@@ -223,6 +225,9 @@ def main():
         cp_fwd_bwd()
     parallel = {"fwd": timed(cp_fwd, args.iters, device),
                 "fwd_bwd": timed(cp_fwd_bwd, args.iters, device)}
+    # Which forward the pieces ran (the last pair's; every pair decides alike).
+    result["pieces_forward_backend"] = kernel.last_backend
+    say(f"context-parallel pieces: forward backend {kernel.last_backend}")
 
     # Against the single GPU at the timed length.
     out, lse = cp.context_parallel_attention(kernel, *local, scheme=args.scheme, return_lse=True)

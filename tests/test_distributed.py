@@ -414,6 +414,38 @@ def test_one_rank_equals_the_kernel(world_of_one):
     assert torch.allclose(out, kernel(q, k, v, doc_q=doc, doc_k=doc), atol=1e-6)
 
 
+def test_piece_pairs_run_the_forward_the_kernel_chooses(world_of_one, monkeypatch):
+    """Each piece pair's forward comes from Kernel.forward_runner, as a single-device
+    call's does: where the kernel's backend is Gluon (Hopper), every pair runs the Gluon
+    forward (runs 84 and 96 of RESULTS.md). Here a stand-in Gluon module, the portable
+    forward counted, takes the place of the Hopper kernels the CPU cannot run."""
+    from types import SimpleNamespace
+    from attncc.runtime import backends
+    kernel = attncc.compile(SPECS["causal"])
+    calls = []
+
+    def gluon_forward(q, k, v, values, *, host, config, **common):
+        calls.append((common["q_offset"], common["k_offset"]))
+        return host.forward(q, k, v, values, config=config, **common)
+
+    monkeypatch.setattr(backends, "call_unsupported", lambda q, k, v: None)
+    monkeypatch.setattr(kernel, "backend", "gluon")
+    monkeypatch.setattr(kernel, "requested_backend", "gluon")
+    monkeypatch.setattr(kernel, "_gluon_generated", (None, SimpleNamespace(forward=gluon_forward)))
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 32, D, generator=gen, requires_grad=True) for _ in range(3))
+    out = cp.context_parallel_attention(kernel, q, k, v)
+    # One rank's zig-zag pieces 0 and 1 (16 each): pairs (0, 0), (1, 0), (1, 1) attend.
+    assert sorted(calls) == [(0, 0), (16, 0), (16, 16)]
+    assert kernel.last_backend[0] == "gluon"
+    calls.clear()
+    expected = kernel(q, k, v)
+    assert calls == [(0, 0)]  # the single-device call took the same path
+    assert torch.allclose(out, expected, atol=1e-6)
+    out.sum().backward()  # the backward is the portable one's
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
 @pytest.mark.parametrize("spec, call, message", [
     ("causal", dict(L=31), "cannot be cut into two pieces per rank"),
     ("causal", dict(Lk=16), "same local length"),

@@ -128,6 +128,24 @@ class Kernel:
             return "triton", why
         return "gluon", self.backend_reason
 
+    def forward_runner(self, q, k, v, values, problem, common, tune=(None, None, None)):
+        """(direction, run) of this call's forward: `run(config)` launches it with the
+        keyword arguments `common` (offsets, seed, tables). The Gluon forward where this
+        kernel's backend takes the call and (auto) the tuner measured it faster, else the
+        portable one. Decided on the real tensors (strides, alignment), so that a traced
+        call decides on every run as an eager one does; `kernel.last_backend` says which
+        ran and why. The single-device op and each context-parallel piece come here."""
+        run = lambda config: self.module.forward(q, k, v, values, config=config, **common)
+        backend, reason = self._call_backend(q, k, v)
+        self._last_backend = (backend, reason)
+        if backend != "gluon":
+            return "fwd", run
+        # The Gluon forward; the portable module builds its tables and argument values.
+        run_gluon = lambda config: self.gluon_module.forward(
+            q, k, v, values, host=self.module, config=config, **common)
+        run = self._gluon_or_portable(problem, q.dtype, tune, run_gluon, run)
+        return ("gluon-fwd" if run is run_gluon else "fwd"), run
+
     def _gluon_or_portable(self, problem, dtype, tune, run_gluon, run_portable):
         """The forward to run for a call the Gluon backend can take: Gluon when asked for,
         else (auto) whichever the tuner measured faster for this tuning key."""

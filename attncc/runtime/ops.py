@@ -219,19 +219,8 @@ def _forward(kernel_id, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, t
         tables.check_reads(values)
     common = dict(q_offset=q_offset, k_offset=k_offset, seed=seed,
                   tables=_table_store(tables))
-    run = lambda config: kernel.module.forward(q, k, v, values, config=config, **common)
     tune = kernel._tuning(p, values, q.device, tables)
-    direction = "fwd"
-    # Which forward runs is decided here, on real tensors (strides, alignment), so that a
-    # traced call decides it on every run as an eager one does.
-    backend, reason = kernel._call_backend(q, k, v)
-    kernel._last_backend = (backend, reason)
-    if backend == "gluon":
-        # The Gluon forward; the portable module builds its tables and argument values.
-        run_gluon = lambda config: kernel.gluon_module.forward(
-            q, k, v, values, host=kernel.module, config=config, **common)
-        run = kernel._gluon_or_portable(p, q.dtype, tune, run_gluon, run)
-        direction = "gluon-fwd" if run is run_gluon else "fwd"
+    direction, run = kernel.forward_runner(q, k, v, values, p, common, tune)
     if q.is_cuda and (q.requires_grad or k.requires_grad or v.requires_grad):
         _compile_backward_beside(kernel, p, q, k, v, values, common, tune, direction, run)
     config = tuning.config_for(kernel, p, q.dtype, direction, run, *tune)
