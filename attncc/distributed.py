@@ -439,24 +439,40 @@ class _RingAttention:
             tables = self.tables.setdefault((q_offset, k_offset), {})
         return q_offset, k_offset, tables
 
-    def _pair_call(self, hop, i, j, direction, fn, *args):
-        """Run `fn` (a module entry point) on local query piece i and visiting key piece j,
-        at their absolute offsets, with the tuned config of `direction`."""
-        q_offset, k_offset, tables = self._pair_offsets(hop, i, j)
-        run = lambda config: fn(*args, q_offset=q_offset, k_offset=k_offset, seed=self.seed,
-                                config=config, tables=tables)
-        problem = self._pair_problem(q_offset, k_offset)
-        return run(tuning.config_for(self.kernel, problem, args[0].dtype, direction, run))
-
-    def _pair_forward(self, hop, i, j, q, k, v, inputs):
-        """The forward of one piece pair: the kernel's own choice of forward (the Gluon
-        one on Hopper where it takes the call and measured faster), as a single-device
-        call of the same pair would make it."""
+    def _pair_runner(self, hop, i, j, direction, fn, args) -> tuple:
+        """(problem, direction, run) of `fn` (a module entry point) on local query piece i
+        and visiting key piece j at their absolute offsets; `run(config)` launches it. The
+        forward ("fwd") is the one a single-device call of the pair would run
+        (`Kernel.forward_runner`: on Hopper the Gluon forward where it takes the call),
+        and its direction says which."""
         q_offset, k_offset, tables = self._pair_offsets(hop, i, j)
         common = dict(q_offset=q_offset, k_offset=k_offset, seed=self.seed, tables=tables)
         problem = self._pair_problem(q_offset, k_offset)
-        direction, run = self.kernel.forward_runner(q, k, v, inputs, problem, common)
-        return run(tuning.config_for(self.kernel, problem, q.dtype, direction, run))
+        if direction == "fwd":
+            direction, run = self.kernel.forward_runner(*args, problem, common)
+        else:
+            run = lambda config: fn(*args, config=config, **common)
+        return problem, direction, run
+
+    def _pair_call(self, hop, i, j, direction, fn, *args):
+        """Run one piece pair's call with the tuned config of its direction."""
+        problem, direction, run = self._pair_runner(hop, i, j, direction, fn, args)
+        return run(tuning.config_for(self.kernel, problem, args[0].dtype, direction, run))
+
+    def _tune_before_transfers(self, calls_of):
+        """Decide the configs of the calls `calls_of(q_piece, k_piece)` gives
+        ([(direction, fn, args)]) on our first own pair, before any transfer is posted.
+        Every pair shares the tuning key of its piece length, so on a first call this is
+        where candidates are timed: timed while NCCL's kernels wait for a peer, the tuner
+        once kept a 12% slower forward (RESULTS.md run 96). Later calls find the configs
+        in memory here."""
+        own = self.schedule.pairs(0)
+        if not own:
+            return
+        i, j = own[0]
+        for direction, fn, args in calls_of(i, j):
+            problem, direction, run = self._pair_runner(0, i, j, direction, fn, args)
+            tuning.config_for(self.kernel, problem, args[0].dtype, direction, run)
 
     # ---------------------------------------------------------------- forward
     def forward(self, q, k, v, inputs):
@@ -467,11 +483,14 @@ class _RingAttention:
         acc = torch.zeros((B, H, L, D), device=q.device, dtype=torch.float32)
         acc_lse = torch.full((B, H, L), float("-inf"), device=q.device, dtype=torch.float32)
         merged = set()  # local query pieces that hold a partial result already
+        self._tune_before_transfers(lambda i, j: [(
+            "fwd", None, (q.narrow(2, i * c, c), k.narrow(2, j * c, c), v.narrow(2, j * c, c),
+                          inputs))])
         for hop, keys, values in self._visits(k, v, list(range(W))):
             for i, j in self.schedule.pairs(hop):
-                out, lse = self._pair_forward(hop, i, j, q.narrow(2, i * c, c),
-                                              keys.narrow(2, j * c, c),
-                                              values.narrow(2, j * c, c), inputs)
+                out, lse = self._pair_call(hop, i, j, "fwd", None, q.narrow(2, i * c, c),
+                                           keys.narrow(2, j * c, c), values.narrow(2, j * c, c),
+                                           inputs)
                 rows, rows_lse = acc.narrow(2, i * c, c), acc_lse.narrow(2, i * c, c)
                 if i in merged:
                     merge_partial(rows, rows_lse, out, lse)
@@ -497,6 +516,13 @@ class _RingAttention:
         dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
         dv = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
         dinputs: dict = {}
+
+        def pair_args(i, j, keys, values):
+            return (q.narrow(2, i * c, c), keys.narrow(2, j * c, c), values.narrow(2, j * c, c),
+                    lse_of[i], delta_of[i], dout.narrow(2, i * c, c), inputs)
+        self._tune_before_transfers(lambda i, j: [
+            ("dq", module.backward_dq, pair_args(i, j, k, v)),
+            ("dkdv", module.backward_dkdv, pair_args(i, j, k, v))])
         # Our own pieces' pairs are split: the first is computed while the first keys
         # travel, the others while the last hop's dK/dV travel home.
         own = s.pairs(0)
@@ -511,8 +537,7 @@ class _RingAttention:
                 dk_hop = torch.zeros(keys.shape, device=k.device, dtype=torch.float32)
                 dv_hop = torch.zeros(values.shape, device=v.device, dtype=torch.float32)
             for i, j in pairs:
-                args = (q.narrow(2, i * c, c), keys.narrow(2, j * c, c), values.narrow(2, j * c, c),
-                        lse_of[i], delta_of[i], dout.narrow(2, i * c, c), inputs)
+                args = pair_args(i, j, keys, values)
                 dq_pair, dinputs_pair = self._pair_call(hop, i, j, "dq", module.backward_dq, *args)
                 dk_pair, dv_pair = self._pair_call(hop, i, j, "dkdv", module.backward_dkdv, *args)
                 dq.narrow(2, i * c, c).add_(dq_pair)

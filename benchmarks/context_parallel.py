@@ -161,6 +161,9 @@ def main():
     ap.add_argument("--check-len", type=int, default=4096 if gpu else 64)
     ap.add_argument("--check-heads", type=int, default=4 if gpu else 2)
     ap.add_argument("--no-single", action="store_true", help="skip the one-GPU run")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing, profile one context-parallel forward and forward + "
+                         "backward (rank 0's kernels, CUDA time per kernel name)")
     args = ap.parse_args()
     rank, world, device = setup()
     # The tuner's progress (logged at INFO where attncc logs, printed where it prints).
@@ -228,6 +231,19 @@ def main():
     # Which forward the pieces ran (the last pair's; every pair decides alike).
     result["pieces_forward_backend"] = kernel.last_backend
     say(f"context-parallel pieces: forward backend {kernel.last_backend}")
+
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        for name, fn in (("forward", cp_fwd), ("forward + backward", cp_fwd_bwd)):
+            dist.barrier()
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+            with profile(activities=activities) as prof:
+                fn()
+                sync(device)
+            table = prof.key_averages().table(
+                sort_by="cuda_time_total" if gpu else "cpu_time_total", row_limit=14,
+                max_name_column_width=60)
+            say(f"\nprofile of one context-parallel {name} (rank 0):\n{table}")
 
     # Against the single GPU at the timed length.
     out, lse = cp.context_parallel_attention(kernel, *local, scheme=args.scheme, return_lse=True)
