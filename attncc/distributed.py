@@ -184,6 +184,9 @@ class Schedule:
     seq_len: int
     piece_len: int
     may_attend: tuple  # [query piece][key piece]: some (q, k) of the pair may attend
+    # [query piece][key piece]: every (q, k) of the pair attends (this rank's view: only
+    # where configs are tuned, so ranks need not agree on it).
+    wholly_attended: tuple
 
     @property
     def world_size(self) -> int:
@@ -227,22 +230,31 @@ class Schedule:
 
 
 def piece_classification(kernel, sharding: Sharding, problem: Problem, inputs: dict,
-                         device) -> torch.Tensor:
+                         device, kinds=("full", "part")) -> torch.Tensor:
     """bool [pieces, pieces]: whether some (q, k) of a (query piece, key piece) pair may
     attend, from the kernels' tile classification with tiles one piece long (tensor
     work of O(pieces^2 + S), no S x S mask). Conservative: never False where a pair
-    attends (tests/test_distributed.py checks it against the dense mask)."""
+    attends (tests/test_distributed.py checks it against the dense mask). With
+    kinds=("full",): whether every (q, k) of the pair attends."""
+    return _classify(kernel, sharding, problem, inputs, device, kinds)[0]
+
+
+def _classify(kernel, sharding, problem, inputs, device, *kind_sets) -> list:
+    """For each set of tile kinds, bool [pieces, pieces]: the pairs classified as one of
+    them, from one build of the tile tables."""
     c, n = sharding.piece_len(problem.len_q), sharding.n_pieces
     t = kernel.module.tile_tables(problem.batch, problem.heads_q, problem.len_q, problem.len_k,
                                   0, 0, problem.dim, inputs, c, c, device)
-    may = torch.zeros(n, n, dtype=torch.bool, device=device)
     ids = torch.arange(n, device=device)
+    kept = {}
     for kind in ("full", "part"):
         lists = t[f"row_{kind}_list"].long()  # [B|1, H|1, n, n]: the kept tiles first
         listed = ids < t[f"row_{kind}_count"].unsqueeze(-1)  # [B|1, H|1, n, n]
-        kept = torch.zeros(lists.shape, dtype=torch.bool, device=device).scatter_(-1, lists, listed)
-        may |= kept.flatten(0, 1).any(0)
-    return may
+        kept[kind] = torch.zeros(lists.shape, dtype=torch.bool, device=device).scatter_(
+            -1, lists, listed).flatten(0, 1)
+    # A pair is wholly attended only where it is full for every batch row and head.
+    return [torch.stack([kept[k] for k in kinds]).any(0).any(0) if "part" in kinds
+            else torch.stack([kept[k] for k in kinds]).any(0).all(0) for kinds in kind_sets]
 
 
 def make_schedule(kernel, sharding: Sharding, problem: Problem, inputs: dict, device,
@@ -254,8 +266,8 @@ def make_schedule(kernel, sharding: Sharding, problem: Problem, inputs: dict, de
     key = (kernel.key, sharding, problem)
     if not reads and key in _SCHEDULES:
         return _SCHEDULES[key]
-    may = piece_classification(kernel, sharding, problem, inputs,
-                               device if reads else torch.device("cpu"))
+    may, whole = _classify(kernel, sharding, problem, inputs,
+                           device if reads else torch.device("cpu"), ("full", "part"), ("full",))
     if reads and sharding.world_size > 1:
         mine = may.to(torch.int32)
         bounds = torch.stack([mine, -mine])  # max and -min over ranks in one all-reduce
@@ -267,7 +279,8 @@ def make_schedule(kernel, sharding: Sharding, problem: Problem, inputs: dict, de
                             "from shards)")
         may = bounds[0] > 0
     schedule = Schedule(sharding, problem.len_q, problem.len_q // sharding.n_pieces,
-                        tuple(tuple(row) for row in may.tolist()))
+                        tuple(tuple(row) for row in may.tolist()),
+                        tuple(tuple(row) for row in (whole & may).tolist()))
     if not reads:
         if len(_SCHEDULES) >= _SCHEDULES_SIZE:
             _SCHEDULES.pop(next(iter(_SCHEDULES)))
@@ -463,13 +476,19 @@ class _RingAttention:
         """Decide the configs of the calls `calls_of(q_piece, k_piece)` gives
         ([(direction, fn, args)]) on our first own pair, before any transfer is posted.
         Every pair shares the tuning key of its piece length, so on a first call this is
-        where candidates are timed: timed while NCCL's kernels wait for a peer, the tuner
-        once kept a 12% slower forward (RESULTS.md run 96). Later calls find the configs
+        where candidates are timed, on a pair that stands for the heavy ones, and not
+        beside NCCL's kernels (RESULTS.md runs 96-98: tuned on whichever pair came first,
+        the pieces' forward once kept a config 12% slower). Later calls find the configs
         in memory here."""
         own = self.schedule.pairs(0)
         if not own:
             return
-        i, j = own[0]
+        # A wholly attended pair where there is one: the most work a pair of this tuning
+        # key can hold (a causal diagonal pair times candidates within 1% of each other).
+        sharding = self.sharding
+        whole = [(i, j) for i, j in own
+                 if self.schedule.wholly_attended[sharding.pieces[i]][sharding.pieces[j]]]
+        i, j = (whole or own)[0]
         for direction, fn, args in calls_of(i, j):
             problem, direction, run = self._pair_runner(0, i, j, direction, fn, args)
             tuning.config_for(self.kernel, problem, args[0].dtype, direction, run)

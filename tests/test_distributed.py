@@ -218,12 +218,14 @@ def check_results(got, world, case, variant_name, scheme, S, H):
         assert torch.equal(got["out"][..., 0, :], torch.zeros_like(got["out"][..., 0, :]))
 
 
-def dense_pieces(variant, sharding, S, H, inputs) -> torch.Tensor:
-    """bool [pieces, pieces]: whether any (q, k) of a piece pair attends, densely."""
+def dense_pieces(variant, sharding, S, H, inputs, every=False) -> torch.Tensor:
+    """bool [pieces, pieces]: whether any (every=True: every) (q, k) of a piece pair
+    attends, densely, over all heads."""
     p = Problem(1, H, H, S, S, D, D)
     allowed = allowed_pairs(variant, p, inputs, "cpu").expand(1, H, S, S)
     n, c = sharding.n_pieces, S // sharding.n_pieces
-    return allowed.reshape(H, n, c, n, c).any(dim=(0, 2, 4))
+    pieces = allowed.reshape(H, n, c, n, c)
+    return pieces.all(dim=4).all(dim=2).all(dim=0) if every else pieces.any(dim=(0, 2, 4))
 
 
 def check_launches_and_transfers(got, world, case, variant_name, scheme, S, H):
@@ -338,8 +340,13 @@ def test_piece_classification_never_skips_an_allowed_pair(name):
             may = cp.piece_classification(kernel, sharding, problem, inputs, "cpu")
             dense = dense_pieces(variant, sharding, S, H, inputs)
             assert not (dense & ~may).any(), f"{scheme} world {world}: an allowed pair skipped"
+            # Wholly attended pairs (where configs are tuned) are never claimed wrongly.
+            whole = cp.piece_classification(kernel, sharding, problem, inputs, "cpu", ("full",))
+            every = dense_pieces(variant, sharding, S, H, inputs, every=True)
+            assert not (whole & ~every).any(), f"{scheme} world {world}: a partial pair as whole"
             if name in ("causal", "window", "layout_band", "anti_causal"):
                 assert torch.equal(may, dense), f"{scheme} world {world}: affine masks are exact"
+                assert torch.equal(whole, every), f"{scheme} world {world}: whole pairs exact"
 
 
 def test_merge_is_exact_and_nan_free():
