@@ -173,28 +173,45 @@ def check_speed_output(vname, kernel, batch, length):
 
 
 def sweep_configs(kernel, batch, length):
-    """Every decode candidate (and the tuner's choice among them) timed on one problem."""
+    """Every decode candidate (and more split counts) timed on one problem, on the
+    contiguous cache and on the paged copy (page 64, shuffled), each called eagerly
+    (do_bench, as the table) and replayed in a CUDA graph (do_bench_cudagraph: the
+    kernels alone, no host time between them)."""
+    import triton.testing
     gen = torch.Generator().manual_seed(0)
     mk = lambda *s: torch.randn(*s, generator=gen).to("cuda", torch.bfloat16)
     q, k, v = mk(batch, HEADS[0], 1, DIM), mk(batch, HEADS[1], length, DIM), mk(batch, HEADS[1], length, DIM)
+    kp, table = paged_copy(k, 64, 0)
+    vp, _ = paged_copy(v, 64, 0)
+    lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
     inputs = device_inputs(kernel.variant, batch, length, 0)
     p = DecodeProblem(batch, HEADS[0], HEADS[1], 1, 0, DIM, length, 0)
     reach = lambda bn: kernel.module.decode_reach_tiles(length, 1, bn)
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     configs = candidates(kernel.variant, p, 2, n_sm, reach)
-    for splits in (1, 2, 4, 8, 16, 32, 64, 128):
+    for splits in (8, 16, 32, 64, 128):
         c = dict(configs[0], num_splits=splits)
         if c not in configs:
             configs.append(c)
+    calls = {"contiguous": lambda c: kernel.decode(q, k, v, cache_seqlens=lens, config=c, **inputs),
+             "paged": lambda c: kernel.decode(q, kp, vp, cache_seqlens=lens, block_table=table,
+                                              config=c, **inputs)}
     for c in configs:
+        row = {"config": c}
         try:
-            ms = time_ms(lambda: kernel.decode(q, k, v, cache_seqlens=length, config=c, **inputs))
+            for cache, call in calls.items():
+                row[cache] = time_ms(lambda: call(c))
+                call(c)
+                torch.cuda.synchronize()
+                row[cache + "_graph"] = triton.testing.do_bench_cudagraph(lambda: call(c), rep=100,
+                                                                          return_mode="median")
         except Exception as err:
             print(f"    {c}: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
             continue
-        rows.append({"config": c, "ms": ms})
-        print(f"    sweep {c}: {ms:.4f} ms", flush=True)
+        rows.append(row)
+        print(f"    sweep {c}: " + ", ".join(f"{n} {row[n]:.4f}" for n in row if n != "config")
+              + " ms", flush=True)
     return rows
 
 
@@ -204,6 +221,8 @@ def main():
     ap.add_argument("--variants", default=None,
                     help="comma-separated names (default: all of the part's variants)")
     ap.add_argument("--sweep", action="store_true", help="also time every candidate config")
+    ap.add_argument("--problems", default=None,
+                    help="speed problems as BATCHxLENGTH, comma-separated (default: 8x32768,1x131072)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="check this script without a GPU: the correctness part on small shapes "
                          "in float32 under the Triton interpreter")
@@ -229,6 +248,9 @@ def main():
             del os.environ["ATTNCC_TUNE"]
         else:
             os.environ["ATTNCC_TUNE"] = before
+    if args.problems:
+        global SPEED_PROBLEMS
+        SPEED_PROBLEMS = [tuple(int(n) for n in p.split("x")) for p in args.problems.split(",")]
     if args.part in ("speed", "all"):
         report["speed"], report["speed_checks"] = speed(pick(SPEED_VARIANTS), args.sweep)
     out = os.environ.get("OUT", "out")
