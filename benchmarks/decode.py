@@ -152,10 +152,23 @@ def speed(variants: dict, sweep: bool) -> tuple:
             print(f"  configs: {meta['configs']}  ({time.perf_counter() - t0:.0f} s with compiles)",
                   flush=True)
             checks.append(check_speed_output(vname, kernel, batch, length))
+            if vname == "causal":  # every key is read: the GPU's own ceiling for these bytes
+                meta["read_ceiling_bytes_per_s"] = read_ceiling(batch, length)
+                print(f"  read ceiling (torch.sum over K and V): "
+                      f"{meta['read_ceiling_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
             if sweep:
                 meta["sweep"] = sweep_configs(kernel, batch, length)
             runs.append({**meta, "backends": results})
     return runs, checks
+
+
+def read_ceiling(batch, length) -> float:
+    """Bytes per second of a pure streaming read of a K and a V cache of this shape
+    (torch.sum of each in fp32, timed as the decode steps are): what this GPU gives a
+    kernel that only reads."""
+    k, v = (torch.randn(batch, HEADS[1], length, DIM, device="cuda", dtype=DTYPE) for _ in range(2))
+    ms = time_ms(lambda: (k.sum(dtype=torch.float32), v.sum(dtype=torch.float32)))
+    return 2 * k.numel() * k.element_size() / (ms * 1e-3)
 
 
 def check_speed_output(vname, kernel, batch, length):

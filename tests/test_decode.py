@@ -356,7 +356,10 @@ def test_split_count_fills_one_wave_and_respects_layout_blocks():
     reach = lambda bn: 131072 // bn
     assert all(c["BLOCK_N"] <= 32 for c in candidates(nsa, few, 2, 132, reach))
     first = candidates(attncc.parse(CAUSAL), few, 2, 132, reach)
-    assert [c["num_splits"] for c in first[:3]] == [49, 98, 24]  # the tuner tries more and fewer
+    # The tuner tries one program per SM (132 // 8), fewer and more.
+    assert [c["num_splits"] for c in first[:4]] == [49, 16, 24, 98]
+    eight = candidates(attncc.parse(CAUSAL), many, 2, 132, lambda bn: 32768 // bn)
+    assert [c["num_splits"] for c in eight[:4]] == [6, 2, 3, 12]
     assert "page64" in tuning_key(DecodeProblem(1, 32, 8, 1, 1, 128, 4096, 64), torch.bfloat16, None)
 
 

@@ -246,8 +246,8 @@ def candidates(variant: ir.Variant, p: DecodeProblem, elem: int, n_sm: int, reac
                num_splits: int | None = None) -> list:
     """Decode configs, most likely winner first; `reach_tiles(block_n)` counts a full row's
     reachable key tiles. With a layout, key tiles stay within its block, so that a tile's
-    layout is one value per row. The favourite tile is also tried with twice and half the
-    splits (two waves; one program per SM)."""
+    layout is one value per row. The favourite tile is also tried with one program per
+    SM (at 1 x 128K the fastest: RESULTS.md run 99), and with half and twice its splits."""
     shapes = [(64, 4, 3), (64, 4, 4), (128, 4, 2), (32, 4, 4), (128, 8, 3), (16, 4, 2)]
     out = []
     for bn, w, s in shapes:
@@ -258,7 +258,8 @@ def candidates(variant: ir.Variant, p: DecodeProblem, elem: int, n_sm: int, reac
         base = num_splits or default_splits(p, bn, s, elem, n_sm, reach_tiles(bn))
         splits = [base]
         if not out and num_splits is None:
-            splits += [min(MAX_SPLITS, base * 2), max(1, base // 2)]
+            one_per_sm = max(1, min(n_sm // (p.batch * p.heads_kv * p.row_tiles), base))
+            splits += [one_per_sm, max(1, base // 2), min(MAX_SPLITS, base * 2)]
         for sp in splits:
             c = dict(BLOCK_N=bn, num_warps=w, num_stages=s, num_splits=sp)
             if c not in out:
