@@ -149,3 +149,23 @@ def test_an_unknown_tuning_mode_is_refused(monkeypatch):
     monkeypatch.setenv("ATTNCC_TUNE", "fulll")
     with pytest.raises(ValueError, match=r"ATTNCC_TUNE='fulll'.*full"):
         tuning.tune_mode()
+
+
+def test_the_class_density_of_a_small_tensor_free_grid_is_computed_on_the_host(monkeypatch):
+    """The shipped winners' class needs the call's tile density. A mask that reads no
+    tensor, on a grid of at most HOST_DENSITY_TILES tiles, is measured on the host (no
+    device kernels to load, no sync: RESULTS.md run 100); tensors or large grids stay on
+    the call's device."""
+    from attncc.arguments import Problem
+    from attncc.runtime import kernel as kernel_module
+    seen = []
+    monkeypatch.setattr(kernel_module, "tile_density",
+                        lambda module, p, inputs, device, block: seen.append(device) or 0.5)
+    causal = attncc.compile("attention causal { mask q >= k }")
+    document = attncc.compile("attention document { input doc: i32[q]  mask doc[q] == doc[k] }")
+    small = Problem(1, 2, 2, 4096, 4096, 64, 64)
+    large = Problem(1, 2, 2, 65536, 65536, 64, 64)  # 1024 x 1024 tiles of 64
+    for kernel, p, expected in ((causal, small, "cpu"), (causal, large, "device"),
+                                (document, small, "device")):
+        assert kernel._tuning(p, {}, "device")[2]() == 0.5
+        assert seen.pop() == expected

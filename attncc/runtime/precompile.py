@@ -16,9 +16,11 @@ the real launch to raise, where the caller handles it as before.
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 MAX_THREADS = 8
+_triton_warmed = threading.Event()
 
 
 def launch_together(runs: list) -> None:
@@ -38,3 +40,20 @@ def launch_together(runs: list) -> None:
     threads = min(len(runs), MAX_THREADS, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="attncc-compile") as pool:
         list(pool.map(launch, runs))
+
+
+def warm_triton_in_background() -> None:
+    """Start Triton's once-per-process work on a daemon thread: `triton_key()` hashes
+    Triton's own sources for its compile-cache keys, about 0.36 s on an H100 host (RESULTS.md
+    run 100), and the first launch of any kernel waits for it. Started when a variant is
+    compiled, it runs while the generated modules load instead of before the first launch.
+    Called where kernels will run on a GPU; the launch that needs the key finds it cached
+    (or computes it itself if this thread has not finished: the same value)."""
+    if _triton_warmed.is_set():
+        return
+    _triton_warmed.set()
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # another Triton: its first launch does the work, as before
+        return
+    threading.Thread(target=triton_key, name="attncc-triton-key", daemon=True).start()
