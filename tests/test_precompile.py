@@ -106,3 +106,29 @@ def test_a_first_call_compiling_its_backward_beside_its_forward_is_exact(spec, m
     variant = attncc.parse(spec)
     compare(variant, B=2, H=3, Lq=200, Lk=333, D=64, dtype=torch.float16)
     assert batches and batches[0] == 3, batches  # forward + dQ + dK/dV, or + delta + one launch
+
+
+def test_the_first_launch_waits_for_tritons_key_thread(monkeypatch):
+    """warm_triton_in_background starts Triton's key hashing once per process, and
+    wait_for_triton (called before a forward or decode launch) joins it, so that the
+    first launch's compile threads find the key computed instead of each hashing it."""
+    import threading
+    from attncc.runtime import precompile
+    started, release = threading.Event(), threading.Event()
+
+    def slow_key():
+        started.set()
+        release.wait(5)
+    import triton.runtime.cache
+    monkeypatch.setattr(triton.runtime.cache, "triton_key", slow_key)
+    monkeypatch.setattr(precompile, "_triton_warmed", threading.Event())
+    monkeypatch.setattr(precompile, "_key_thread", None)
+    precompile.warm_triton_in_background()
+    precompile.warm_triton_in_background()  # once per process
+    assert started.wait(5)
+    thread = precompile._key_thread
+    assert thread.is_alive()
+    threading.Timer(0.2, release.set).start()
+    precompile.wait_for_triton()
+    assert not thread.is_alive() and precompile._key_thread is None
+    precompile.wait_for_triton()  # nothing left to wait for

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import ir
-from . import tuning
+from . import precompile, tuning
 from ..arguments import Problem, check_input_names, check_inputs
 from ..errors import CallError
 from ..analysis.ranges import MAX_EXTENT
@@ -331,6 +331,7 @@ def decode(kernel, q, k_cache, v_cache, *, cache_seqlens=None, k_new=None, v_new
         raise CallError(f"return_lse must be True or False, got {return_lse!r}")
     p, seqlens = check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                    block_table, inputs)
+    precompile.wait_for_triton()
     module = kernel.module
     values = {d.name: inputs[d.name] for d in kernel.variant.inputs}
     with torch.no_grad():  # inference only: nothing here builds an autograd graph

@@ -204,6 +204,7 @@ def _table_store(tables):
 
 
 def _forward(kernel_id, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, tables_id):
+    precompile.wait_for_triton()
     kernel = _kernel(kernel_id)
     seed = _seed(seed, drawn_seed)
     tables = _tables(tables_id)

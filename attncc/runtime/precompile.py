@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 MAX_THREADS = 8
 _triton_warmed = threading.Event()
+_key_thread: threading.Thread | None = None
 
 
 def launch_together(runs: list) -> None:
@@ -43,12 +44,14 @@ def launch_together(runs: list) -> None:
 
 
 def warm_triton_in_background() -> None:
-    """Start Triton's once-per-process work on a daemon thread: `triton_key()` hashes
-    Triton's own sources for its compile-cache keys, about 0.36 s on an H100 host (RESULTS.md
-    run 100), and the first launch of any kernel waits for it. Started when a variant is
-    compiled, it runs while the generated modules load instead of before the first launch.
-    Called where kernels will run on a GPU; the launch that needs the key finds it cached
-    (or computes it itself if this thread has not finished: the same value)."""
+    """Start Triton's once-per-process work on a daemon thread: `triton_key()` imports
+    Triton's compiler packages and hashes its sources and its 1 MB-chunked library for its
+    compile-cache keys, about 0.36 s on an H100 host (RESULTS.md run 100), and the first
+    launch of any kernel waits for it. Started when a variant is compiled, it runs while
+    the generated modules load; `wait_for_triton()` before the first launch then finds
+    it done, where the first launch's compile threads would each have hashed it again
+    (its cache is not shared between threads in flight: run 101)."""
+    global _key_thread
     if _triton_warmed.is_set():
         return
     _triton_warmed.set()
@@ -56,4 +59,14 @@ def warm_triton_in_background() -> None:
         from triton.runtime.cache import triton_key
     except ImportError:  # another Triton: its first launch does the work, as before
         return
-    threading.Thread(target=triton_key, name="attncc-triton-key", daemon=True).start()
+    _key_thread = threading.Thread(target=triton_key, name="attncc-triton-key", daemon=True)
+    _key_thread.start()
+
+
+def wait_for_triton() -> None:
+    """Before a launch: let the thread of warm_triton_in_background finish first."""
+    global _key_thread
+    thread = _key_thread
+    if thread is not None:
+        thread.join()
+        _key_thread = None
