@@ -19,7 +19,7 @@ from .derivative import score_gradients
 from ..ir import print_variant
 from ..resources import templates_dir
 from ..semantics import dropout, operators
-from . import helpers, interface
+from . import helpers, interface, parameters
 from .decode import decode_context
 from .elementwise import (TritonEmitter, chance_threshold, element_offset, grad_arg_name,
                           input_arg_names, input_code)
@@ -36,6 +36,7 @@ def _environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     env.filters["py"] = repr  # Python literals, readable (tojson would escape < and >)
+    env.filters["without"] = parameters.without
     return env
 
 
@@ -186,8 +187,10 @@ def generate(variant: ir.Variant) -> Generated:
     """The Triton module source for `variant`."""
     context = template_context(variant)
     template = _environment().get_template("attention.py.jinja")
-    used, aliases = helpers.needed(template.render(**context))
-    source = template.render(**dict(context, emit=used.__contains__, host_aliases=aliases))
+    first = template.render(**context)  # every helper, every parameter
+    used, aliases = helpers.needed(first)
+    source = template.render(**dict(context, emit=used.__contains__, host_aliases=aliases,
+                                    unread=parameters.unread(first)))
     source = re.sub(r"\n{4,}", "\n\n\n", source)  # where left-out helpers were
     return Generated(source=source, strategy=context["strategy"], module_name=module_name(variant))
 
@@ -236,7 +239,7 @@ def template_context(variant: ir.Variant) -> dict:
                                     wide=widths["layout"][0])(variant.layout)
     context = dict(
         # every helper: generate() renders a second time with only those used (helpers.py)
-        emit=lambda name: True, host_aliases=helpers.HOST_ALIASES,
+        emit=lambda name: True, host_aliases=helpers.HOST_ALIASES, unread=parameters.NOTHING,
         version=_package_version(),
         spec_comment="\n".join(f"#   {line}" for line in spec_text.rstrip().splitlines()),
         spec_text=spec_text,
@@ -274,6 +277,13 @@ def template_context(variant: ir.Variant) -> dict:
         heavy_rows_last=heavy_tiles_last(fwd_plan, "q"),
         heavy_cols_last=heavy_tiles_last(bwd_plan, "k"),
         common_args=", ".join(params),
+        # What the per-tile step and tile-run functions take of them: not the tile
+        # tables, which only the programs' loops over listed tiles read.
+        step_args=", ".join(p for p in params if p not in interface.TABLE_FIELDS),
+        # A dQ program loops over its query tile's row of the tables, a dK/dV program
+        # over its key tile's column.
+        dq_program_args=", ".join(p for p in params if p not in interface.table_fields("col")),
+        dkdv_program_args=", ".join(p for p in params if p not in interface.table_fields("row")),
         common_param_list=params,
         summary_specs=[[r.tensor, r.axis, r.var] for r in summary_reads],
         summary_bases=[_summary_base(r) for r in summary_reads],
