@@ -90,6 +90,7 @@ def main() -> int:
     ap.add_argument("--dims", default="128")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--all-configs", action="store_true", help="every candidate, not the first")
+    ap.add_argument("--backward", action="store_true", help="the dK/dV kernel too")
     args = ap.parse_args()
     specs = args.specs or sorted(glob.glob(str(Path(__file__).resolve().parent.parent / "examples" / "*.attn")))
     triton.runtime.driver.set_active(Sm90Driver())
@@ -126,6 +127,23 @@ def main() -> int:
                     ck = compiled[-1]
                     print(f"{label}: ok, smem {ck.metadata.shared} B, {_ptxas_report(ck.asm['ptx'])}")
                 except Exception as e:  # report and go on: the point is the whole list
+                    failures += 1
+                    msg = str(e).strip().splitlines()
+                    print(f"{label}: FAILED {type(e).__name__}: {' | '.join(msg[-6:])[:1500]}")
+            if not args.backward:
+                continue
+            lse = torch.randn(1, heads[0], 300)
+            delta = torch.randn(1, heads[0], 300)
+            dout = torch.randn_like(q)
+            bconfigs = gluon.backward_candidates(dim)
+            for config in bconfigs if args.all_configs else bconfigs[:1]:
+                label = f"{variant.name} dK/dV d{dim} {config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
+                compiled.clear()
+                try:
+                    module.backward_dkdv(q, k, v, lse, delta, dout, inputs, host=host, config=config)
+                    ck = compiled[-1]
+                    print(f"{label}: ok, smem {ck.metadata.shared} B, {_ptxas_report(ck.asm['ptx'])}")
+                except Exception as e:
                     failures += 1
                     msg = str(e).strip().splitlines()
                     print(f"{label}: FAILED {type(e).__name__}: {' | '.join(msg[-6:])[:1500]}")

@@ -41,7 +41,8 @@ def test_gluon_module_renders_parses_and_stands_alone(name):
     tree = ast.parse(source)
     assert _imports(tree) <= {"torch", "triton"}
     defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
-    assert {"attn_fwd", "attn_fwd_ws", "_ws_loader", "_ws_consumer", "forward"} <= defined
+    assert {"attn_fwd", "attn_fwd_ws", "_ws_loader", "_ws_consumer", "forward",
+            "attn_bwd_dkdv", "backward_dkdv"} <= defined
     # The same mask and score code as the portable module: emitted once, in codegen.
     context = template_context(variant)
     for slot in ("mask", "score", "layout_elem"):
@@ -55,10 +56,10 @@ def test_gluon_module_takes_the_portable_argument_list():
     variant = attncc.parse_file(EXAMPLES / "document.attn")
     tree = ast.parse(gluon.generate(variant).source)
     params = template_context(variant)["common_param_list"]
-    for fn in ("attn_fwd", "attn_fwd_ws"):
+    for fn, before in (("attn_fwd", 5), ("attn_fwd_ws", 5), ("attn_bwd_dkdv", 8)):
         node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == fn)
         names = [a.arg for a in node.args.args]
-        assert names[5:5 + len(params)] == params
+        assert names[before:before + len(params)] == params
 
 
 def test_variants_the_gluon_forward_does_not_take_are_named():
@@ -97,6 +98,87 @@ def test_candidates_fit_and_pinned_configs_are_checked():
         dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3), 256)
 
 
+def test_backward_candidates_fit_and_bad_configs_are_named():
+    for dim in gluon.BACKWARD_HEAD_DIMS:
+        kept = gluon.backward_candidates(dim)
+        assert kept and all(gluon.check_backward_config(c, dim) is None for c in kept)
+    assert gluon.backward_candidates(256) == []
+    assert "head dim 256" in gluon.backward_unsupported(256)
+    assert gluon.backward_unsupported(128) is None
+    # 8 warps stack 128 rows of wgmma: a 64-key tile cannot be split among them.
+    assert "multiple of 16 * num_warps" in gluon.check_backward_config(
+        dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2), 128)
+    assert "shared memory" in gluon.check_backward_config(
+        dict(BLOCK_M=256, BLOCK_N=128, num_warps=8, num_stages=3), 128)
+    # A cached or shipped config is checked against the kernel it would run.
+    variant = attncc.parse_file(EXAMPLES / "causal.attn")
+    good = gluon.backward_candidates(128)[0]
+    assert configs.usable(good, variant, 128, "gluon-dkdv")
+    assert not configs.usable(dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2), variant,
+                              128, "gluon-dkdv")
+
+
+def _stand_in_gluon(kernel, monkeypatch, calls):
+    """The kernel's backend set to Gluon, its Gluon module a stand-in that runs the
+    portable kernels and records what it was asked (the CPU cannot run Hopper kernels)."""
+    from types import SimpleNamespace
+
+    def forward(q, k, v, values, *, host, config, **common):
+        calls.append("forward")
+        return host.forward(q, k, v, values, config=config, **common)
+
+    def backward_dkdv(q, k, v, lse, delta, dout, values, *, host, config, **common):
+        calls.append("dkdv")
+        return host.backward_dkdv(q, k, v, lse, delta, dout, values, config=config, **common)
+
+    monkeypatch.setattr(backends, "call_unsupported", lambda q, k, v: None)
+    monkeypatch.setattr(kernel, "backend", "gluon")
+    monkeypatch.setattr(kernel, "requested_backend", "gluon")
+    monkeypatch.setattr(kernel, "_gluon_generated", (None, SimpleNamespace(
+        forward=forward, backward_dkdv=backward_dkdv)))
+
+
+def test_the_backward_runs_the_gluon_dkdv_kernel_where_the_backend_takes_it(monkeypatch):
+    spec = str(EXAMPLES / "causal.attn")
+    kernel = attncc.compile(spec)
+    calls = []
+    _stand_in_gluon(kernel, monkeypatch, calls)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 40, 64, generator=gen, requires_grad=True) for _ in range(3))
+    kernel(q, k, v).sum().backward()
+    assert calls == ["forward", "dkdv"]
+    assert kernel.last_backward == ("gluon", "backend='gluon' was asked for (dK/dV)")
+    # The same gradients as the portable kernel's (the stand-in runs it).
+    portable = attncc.compile(spec, backend="triton")
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    portable(q2, k2, v2).sum().backward()
+    for a, b in ((q, q2), (k, k2), (v, v2)):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6)
+    # A head dim the dK/dV kernel does not take: the portable one runs and says why.
+    calls.clear()
+    q, k, v = (torch.randn(1, 2, 24, 32, generator=gen, requires_grad=True) for _ in range(3))
+    kernel(q, k, v).sum().backward()
+    assert calls == ["forward"]
+    assert kernel.last_backward[0] == "triton" and "head dim 32" in kernel.last_backward[1]
+
+
+def test_a_table_driven_backward_says_it_runs_one_portable_launch(monkeypatch):
+    from attncc.runtime import settings
+    monkeypatch.setattr(settings, "TABLES_BACKWARD", "one-launch")
+    kernel = attncc.compile(str(EXAMPLES / "document.attn"))
+    calls = []
+    _stand_in_gluon(kernel, monkeypatch, calls)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 32, 64, generator=gen, requires_grad=True) for _ in range(3))
+    doc = torch.tensor([0] * 12 + [1] * 20, dtype=torch.int32)
+    kernel(q, k, v, doc_q=doc, doc_k=doc).sum().backward()
+    assert calls == ["forward"]
+    assert kernel.last_backward[0] == "triton" and "one portable launch" in kernel.last_backward[1]
+    monkeypatch.setattr(settings, "TABLES_BACKWARD", "sequential")
+    kernel(q, k, v, doc_q=doc, doc_k=doc).sum().backward()
+    assert calls == ["forward", "forward", "dkdv"]
+
+
 def test_backend_names_are_checked():
     with pytest.raises(ValueError, match="backend must be one of 'auto', 'triton', 'gluon'"):
         attncc.compile(str(EXAMPLES / "causal.attn"), backend="cuda")
@@ -115,11 +197,14 @@ def test_dispatch_without_an_sm90_gpu():
     # The variant's own limits are named before the machine's.
     with pytest.raises(attncc.BackendError, match="dropout 0.1, which the Gluon forward"):
         attncc.compile(str(EXAMPLES / "dropout.attn"), backend="gluon")
-    # auto runs the portable forward and says why, call by call.
-    q = torch.randn(1, 2, 20, 16)
+    # auto runs the portable forward and says why, call by call; and the backward.
+    q = torch.randn(1, 2, 20, 16, requires_grad=True)
     out = auto(q, q, q)
     assert auto.last_backend == ("triton", auto.backend_reason)
     assert torch.isfinite(out).all()
+    assert auto.last_backward is None
+    out.sum().backward()
+    assert auto.last_backward == ("triton", auto.backend_reason)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's dispatch")
@@ -139,7 +224,8 @@ def test_cli_compile_backend_gluon_writes_both_modules(tmp_path, capsys):
     text = (tmp_path / "sliding_window_gluon.py").read_text()
     assert text == gluon.generate(attncc.load(spec)).source
     assert (tmp_path / "sliding_window.py").exists()  # its tables and backward
-    assert "backend   gluon forward on an sm_90 GPU" in out
+    assert "backend   gluon forward and dK/dV on an sm_90 GPU" in out
+    assert "Gluon dK/dV tiles (head dim 128): 64x64 (4 warps, 2 stages)" in out
 
 
 def test_cli_compile_backend_gluon_refuses_what_it_cannot_take(tmp_path, capsys):

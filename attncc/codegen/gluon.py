@@ -1,13 +1,16 @@
 """The Gluon backend's code generation: which variants it can render, its module, and its
 tile configs (runtime/backends.py decides which backend runs a call).
 
-The Gluon backend lowers the same analysed IR as the portable one into a Hopper (sm_90)
-forward written in Gluon (templates/attention_gluon.py.jinja): TMA copies into an
-mbarrier-tracked ring, asynchronous wgmma, the softmax of one key tile under the P.V
-product of the previous one. What it does not take yet is named here, so that
+The Gluon backend lowers the same analysed IR as the portable one into Hopper (sm_90)
+kernels written in Gluon (templates/attention_gluon.py.jinja): TMA copies into an
+mbarrier-tracked ring, asynchronous wgmma. The forward runs the softmax of one key tile
+under the P.V product of the previous one (and, warp-specialized, two consumer
+warpgroups in ping-pong); the dK/dV kernel keeps a key tile's K, V, dK and dV on chip
+while query tiles stream past. The dQ kernel (and with it delta and the learnable
+inputs' gradients) is the portable one: both read the forward's output and LSE, which
+both backends write alike. What the backend does not take yet is named here, so that
 `backend="gluon"` refuses it with that sentence and `backend="auto"` runs the portable
-kernels and says why. The backward always runs the portable kernels (it reads the
-forward's output and LSE, which both backends write alike).
+kernels and says why.
 """
 from __future__ import annotations
 
@@ -52,6 +55,52 @@ def candidates(head_dim: int) -> list:
               256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 2)]}[head_dim]
     configs = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
     return [c for c in configs if smem_bytes(c, head_dim) <= SMEM_LIMIT]
+
+
+# Head dims of the Gluon dK/dV kernel: each thread holds its rows of dK and dV in fp32,
+# and at 256 columns the two accumulators alone would take every register.
+BACKWARD_HEAD_DIMS = (64, 128)
+
+
+def backward_unsupported(head_dim: int) -> str | None:
+    """Why the Gluon dK/dV kernel cannot take a call at this head dim, or None."""
+    if head_dim not in BACKWARD_HEAD_DIMS:
+        return (f"head dim {head_dim}: the Gluon dK/dV kernel takes head dims "
+                f"{', '.join(map(str, BACKWARD_HEAD_DIMS))} (at 256, dK and dV in fp32 do not "
+                "fit in registers)")
+    return None
+
+
+def check_backward_config(config: dict, head_dim: int) -> str | None:
+    """Why a config cannot run the Gluon dK/dV kernel, or None."""
+    bm, bn, w = config["BLOCK_M"], config["BLOCK_N"], config["num_warps"]
+    if w not in (4, 8) or bn % (16 * w) or bn > 256 or bm % 16 or not 16 <= bm <= 256 \
+            or config["num_stages"] < 1:
+        return (f"config {config} does not fit the Gluon dK/dV kernel: it needs num_warps 4 or 8, "
+                "BLOCK_N a multiple of 16 * num_warps up to 256, BLOCK_M a multiple of 16 up to "
+                "256 and num_stages >= 1")
+    if backward_smem_bytes(config, head_dim) > SMEM_LIMIT:
+        return (f"config {config} needs {backward_smem_bytes(config, head_dim)} bytes of shared "
+                f"memory at head dim {head_dim}; Hopper has {SMEM_LIMIT}")
+    return None
+
+
+def backward_smem_bytes(config: dict, head_dim: int) -> int:
+    """K and V, plus NUM_STAGES slots of Q and dO, in 16-bit elements."""
+    return 2 * head_dim * (2 * config["BLOCK_N"] + 2 * config["num_stages"] * config["BLOCK_M"])
+
+
+def backward_candidates(head_dim: int) -> list:
+    """dK/dV tile configs (BLOCK_M query rows stream past BLOCK_N key rows), most likely
+    winner first. BLOCK_N is 16 rows per warp, as the wgmma layout needs; each thread
+    holds its rows of dK and dV (fp32) and of S^T and dP^T, so tiles stay small."""
+    # Head dim 128 (H100, bf16, 16K tokens; benchmarks/RESULTS.md run 106): 64x64 tiles
+    # on 4 warps (two programs per SM) ran full and causal 8% and 5% faster than 64x128 on
+    # 8 warps, 32x128 13-30% slower.
+    shapes = {64: [(64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2), (64, 128, 8, 3)],
+              128: [(64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 2)]}.get(head_dim, [])
+    configs = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+    return [c for c in configs if backward_smem_bytes(c, head_dim) <= SMEM_LIMIT]
 
 
 def check_config(config: dict, head_dim: int) -> str | None:

@@ -90,9 +90,10 @@ def kept_candidates(variant: ir.Variant, head_dim: int, direction: str) -> list:
     covers several blocks, visits every tile any of them is on in, and evaluates the
     layout per element; it pays for layouts whose blocks cluster (bands), and on random
     layouts of 32-blocks it ran 3x slower than 32x32 tiles (RESULTS.md run 31)."""
-    if direction == "gluon-fwd":  # the Gluon forward's own list (codegen/gluon.py)
+    if direction in ("gluon-fwd", "gluon-dkdv"):  # the Gluon kernels' own lists (codegen/gluon.py)
         from ..codegen import gluon
-        kept = gluon.candidates(head_dim)
+        kept = (gluon.candidates(head_dim) if direction == "gluon-fwd"
+                else gluon.backward_candidates(head_dim))
         if needs_tileswithin_block(variant):
             kept = [c for c in kept if within_block(c, variant)]
         return kept
@@ -158,6 +159,9 @@ def usable(config: dict, variant: ir.Variant, head_dim: int, direction: str) -> 
     if direction == "gluon-fwd":
         from ..codegen import gluon
         return gluon.check_config(config, head_dim) is None
+    if direction == "gluon-dkdv":
+        from ..codegen import gluon
+        return gluon.check_backward_config(config, head_dim) is None
     return config["num_warps"] != 9 and keep(config, variant, head_dim, direction)
 
 

@@ -42,6 +42,7 @@ class Kernel:
         if self.backend == "gluon" and load:
             self._gluon_generated = load_generated(variant, "gluon")
         self._last_backend = None  # (backend, reason) of the latest forward call
+        self._last_backward = None  # and of the latest backward's dK/dV kernel
         self._index_lists = ir.index_lists(variant.layout)  # {input: "qb" | "kb"}
         self._checked_lists: dict = {}  # index-list states already validated
         self._tables_owner = self  # whose tile_tables(...) this kernel's calls accept
@@ -89,9 +90,9 @@ class Kernel:
         return self._gluon_generated
 
     def _choose_backend(self) -> tuple:
-        """(backend, reason) for the forward, as far as it can be decided before a call.
-        The backward always runs the portable kernels (it reads the forward's output and
-        LSE, which both backends write alike)."""
+        """(backend, reason) for the forward and the backward's dK/dV kernel, as far as it
+        can be decided before a call. dQ is always the portable kernel (both read the
+        forward's output and LSE, which both backends write alike)."""
         if self.requested_backend == "triton":
             return "triton", "backend='triton' was asked for"
         why = gluon.variant_unsupported(self.variant) or backends.environment_unsupported()
@@ -103,10 +104,12 @@ class Kernel:
                 backends.refuse(why)
             return "triton", why
         if self.requested_backend == "gluon":
-            return "gluon", "backend='gluon' was asked for (forward; the backward is portable)"
-        return "gluon", ("an sm_90 GPU: the Gluon forward runs each call it can take where "
-                         "the tuner timed it faster than the portable forward (the backward "
-                         "is portable); see kernel.last_backend")
+            return "gluon", ("backend='gluon' was asked for (the forward and the backward's "
+                             "dK/dV kernel; dQ is portable)")
+        return "gluon", ("an sm_90 GPU: the Gluon forward and dK/dV kernels run each call "
+                         "they can take where the tuner timed them faster than the portable "
+                         "ones (dQ is portable); see kernel.last_backend and "
+                         "kernel.last_backward")
 
     def _pinned(self):
         return self.pinned_config or configs.env_config()
@@ -115,6 +118,12 @@ class Kernel:
     def last_backend(self):
         """(backend, reason) of the latest forward call, or None before the first."""
         return self._last_backend
+
+    @property
+    def last_backward(self):
+        """(backend, reason) of the latest backward's dK/dV kernel, or None before the
+        first (dQ is always the portable kernel's)."""
+        return self._last_backward
 
     def _call_backend(self, q, k, v) -> tuple:
         """(backend, reason) for one forward call. backend='gluon' refuses a call the Gluon
@@ -145,30 +154,60 @@ class Kernel:
         # The Gluon forward; the portable module builds its tables and argument values.
         run_gluon = lambda config: self.gluon_module.forward(
             q, k, v, values, host=self.module, config=config, **common)
-        run = self._gluon_or_portable(problem, q.dtype, tune, run_gluon, run)
-        return ("gluon-fwd" if run is run_gluon else "fwd"), run
+        chosen = self._gluon_or_portable(problem, q.dtype, tune, ("gluon-fwd", run_gluon),
+                                         ("fwd", run), "backend")
+        self._last_backend = chosen[2]
+        return chosen[:2]
 
-    def _gluon_or_portable(self, problem, dtype, tune, run_gluon, run_portable):
-        """The forward to run for a call the Gluon backend can take: Gluon when asked for,
-        else (auto) whichever the tuner measured faster for this tuning key."""
+    def dkdv_runner(self, q, k, v, lse, delta, dout, values, problem, common,
+                    tune=(None, None, None), may_time=True):
+        """(direction, run) of this call's dK/dV, as forward_runner decides the forward:
+        the Gluon kernel where the backend takes the call and its head dim and (auto) the
+        tuner measured it faster, else the portable one; `kernel.last_backward` says which
+        and why. With may_time=False, None where deciding would mean timing both (the
+        caller has no delta yet)."""
+        run = lambda config: self.module.backward_dkdv(q, k, v, lse, delta, dout, values,
+                                                       config=config, **common)
+        backend, why = self._call_backend(q, k, v)
+        if backend == "gluon":
+            why = gluon.backward_unsupported(q.shape[-1])
+        if why is not None:
+            self._last_backward = ("triton", why)
+            return "dkdv", run
+        run_gluon = lambda config: self.gluon_module.backward_dkdv(
+            q, k, v, lse, delta, dout, values, host=self.module, config=config, **common)
+        chosen = self._gluon_or_portable(problem, q.dtype, tune, ("gluon-dkdv", run_gluon),
+                                         ("dkdv", run), "dkdvbackend", may_time)
+        if chosen is None:
+            return None
+        self._last_backward = chosen[2]
+        return chosen[:2]
+
+    def _gluon_or_portable(self, problem, dtype, tune, gluon_option, portable_option, stage,
+                           may_time=True):
+        """(direction, run, (backend, reason)) for a call the Gluon backend can take: Gluon
+        when asked for, else (auto) whichever the tuner measured faster for this tuning key.
+        `stage`: tuning.BACKEND_STAGES's name of the kernel decided."""
+        what = tuning.BACKEND_STAGES[stage]
         if self.requested_backend == "gluon":
-            return run_gluon
+            return (*gluon_option, ("gluon", f"backend='gluon' was asked for ({what})"))
         try:
             faster = tuning.faster_backend(self, problem, dtype,
-                                           {"gluon": ("gluon-fwd", run_gluon),
-                                            "triton": ("fwd", run_portable)},
-                                           density=tune[1], shape_density=tune[2])
+                                           {"gluon": gluon_option, "triton": portable_option},
+                                           density=tune[1], shape_density=tune[2], stage=stage,
+                                           may_time=may_time)
         except RuntimeError as e:  # no Gluon config could run here: say so, run portable
-            self.backend, self.backend_reason = "triton", f"the Gluon forward could not run ({e})"
-            self._last_backend = ("triton", self.backend_reason)
-            return run_portable
+            reason = f"the Gluon {what} could not run ({e})"
+            if stage == "backend":
+                self.backend, self.backend_reason = "triton", reason
+            return (*portable_option, ("triton", reason))
+        if faster is None:
+            return None
         if faster != "gluon":
-            self._last_backend = ("triton", "the tuner measured the portable forward faster "
-                                            "for this shape")
-            return run_portable
-        self._last_backend = ("gluon", "the tuner measured the Gluon forward faster for "
-                                       "this shape")
-        return run_gluon
+            return (*portable_option, ("triton", f"the tuner measured the portable {what} "
+                                                 "faster for this shape"))
+        return (*gluon_option, ("gluon", f"the tuner measured the Gluon {what} faster for "
+                                         "this shape"))
 
     @property
     def source(self) -> str:

@@ -56,8 +56,8 @@ def entry_key(direction: str, dim: int, dtype: str, vclass: str, len_q: int, len
 def _parse(key: str):
     """entry_key's inverse: ((direction, dim, dtype, class), len_q, len_k)."""
     parts = key.split("-")
-    if parts[0] == "gluon":  # "gluon-fwd" has a dash of its own
-        parts = ["gluon-fwd", *parts[2:]]
+    if parts[0] == "gluon":  # "gluon-fwd" and "gluon-dkdv" have a dash of their own
+        parts = [f"gluon-{parts[1]}", *parts[2:]]
     direction, dim, dtype, vclass, q, k = parts
     return (direction, int(dim[1:]), dtype, vclass), int(q[1:]), int(k[1:])
 
@@ -79,7 +79,7 @@ def table_from(winners: dict, path: str) -> dict:
         for key, winner in entries.items():
             (direction, dim, dtype, vclass), len_q, len_k = _parse(key)
             kind, density = _split_class(vclass)
-            if direction == "backend":
+            if direction in ("backend", "dkdvbackend"):
                 if winner not in ("triton", "gluon"):
                     raise ValueError(f"{path}: {gpu} {key}: backend must be triton or gluon")
             else:
@@ -114,8 +114,8 @@ def lookup(gpu: str, direction: str, dim: int, dtype: str, vclass: str, len_q: i
 
 
 def shipped_winner(kernel, problem, dtype, direction: str, density):
-    """The shipped winner for this call (a config, or for direction "backend" the faster
-    backend's name), or None: none for this GPU and class, or one the variant cannot run.
+    """The shipped winner for this call (a config, or for direction "backend" or
+    "dkdvbackend" the faster backend's name), or None: none for this GPU and class, or one the variant cannot run.
     (Under ATTNCC_TUNE=full, runtime/tuning.py does not ask.) `density()`: the call's tile density (computed only when this GPU
     has winners at all)."""
     import torch
@@ -129,6 +129,6 @@ def shipped_winner(kernel, problem, dtype, direction: str, density):
     vclass = variant_class(kernel.variant, kernel.module.USES_TABLES, density_bucket(density()))
     winner = lookup(gpu, direction, problem.dim, str(dtype).replace("torch.", ""), vclass,
                     length_bucket(problem.len_q), length_bucket(problem.len_k))
-    if winner is None or direction == "backend":
+    if winner is None or direction in ("backend", "dkdvbackend"):
         return winner
     return dict(winner) if configs.usable(winner, kernel.variant, problem.dim, direction) else None

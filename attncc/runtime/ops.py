@@ -245,6 +245,13 @@ def _compile_backward_beside(kernel, p, q, k, v, values, common, tune, direction
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     delta = module.new_delta(q)
     for d in backward_directions(module.USES_TABLES):
+        run_dkdv = None
+        if d == "dkdv":  # the Gluon dK/dV kernel or the portable one, where known untimed
+            chosen = kernel.dkdv_runner(q, k, v, lse, delta, dout, values, p, common, tune,
+                                        may_time=False)
+            if chosen is None:
+                return  # the backends are timed later, on real tensors
+            d, run_dkdv = chosen
         config, new = tuning.untimed_config(kernel, p, q.dtype, d, *tune[1:])
         if not new:
             return  # tuned later, on real tensors; or already compiled
@@ -256,8 +263,7 @@ def _compile_backward_beside(kernel, p, q, k, v, values, common, tune, direction
             launches.append(lambda c=config: module.backward_dq(q, k, v, lse, delta, dout, values,
                                                                 config=c, out=out, **common))
         else:
-            launches.append(lambda c=config: module.backward_dkdv(q, k, v, lse, delta, dout,
-                                                                  values, config=c, **common))
+            launches.append(lambda c=config, run=run_dkdv: run(c))
     precompile.launch_together(launches)
 
 
@@ -275,6 +281,9 @@ def _backward(kernel_id, q, k, v, out, lse, dout, inputs, q_offset, k_offset, se
     tune = kernel._tuning(p, values, q.device, tables)
     if backward_directions(module.USES_TABLES) == ("bwd",):
         # dK/dV and dQ as two roles of one grid, one config, both reading delta.
+        kernel._last_backward = ("triton", "a variant with tile tables runs dK/dV and dQ in "
+                                           "one portable launch (ATTNCC_BACKWARD=sequential "
+                                           "runs them apart, dK/dV on the Gluon kernel where it can)")
         config, new = tuning.untimed_config(kernel, p, q.dtype, "bwd", *tune[1:])
         if new:  # its first launch: compile the delta pass beside it (on a stand-in delta)
             scratch = module.new_delta(q)
@@ -289,21 +298,26 @@ def _backward(kernel_id, q, k, v, out, lse, dout, inputs, q_offset, k_offset, se
         dq, dk, dv, dinputs = run(config)
     else:
         # dQ first, computing delta = rowsum(dO * O) on the way, then dK/dV, which
-        # reads it. They are tuned apart: they want different tile shapes.
+        # reads it. They are tuned apart: they want different tile shapes. dK/dV runs the
+        # Gluon kernel or the portable one (kernel.dkdv_runner; kernel.last_backward).
         delta = module.new_delta(q)
         run_dq = lambda config: module.backward_dq(q, k, v, lse, delta, dout, values,
                                                    config=config, out=out, **common)
-        run_dkdv = lambda config: module.backward_dkdv(q, k, v, lse, delta, dout, values,
-                                                       config=config, **common)
+        dkdv = lambda may_time: kernel.dkdv_runner(q, k, v, lse, delta, dout, values, p,
+                                                   common, tune, may_time=may_time)
+        chosen = dkdv(False)  # None where choosing the backend means timing (delta first)
         # Configs known without timing and not launched yet: compile both at once (each
         # launch is discarded; dK/dV's reads a delta dQ's has not finished).
         config_dq, new_dq = tuning.untimed_config(kernel, p, q.dtype, "dq", *tune[1:])
-        config_dkdv, new_dkdv = tuning.untimed_config(kernel, p, q.dtype, "dkdv", *tune[1:])
-        if new_dq and new_dkdv:
-            precompile.launch_together([lambda: run_dq(config_dq), lambda: run_dkdv(config_dkdv)])
+        if chosen is not None:
+            config_dkdv, new_dkdv = tuning.untimed_config(kernel, p, q.dtype, chosen[0], *tune[1:])
+            if new_dq and new_dkdv:
+                precompile.launch_together([lambda: run_dq(config_dq),
+                                            lambda: chosen[1](config_dkdv)])
         # dQ's config first: tuning it fills delta, which tuning dK/dV then reads.
         config_dq = tuning.config_for(kernel, p, q.dtype, "dq", run_dq, *tune)
         dq, dinputs = run_dq(config_dq)
-        config_dkdv = tuning.config_for(kernel, p, q.dtype, "dkdv", run_dkdv, *tune)
+        direction, run_dkdv = chosen or dkdv(True)
+        config_dkdv = tuning.config_for(kernel, p, q.dtype, direction, run_dkdv, *tune)
         dk, dv = run_dkdv(config_dkdv)
     return dq, dk, dv, [dinputs[d.name] for d in kernel.variant.learnable_inputs]

@@ -142,7 +142,8 @@ def _pinned(kernel, direction: str):
     gluon_pin = getattr(kernel, "requested_backend", None) == "gluon"
     if kernel.pinned_config and gluon_pin == (direction == "gluon-fwd"):
         return kernel.pinned_config  # checked when the kernel was compiled
-    pinned = configs.env_config() if direction != "gluon-fwd" else None
+    # ATTNCC_CONFIG pins the portable kernels; the Gluon kernels' configs have other limits.
+    pinned = configs.env_config() if not direction.startswith("gluon-") else None
     return configs.check_pinned(pinned, kernel.variant, "ATTNCC_CONFIG") if pinned else None
 
 
@@ -186,12 +187,19 @@ def _call_density(density, shape_density):
     return (lambda: density) if density is not None else shape_density
 
 
+# What faster_backend decides: the backend of the forward, or of the dK/dV kernel. The
+# names are the first word of the tuning keys (no dash: known_winners.py splits on it).
+BACKEND_STAGES = {"backend": "forward", "dkdvbackend": "dK/dV"}
+
+
 def faster_backend(kernel, problem, dtype, options: dict, density=None,
-                   shape_density=None) -> str:
+                   shape_density=None, stage: str = "backend", may_time: bool = True):
     """The name of the faster of `options` ({backend: (direction, run)}), each timed at
     its own tuned config on this call's inputs (median of do_bench), and remembered on
-    disk beside the configs. ATTNCC_TUNE=0 times nothing and takes the portable one."""
-    key = tuning_key("backend", problem, dtype, density)
+    disk beside the configs. `stage`: which kernel's backend (BACKEND_STAGES). ATTNCC_TUNE=0
+    times nothing and takes the portable one. With may_time=False, None where the choice
+    would need timing (a caller that cannot run the kernels yet)."""
+    key = tuning_key(stage, problem, dtype, density)
     mem_key = (kernel.key, key)
     if mem_key in _MEMORY:
         return _MEMORY[mem_key]
@@ -207,12 +215,14 @@ def faster_backend(kernel, problem, dtype, options: dict, density=None,
         _MEMORY[mem_key] = cached
         return cached
     shipped = None if tune_mode() == "full" else known_winners.shipped_winner(
-        kernel, problem, dtype, "backend", _call_density(density, shape_density))
+        kernel, problem, dtype, stage, _call_density(density, shape_density))
     if shipped in options:  # the other backend is never compiled
-        log.info("%s %s: the %s forward, the shipped winner for its class (ATTNCC_TUNE=full "
-                 "times both instead)", kernel.variant.name, key, shipped)
+        log.info("%s %s: the %s %s, the shipped winner for its class (ATTNCC_TUNE=full "
+                 "times both instead)", kernel.variant.name, key, shipped, BACKEND_STAGES[stage])
         _MEMORY[mem_key] = shipped
         return shipped
+    if not may_time:
+        return None
     import triton
     timings = {}
     for name, (direction, run) in options.items():
@@ -221,7 +231,7 @@ def faster_backend(kernel, problem, dtype, options: dict, density=None,
         timings[name] = triton.testing.do_bench(lambda: run(config), warmup=TUNE_WARMUP_MS,
                                                 rep=TUNE_REP_MS, return_mode="median")
     best = min(timings, key=timings.get)
-    log.info("%s %s: forward %s; runs %s", kernel.variant.name, key,
+    log.info("%s %s: %s %s; runs %s", kernel.variant.name, key, BACKEND_STAGES[stage],
              ", ".join(f"{n} {ms:.3f} ms" for n, ms in timings.items()), best)
     _MEMORY[mem_key] = best
     from filelock import FileLock

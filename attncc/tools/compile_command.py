@@ -95,7 +95,7 @@ def compile_command(args) -> int:
     print(f"module    {path} ({state}; imports only torch and triton)")
     print(f"strategy  {gen.strategy}")
     if backend != "triton":
-        _write_gluon(variant, Path(args.out), backend, why)
+        _write_gluon(variant, Path(args.out), backend, why, gen.source)
     from ..analysis.bounds import plan_loops
     from ..codegen.decode import decode_strategy
     print(f"decoding  {decode_strategy(variant, plan_loops(variant, 'k'))} (kernel.decode)")
@@ -131,7 +131,7 @@ def compile_command(args) -> int:
     return 0
 
 
-def _write_gluon(variant: ir.Variant, out: Path, backend: str, why: str | None):
+def _write_gluon(variant: ir.Variant, out: Path, backend: str, why: str | None, source: str):
     """--backend gluon|auto: the Gluon forward beside the portable module (which it needs:
     tile tables, argument values, the backward). Rendering needs no GPU. `why`: why the
     Gluon backend cannot take the variant (then auto says so and writes nothing more)."""
@@ -145,13 +145,18 @@ def _write_gluon(variant: ir.Variant, out: Path, backend: str, why: str | None):
         written = write_if_changed(path, gen.source)
     except OSError as err:
         raise AttnccError(f"cannot write {path}: {err.strerror or err}") from None
-    print(f"gluon     {path} ({'written' if written else 'unchanged'}; the Hopper (sm_90) forward; "
-          "its backward and tile tables come from the module above)")
+    print(f"gluon     {path} ({'written' if written else 'unchanged'}; the Hopper (sm_90) forward "
+          "and dK/dV kernels; dQ, delta and tile tables come from the module above)")
     if backend == "gluon":
-        print("backend   gluon forward on an sm_90 GPU (refused elsewhere and under the "
-              "interpreter), portable backward")
+        print("backend   gluon forward and dK/dV on an sm_90 GPU (refused elsewhere and under the "
+              "interpreter); dQ portable")
     else:
-        print("backend   auto: the Gluon forward on an sm_90 GPU where the tuner times it faster "
-              "than the portable one, else the portable kernels; the backward is portable")
+        print("backend   auto: the Gluon forward and dK/dV on an sm_90 GPU where the tuner times "
+              "them faster than the portable ones, else the portable kernels; dQ portable")
+    if "bwd" in kernel_directions(source):
+        print("          backward: dK/dV and dQ in one portable launch (tile tables; "
+              "ATTNCC_BACKWARD=sequential runs dK/dV on the Gluon kernel)")
     print(f"          Gluon tiles (head dim {ASSUMED_HEAD_DIM}): "
           + ", ".join(configs.sentence(c) for c in gluon.candidates(ASSUMED_HEAD_DIM)[:4]))
+    print(f"          Gluon dK/dV tiles (head dim {ASSUMED_HEAD_DIM}): "
+          + ", ".join(configs.sentence(c) for c in gluon.backward_candidates(ASSUMED_HEAD_DIM)))

@@ -1,0 +1,214 @@
+"""GPU script for the Gluon backend's backward (issue 18, stage 3): the dK/dV kernel
+checked against the float64 reference, then timed against the portable dK/dV kernel and
+the whole backward against FlexAttention and cuDNN, in one call.
+
+    python benchmarks/gluon_backward.py [--part correctness|speed|all] [--variants full,causal]
+
+Correctness: each example variant the Gluon backward takes, on awkward shapes (300
+tokens over two batches with GQA 4/2; len_q 200 != len_k 517; one query token; head dim
+64 too; fp16 too), every Gluon dK/dV config on a few; dK and dV of the Gluon kernel,
+fed the portable forward's LSE and delta, held to attncc/tools/tolerance.py's rule
+against attncc.reference in float64. A watchdog names a case that hangs.
+
+Speed: the ANCHORS shape (bf16, head dim 128, 16 heads, 16384 tokens): the portable
+dK/dV at the best of its tuned candidates against every Gluon config, the same inputs,
+medians of do_bench, TFLOP/s over allowed pairs (2 of the backward's 5 products: dK/dV
+is 4 products of 7 in the portable split, counted here as 4 * 2 * B*H*D*pairs).
+Full results go to $OUT/gluon_backward.json; a short table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+import attncc  # noqa: E402
+from attncc.arguments import Problem  # noqa: E402
+from attncc.codegen import gluon  # noqa: E402
+from attncc.runtime import configs  # noqa: E402
+from attncc.tools.samples import sample_inputs  # noqa: E402
+from attncc.tools.tolerance import gradient_scales, max_abs_error, within_tolerance  # noqa: E402
+from gluon_check import Watchdog  # noqa: E402
+
+OUT = os.environ.get("OUT", "out")
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
+RESULTS: dict = {"correctness": [], "speed": []}
+
+
+def _write():
+    os.makedirs(OUT, exist_ok=True)
+    with open(os.path.join(OUT, "gluon_backward.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+
+
+def _label(c):
+    return f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}"
+
+
+def check_dkdv(variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, config, seed=0, q_offset=0, k_offset=0):
+    """Rows (tensor, err, eager_err, ok) for the Gluon dK/dV on one problem."""
+    dev = "cuda"
+    torch.manual_seed(seed)
+    if variant.heads:
+        Hq, Hkv = variant.heads.q, variant.heads.kv
+    p = Problem(B, Hq, Hkv, Lq, Lk, D, D, q_offset, k_offset)
+    inputs = sample_inputs(variant, p, seed=seed, device=dev)
+    q, k, v = (torch.randn(B, h, n, D, device=dev, dtype=torch.float64).to(dtype)
+               for h, n in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk)))
+    kernel = attncc.compile(variant, backend="gluon")
+    host, glu = kernel.module, kernel.gluon_module
+    offsets = dict(q_offset=q_offset, k_offset=k_offset)
+    fwd_config = configs.kept_candidates(variant, D, "fwd")[0]
+    out, lse = host.forward(q, k, v, inputs, config=fwd_config, **offsets)
+    dout = torch.randn_like(out)
+    delta = host.backward_delta(out, dout)
+    dk, dv = glu.backward_dkdv(q, k, v, lse, delta, dout, inputs, host=host, config=config,
+                               **offsets)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref = attncc.reference(variant, qr, kr, vr, **offsets, **inputs)
+    rgrads = torch.autograd.grad(ref, (kr, vr), dout.double())
+    qe, ke, ve = (t.clone().requires_grad_() for t in (q, k, v))
+    eager = attncc.reference(variant, qe, ke, ve, **offsets, **inputs)
+    egrads = torch.autograd.grad(eager, (ke, ve), dout)
+    from attncc.semantics.reference import scale_value
+    scales = gradient_scales(qr, kr, ref, dout, scale_value(variant, D), Hq // Hkv)
+    rows = []
+    for n, g, rg, eg in zip("kv", (dk, dv), rgrads, egrads):
+        err, eerr = max_abs_error(g, rg), max_abs_error(eg, rg)
+        ok = within_tolerance(err, eerr, dtype, rg, scales.get(f"d{n}", 1.0))
+        rows.append(dict(tensor=f"d{n}", err=err, eager_err=eerr, ok=bool(ok)))
+    return rows
+
+
+def correctness(args, dog):
+    names = sorted(f[:-5] for f in os.listdir(EXAMPLES) if f.endswith(".attn"))
+    variants = {n: attncc.parse_file(os.path.join(EXAMPLES, n + ".attn")) for n in names}
+    taken = {n: v for n, v in variants.items() if gluon.variant_unsupported(v) is None}
+    if args.sweep:
+        taken = {n: v for n, v in taken.items() if n in args.sweep.split(",")}
+    bf, fp = torch.bfloat16, torch.float16
+    first = gluon.backward_candidates(128)[0]
+    cases = []  # (label, variant name, shape, dtype, config)
+    for n in taken:
+        cases.append((n, dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128), bf, first))
+        if n in ("full", "causal", "causal_bottom_right", "prefix_lm", "alibi", "sliding_window",
+                 "softcap", "bigbird_seeded"):
+            cases.append((n, dict(B=1, Hq=3, Hkv=3, Lq=200, Lk=517, D=128), bf, first))
+    for n in ("full", "causal", "document", "gqa_causal"):
+        if n in taken:
+            cases.append((n, dict(B=1, Hq=4, Hkv=1, Lq=257, Lk=257, D=64), bf,
+                          gluon.backward_candidates(64)[0]))
+    for n in ("causal", "softcap", "alibi"):
+        if n in taken:
+            cases.append((n, dict(B=1, Hq=4, Hkv=4, Lq=333, Lk=333, D=128), fp, first))
+    for n in ("full", "causal_bottom_right"):
+        if n in taken:
+            cases.append((n, dict(B=2, Hq=2, Hkv=2, Lq=1, Lk=300, D=128), bf, first))
+    for config in gluon.backward_candidates(128)[1:]:
+        for n in ("full", "causal", "document"):
+            if n in taken:
+                cases.append((n, dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128), bf, config))
+    failures = 0
+    for name, shape, dtype, config in cases:
+        label = f"{name} {shape} {str(dtype)[6:]} {_label(config)}"
+        dog.start(label, 90)
+        try:
+            rows = check_dkdv(taken[name], dtype=dtype, config=config, **shape)
+            ok = all(r["ok"] for r in rows)
+        except Exception as e:
+            rows, ok = [dict(error=f"{type(e).__name__}: {str(e)[:600]}")], False
+            traceback.print_exc()
+        failures += not ok
+        RESULTS["correctness"].append(dict(case=label, ok=ok, rows=rows))
+        _write()
+        worst = max((r.get("err", math.nan) for r in rows), default=math.nan)
+        print(f"{'ok  ' if ok else 'FAIL'} {label}: max err {worst:.3g}", flush=True)
+    RESULTS["correctness_failures"] = failures
+    return failures
+
+
+def _median_ms(fn):
+    import triton
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def speed(args, dog):
+    from gpu_suite import anchor_problem
+    from attncc.tools.bench_command import pairs_per_head
+    rows = []
+    for name in args.variants.split(","):
+        dog.start(f"speed {name}", 400)
+        variant, q, k, v, inputs = anchor_problem(name, 16384, D=args.dim)
+        q, k, v = (t.detach() for t in (q, k, v))
+        D = args.dim
+        p = Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], D, D)
+        pairs = pairs_per_head(variant, p, inputs, "cuda")[0]
+        flops = 4 * 2 * q.shape[0] * q.shape[1] * D * pairs  # four products of 2*D per pair
+        kernel = attncc.compile(variant, backend="gluon")
+        host, glu = kernel.module, kernel.gluon_module
+        out, lse = host.forward(q, k, v, inputs, config=configs.kept_candidates(variant, D, "fwd")[0])
+        dout = torch.randn_like(out)
+        delta = host.backward_delta(out, dout)
+        entry = dict(variant=name, dim=D, tflop=flops / 1e12, times={}, diffs={})
+        ref_dk = None
+        for config in configs.kept_candidates(variant, D, "dkdv")[:4]:
+            run = lambda c=config: host.backward_dkdv(q, k, v, lse, delta, dout, inputs, config=c)
+            try:
+                dk, dv = run()
+                ref_dk = (dk, dv) if ref_dk is None else ref_dk
+                entry["times"][f"portable {_label(config)}"] = _median_ms(run)
+            except Exception as e:
+                entry["times"][f"portable {_label(config)}"] = f"{type(e).__name__}: {str(e)[:200]}"
+        for config in gluon.backward_candidates(D):
+            run = lambda c=config: glu.backward_dkdv(q, k, v, lse, delta, dout, inputs, host=host,
+                                                     config=c)
+            try:
+                dk, dv = run()
+                entry["diffs"][_label(config)] = max((dk.float() - ref_dk[0].float()).abs().max().item(),
+                                                     (dv.float() - ref_dk[1].float()).abs().max().item())
+                entry["times"][f"gluon {_label(config)}"] = _median_ms(run)
+            except Exception as e:
+                entry["times"][f"gluon {_label(config)}"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(entry)
+        RESULTS["speed"].append(entry)
+        _write()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", default="all", choices=["correctness", "speed", "all"])
+    ap.add_argument("--variants", default="full,causal", help="speed: ANCHORS variants")
+    ap.add_argument("--dim", type=int, default=128, help="speed: head dim")
+    ap.add_argument("--sweep", default="", help="correctness: only these examples")
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, triton {__import__('triton').__version__}, "
+          f"{torch.cuda.get_device_name()}", flush=True)
+    RESULTS["versions"] = dict(torch=torch.__version__, triton=__import__("triton").__version__,
+                               gpu=torch.cuda.get_device_name())
+    dog = Watchdog()
+    failures, rows = 0, []
+    if args.part in ("correctness", "all"):
+        os.environ["ATTNCC_TUNE"] = "0"
+        failures = correctness(args, dog)
+    if args.part in ("speed", "all"):
+        rows = speed(args, dog)
+    dog.start("done", math.inf)
+    _write()
+    print(f"\ncorrectness failures: {failures}")
+    for e in rows:
+        best = {k: v for k, v in e["times"].items() if isinstance(v, float)}
+        print(f"{e['variant']} d{e['dim']} dK/dV: " + ", ".join(
+            f"{k} {v:.3f} ms ({e['tflop'] / v * 1e3:.0f} TF/s)" for k, v in best.items()))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
