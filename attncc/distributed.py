@@ -7,7 +7,7 @@ kernel at the two pieces' absolute offsets (the kernels take absolute positions)
 the partial outputs merge exactly through their log-sum-exps. Each pair's forward is the
 one a single-device call of that pair would run (`Kernel.forward_runner`: on Hopper the
 Gluon forward where it takes the call); the pieces' backward is portable (the Gluon dK/dV
-kernel runs single-device backwards only, so far). The backward sends the
+and dQ kernels run single-device backwards only, so far). The backward sends the
 keys and values again; each rank adds dQ for its own queries, and sends the dK/dV it
 computed for a visiting piece back to that piece's owner.
 

@@ -1,20 +1,20 @@
-"""GPU script for the Gluon backend's backward (issue 18, stage 3): the dK/dV kernel
-checked against the float64 reference, then timed against the portable dK/dV kernel and
-the whole backward against FlexAttention and cuDNN, in one call.
+"""GPU script for the Gluon backend's backward (issue 18, stage 3): the dQ and dK/dV
+kernels checked against the float64 reference, then timed against the portable ones, in
+one call.
 
     python benchmarks/gluon_backward.py [--part correctness|speed|all] [--variants full,causal]
 
 Correctness: each example variant the Gluon backward takes, on awkward shapes (300
 tokens over two batches with GQA 4/2; len_q 200 != len_k 517; one query token; head dim
-64 too; fp16 too), every Gluon dK/dV config on a few; dK and dV of the Gluon kernel,
-fed the portable forward's LSE and delta, held to attncc/tools/tolerance.py's rule
-against attncc.reference in float64. A watchdog names a case that hangs.
+64 too; fp16 too), the other configs on a few; dQ (computing delta itself), dK and dV of
+the Gluon kernels, fed the portable forward's output and LSE, held to
+attncc/tools/tolerance.py's rule against attncc.reference in float64. A watchdog names a
+case that hangs.
 
-Speed: the ANCHORS shape (bf16, head dim 128, 16 heads, 16384 tokens): the portable
-dK/dV at the best of its tuned candidates against every Gluon config, the same inputs,
-medians of do_bench, TFLOP/s over allowed pairs (2 of the backward's 5 products: dK/dV
-is 4 products of 7 in the portable split, counted here as 4 * 2 * B*H*D*pairs).
-Full results go to $OUT/gluon_backward.json; a short table is printed last.
+Speed: the ANCHORS shape (bf16, 16 heads, 16384 tokens, head dim --dim): each kernel's
+portable candidates (the four the tuner times) against every Gluon config, the same
+inputs, medians of do_bench, ms. Full results go to $OUT/gluon_backward.json; a short
+table is printed last.
 """
 from __future__ import annotations
 
@@ -52,8 +52,10 @@ def _label(c):
     return f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}"
 
 
-def check_dkdv(variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, config, seed=0, q_offset=0, k_offset=0):
-    """Rows (tensor, err, eager_err, ok) for the Gluon dK/dV on one problem."""
+def check_dkdv(variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, config, dq_config, seed=0, q_offset=0,
+               k_offset=0):
+    """Rows (tensor, err, eager_err, ok) for the Gluon dQ (with its delta) and dK/dV
+    kernels on one problem."""
     dev = "cuda"
     torch.manual_seed(seed)
     if variant.heads:
@@ -71,16 +73,20 @@ def check_dkdv(variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, config, seed=0, q_offse
     delta = host.backward_delta(out, dout)
     dk, dv = glu.backward_dkdv(q, k, v, lse, delta, dout, inputs, host=host, config=config,
                                **offsets)
+    own_delta = host.new_delta(q)
+    dq, _ = glu.backward_dq(q, k, v, lse, own_delta, dout, inputs, host=host, config=dq_config,
+                            out=out, **offsets)
+    rows = [dict(tensor="delta", err=(own_delta - delta).abs().max().item(),
+                 ok=bool(torch.allclose(own_delta, delta, rtol=1e-4, atol=1e-4)))]
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     ref = attncc.reference(variant, qr, kr, vr, **offsets, **inputs)
-    rgrads = torch.autograd.grad(ref, (kr, vr), dout.double())
+    rgrads = torch.autograd.grad(ref, (qr, kr, vr), dout.double())
     qe, ke, ve = (t.clone().requires_grad_() for t in (q, k, v))
     eager = attncc.reference(variant, qe, ke, ve, **offsets, **inputs)
-    egrads = torch.autograd.grad(eager, (ke, ve), dout)
+    egrads = torch.autograd.grad(eager, (qe, ke, ve), dout)
     from attncc.semantics.reference import scale_value
     scales = gradient_scales(qr, kr, ref, dout, scale_value(variant, D), Hq // Hkv)
-    rows = []
-    for n, g, rg, eg in zip("kv", (dk, dv), rgrads, egrads):
+    for n, g, rg, eg in zip("qkv", (dq, dk, dv), rgrads, egrads):
         err, eerr = max_abs_error(g, rg), max_abs_error(eg, rg)
         ok = within_tolerance(err, eerr, dtype, rg, scales.get(f"d{n}", 1.0))
         rows.append(dict(tensor=f"d{n}", err=err, eager_err=eerr, ok=bool(ok)))
@@ -90,37 +96,42 @@ def check_dkdv(variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, config, seed=0, q_offse
 def correctness(args, dog):
     names = sorted(f[:-5] for f in os.listdir(EXAMPLES) if f.endswith(".attn"))
     variants = {n: attncc.parse_file(os.path.join(EXAMPLES, n + ".attn")) for n in names}
-    taken = {n: v for n, v in variants.items() if gluon.variant_unsupported(v) is None}
+    taken = {n: v for n, v in variants.items() if gluon.variant_unsupported(v) is None
+             and gluon.backward_unsupported(v, "dq", 128) is None}
     if args.sweep:
         taken = {n: v for n, v in taken.items() if n in args.sweep.split(",")}
     bf, fp = torch.bfloat16, torch.float16
     first = gluon.backward_candidates(128)[0]
-    cases = []  # (label, variant name, shape, dtype, config)
+    first_dq = {d: gluon.dq_candidates(d)[0] for d in (64, 128)}
+    cases = []  # (variant name, shape, dtype, dK/dV config, dQ config)
     for n in taken:
-        cases.append((n, dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128), bf, first))
+        cases.append((n, dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128), bf, first, first_dq[128]))
         if n in ("full", "causal", "causal_bottom_right", "prefix_lm", "alibi", "sliding_window",
                  "softcap", "bigbird_seeded"):
-            cases.append((n, dict(B=1, Hq=3, Hkv=3, Lq=200, Lk=517, D=128), bf, first))
+            cases.append((n, dict(B=1, Hq=3, Hkv=3, Lq=200, Lk=517, D=128), bf, first, first_dq[128]))
     for n in ("full", "causal", "document", "gqa_causal"):
         if n in taken:
             cases.append((n, dict(B=1, Hq=4, Hkv=1, Lq=257, Lk=257, D=64), bf,
-                          gluon.backward_candidates(64)[0]))
+                          gluon.backward_candidates(64)[0], first_dq[64]))
     for n in ("causal", "softcap", "alibi"):
         if n in taken:
-            cases.append((n, dict(B=1, Hq=4, Hkv=4, Lq=333, Lk=333, D=128), fp, first))
+            cases.append((n, dict(B=1, Hq=4, Hkv=4, Lq=333, Lk=333, D=128), fp, first, first_dq[128]))
     for n in ("full", "causal_bottom_right"):
         if n in taken:
-            cases.append((n, dict(B=2, Hq=2, Hkv=2, Lq=1, Lk=300, D=128), bf, first))
-    for config in gluon.backward_candidates(128)[1:]:
+            cases.append((n, dict(B=2, Hq=2, Hkv=2, Lq=1, Lk=300, D=128), bf, first, first_dq[128]))
+    others = zip(gluon.backward_candidates(128)[1:], gluon.dq_candidates(128)[1:])
+    for config, dq_config in others:
         for n in ("full", "causal", "document"):
             if n in taken:
-                cases.append((n, dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128), bf, config))
+                cases.append((n, dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128), bf, config,
+                              dq_config))
     failures = 0
-    for name, shape, dtype, config in cases:
-        label = f"{name} {shape} {str(dtype)[6:]} {_label(config)}"
+    for name, shape, dtype, config, dq_config in cases:
+        label = f"{name} {shape} {str(dtype)[6:]} dK/dV {_label(config)} dQ {_label(dq_config)}"
         dog.start(label, 90)
         try:
-            rows = check_dkdv(taken[name], dtype=dtype, config=config, **shape)
+            rows = check_dkdv(taken[name], dtype=dtype, config=config, dq_config=dq_config,
+                              **shape)
             ok = all(r["ok"] for r in rows)
         except Exception as e:
             rows, ok = [dict(error=f"{type(e).__name__}: {str(e)[:600]}")], False
@@ -163,9 +174,26 @@ def speed(args, dog):
             try:
                 dk, dv = run()
                 ref_dk = (dk, dv) if ref_dk is None else ref_dk
-                entry["times"][f"portable {_label(config)}"] = _median_ms(run)
+                entry["times"][f"portable dK/dV {_label(config)}"] = _median_ms(run)
             except Exception as e:
-                entry["times"][f"portable {_label(config)}"] = f"{type(e).__name__}: {str(e)[:200]}"
+                entry["times"][f"portable dK/dV {_label(config)}"] = f"{type(e).__name__}: {str(e)[:200]}"
+        scratch = host.new_delta(q)
+        for config in configs.kept_candidates(variant, D, "dq")[:4]:
+            run = lambda c=config: host.backward_dq(q, k, v, lse, scratch, dout, inputs, config=c,
+                                                    out=out)
+            try:
+                run()
+                entry["times"][f"portable dQ {_label(config)}"] = _median_ms(run)
+            except Exception as e:
+                entry["times"][f"portable dQ {_label(config)}"] = f"{type(e).__name__}: {str(e)[:200]}"
+        for config in gluon.dq_candidates(D):
+            run = lambda c=config: glu.backward_dq(q, k, v, lse, scratch, dout, inputs, host=host,
+                                                   config=c, out=out)
+            try:
+                run()
+                entry["times"][f"gluon dQ {_label(config)}"] = _median_ms(run)
+            except Exception as e:
+                entry["times"][f"gluon dQ {_label(config)}"] = f"{type(e).__name__}: {str(e)[:200]}"
         for config in gluon.backward_candidates(D):
             run = lambda c=config: glu.backward_dkdv(q, k, v, lse, delta, dout, inputs, host=host,
                                                      config=c)
@@ -173,9 +201,9 @@ def speed(args, dog):
                 dk, dv = run()
                 entry["diffs"][_label(config)] = max((dk.float() - ref_dk[0].float()).abs().max().item(),
                                                      (dv.float() - ref_dk[1].float()).abs().max().item())
-                entry["times"][f"gluon {_label(config)}"] = _median_ms(run)
+                entry["times"][f"gluon dK/dV {_label(config)}"] = _median_ms(run)
             except Exception as e:
-                entry["times"][f"gluon {_label(config)}"] = f"{type(e).__name__}: {str(e)[:200]}"
+                entry["times"][f"gluon dK/dV {_label(config)}"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(entry)
         RESULTS["speed"].append(entry)
         _write()
@@ -205,8 +233,7 @@ def main():
     print(f"\ncorrectness failures: {failures}")
     for e in rows:
         best = {k: v for k, v in e["times"].items() if isinstance(v, float)}
-        print(f"{e['variant']} d{e['dim']} dK/dV: " + ", ".join(
-            f"{k} {v:.3f} ms ({e['tflop'] / v * 1e3:.0f} TF/s)" for k, v in best.items()))
+        print(f"{e['variant']} d{e['dim']}: " + ", ".join(f"{k} {v:.3f}" for k, v in best.items()))
     return 1 if failures else 0
 
 

@@ -111,9 +111,12 @@ def check_case(name, variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, backward=False, q
         scales = gradient_scales(qr, kr, ref, do, scale_value(variant, D), Hq // Hkv)
         for n, g, rg, eg in zip("qkv", grads, rgrads, egrads):
             rows.append(_compare(f"d{n}", g, rg, eg, dtype, scales.get(f"d{n}", 1.0)))
-        # backend="gluon": dK/dV runs the Gluon kernel wherever it takes the head dim.
-        if gluon.backward_unsupported(D) is None and kernel.last_backward[0] != "gluon":
-            rows.append(dict(tensor="dK/dV backend", error=str(kernel.last_backward), ok=False))
+        # backend="gluon": dQ and dK/dV run the Gluon kernels wherever they take the call.
+        for kind in ("dq", "dkdv"):
+            if (gluon.backward_unsupported(variant, kind, D) is None
+                    and kernel.last_backward[kind][0] != "gluon"):
+                rows.append(dict(tensor=f"{kind} backend", error=str(kernel.last_backward),
+                                 ok=False))
     return ran, rows
 
 

@@ -147,6 +147,19 @@ def main() -> int:
                     failures += 1
                     msg = str(e).strip().splitlines()
                     print(f"{label}: FAILED {type(e).__name__}: {' | '.join(msg[-6:])[:1500]}")
+            dconfigs = gluon.dq_candidates(dim)
+            for config in dconfigs if args.all_configs else dconfigs[:1]:
+                label = f"{variant.name} dQ d{dim} {config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
+                compiled.clear()
+                try:
+                    module.backward_dq(q, k, v, lse, delta, dout, inputs, host=host, config=config,
+                                       out=dout)
+                    ck = compiled[-1]
+                    print(f"{label}: ok, smem {ck.metadata.shared} B, {_ptxas_report(ck.asm['ptx'])}")
+                except Exception as e:
+                    failures += 1
+                    msg = str(e).strip().splitlines()
+                    print(f"{label}: FAILED {type(e).__name__}: {' | '.join(msg[-6:])[:1500]}")
     print(f"{failures} failed")
     return 1 if failures else 0
 

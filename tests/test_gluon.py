@@ -42,7 +42,7 @@ def test_gluon_module_renders_parses_and_stands_alone(name):
     assert _imports(tree) <= {"torch", "triton"}
     defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     assert {"attn_fwd", "attn_fwd_ws", "_ws_loader", "_ws_consumer", "forward",
-            "attn_bwd_dkdv", "backward_dkdv"} <= defined
+            "attn_bwd_dkdv", "backward_dkdv", "attn_bwd_dq", "backward_dq"} <= defined
     # The same mask and score code as the portable module: emitted once, in codegen.
     context = template_context(variant)
     for slot in ("mask", "score", "layout_elem"):
@@ -56,7 +56,8 @@ def test_gluon_module_takes_the_portable_argument_list():
     variant = attncc.parse_file(EXAMPLES / "document.attn")
     tree = ast.parse(gluon.generate(variant).source)
     params = template_context(variant)["common_param_list"]
-    for fn, before in (("attn_fwd", 5), ("attn_fwd_ws", 5), ("attn_bwd_dkdv", 8)):
+    for fn, before in (("attn_fwd", 5), ("attn_fwd_ws", 5), ("attn_bwd_dkdv", 8),
+                       ("attn_bwd_dq", 15)):
         node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == fn)
         names = [a.arg for a in node.args.args]
         assert names[before:before + len(params)] == params
@@ -102,9 +103,15 @@ def test_backward_candidates_fit_and_bad_configs_are_named():
     for dim in gluon.BACKWARD_HEAD_DIMS:
         kept = gluon.backward_candidates(dim)
         assert kept and all(gluon.check_backward_config(c, dim) is None for c in kept)
-    assert gluon.backward_candidates(256) == []
-    assert "head dim 256" in gluon.backward_unsupported(256)
-    assert gluon.backward_unsupported(128) is None
+    assert gluon.backward_candidates(256) == [] and gluon.dq_candidates(256) == []
+    for dim in gluon.BACKWARD_HEAD_DIMS:
+        kept = gluon.dq_candidates(dim)
+        assert kept and all(gluon.check_dq_config(c, dim) is None for c in kept)
+    causal = attncc.parse_file(EXAMPLES / "causal.attn")
+    assert "head dim 256" in gluon.backward_unsupported(causal, "dkdv", 256)
+    assert gluon.backward_unsupported(causal, "dq", 128) is None
+    assert "multiple of 16 * num_warps" in gluon.check_dq_config(
+        dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2), 128)
     # 8 warps stack 128 rows of wgmma: a 64-key tile cannot be split among them.
     assert "multiple of 16 * num_warps" in gluon.check_backward_config(
         dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2), 128)
@@ -131,11 +138,16 @@ def _stand_in_gluon(kernel, monkeypatch, calls):
         calls.append("dkdv")
         return host.backward_dkdv(q, k, v, lse, delta, dout, values, config=config, **common)
 
+    def backward_dq(q, k, v, lse, delta, dout, values, *, host, config, out=None, **common):
+        calls.append("dq")
+        return host.backward_dq(q, k, v, lse, delta, dout, values, config=config, out=out,
+                                **common)
+
     monkeypatch.setattr(backends, "call_unsupported", lambda q, k, v: None)
     monkeypatch.setattr(kernel, "backend", "gluon")
     monkeypatch.setattr(kernel, "requested_backend", "gluon")
     monkeypatch.setattr(kernel, "_gluon_generated", (None, SimpleNamespace(
-        forward=forward, backward_dkdv=backward_dkdv)))
+        forward=forward, backward_dq=backward_dq, backward_dkdv=backward_dkdv)))
 
 
 def test_the_backward_runs_the_gluon_dkdv_kernel_where_the_backend_takes_it(monkeypatch):
@@ -146,8 +158,9 @@ def test_the_backward_runs_the_gluon_dkdv_kernel_where_the_backend_takes_it(monk
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 40, 64, generator=gen, requires_grad=True) for _ in range(3))
     kernel(q, k, v).sum().backward()
-    assert calls == ["forward", "dkdv"]
-    assert kernel.last_backward == ("gluon", "backend='gluon' was asked for (dK/dV)")
+    assert calls == ["forward", "dq", "dkdv"]
+    assert kernel.last_backward == {"dq": ("gluon", "backend='gluon' was asked for (dQ)"),
+                                    "dkdv": ("gluon", "backend='gluon' was asked for (dK/dV)")}
     # The same gradients as the portable kernel's (the stand-in runs it).
     portable = attncc.compile(spec, backend="triton")
     q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -159,7 +172,24 @@ def test_the_backward_runs_the_gluon_dkdv_kernel_where_the_backend_takes_it(monk
     q, k, v = (torch.randn(1, 2, 24, 32, generator=gen, requires_grad=True) for _ in range(3))
     kernel(q, k, v).sum().backward()
     assert calls == ["forward"]
-    assert kernel.last_backward[0] == "triton" and "head dim 32" in kernel.last_backward[1]
+    for kind in ("dq", "dkdv"):
+        backend, why = kernel.last_backward[kind]
+        assert backend == "triton" and "head dim 32" in why
+
+
+def test_learnable_inputs_keep_the_portable_dq(monkeypatch):
+    """Their gradients are accumulated by the portable dQ kernel; dK/dV may still be Gluon's."""
+    kernel = attncc.compile(str(EXAMPLES / "relative_bias.attn"))
+    calls = []
+    _stand_in_gluon(kernel, monkeypatch, calls)
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 24, 64, generator=gen, requires_grad=True) for _ in range(3))
+    bias = torch.randn(2, 511, generator=gen, requires_grad=True)
+    kernel(q, k, v, bias=bias).sum().backward()
+    assert calls == ["forward", "dkdv"]
+    backend, why = kernel.last_backward["dq"]
+    assert backend == "triton" and "learnable inputs (bias)" in why
+    assert bias.grad is not None and bias.grad.abs().sum() > 0
 
 
 def test_a_table_driven_backward_says_it_runs_one_portable_launch(monkeypatch):
@@ -173,10 +203,11 @@ def test_a_table_driven_backward_says_it_runs_one_portable_launch(monkeypatch):
     doc = torch.tensor([0] * 12 + [1] * 20, dtype=torch.int32)
     kernel(q, k, v, doc_q=doc, doc_k=doc).sum().backward()
     assert calls == ["forward"]
-    assert kernel.last_backward[0] == "triton" and "one portable launch" in kernel.last_backward[1]
+    backend, why = kernel.last_backward["bwd"]
+    assert backend == "triton" and "one portable launch" in why
     monkeypatch.setattr(settings, "TABLES_BACKWARD", "sequential")
     kernel(q, k, v, doc_q=doc, doc_k=doc).sum().backward()
-    assert calls == ["forward", "forward", "dkdv"]
+    assert calls == ["forward", "forward", "dq", "dkdv"]
 
 
 def test_backend_names_are_checked():
@@ -202,9 +233,10 @@ def test_dispatch_without_an_sm90_gpu():
     out = auto(q, q, q)
     assert auto.last_backend == ("triton", auto.backend_reason)
     assert torch.isfinite(out).all()
-    assert auto.last_backward is None
+    assert auto.last_backward == {}
     out.sum().backward()
-    assert auto.last_backward == ("triton", auto.backend_reason)
+    assert auto.last_backward == {"dq": ("triton", auto.backend_reason),
+                                  "dkdv": ("triton", auto.backend_reason)}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's dispatch")
@@ -224,7 +256,8 @@ def test_cli_compile_backend_gluon_writes_both_modules(tmp_path, capsys):
     text = (tmp_path / "sliding_window_gluon.py").read_text()
     assert text == gluon.generate(attncc.load(spec)).source
     assert (tmp_path / "sliding_window.py").exists()  # its tables and backward
-    assert "backend   gluon forward and dK/dV on an sm_90 GPU" in out
+    assert "backend   gluon forward, dQ and dK/dV on an sm_90 GPU" in out
+    assert "Gluon dQ tiles (head dim 128): 64x64 (4 warps, 2 stages)" in out
     assert "Gluon dK/dV tiles (head dim 128): 64x64 (4 warps, 2 stages)" in out
 
 

@@ -6,9 +6,10 @@ kernels written in Gluon (templates/attention_gluon.py.jinja): TMA copies into a
 mbarrier-tracked ring, asynchronous wgmma. The forward runs the softmax of one key tile
 under the P.V product of the previous one (and, warp-specialized, two consumer
 warpgroups in ping-pong); the dK/dV kernel keeps a key tile's K, V, dK and dV on chip
-while query tiles stream past. The dQ kernel (and with it delta and the learnable
-inputs' gradients) is the portable one: both read the forward's output and LSE, which
-both backends write alike. What the backend does not take yet is named here, so that
+while query tiles stream past, the dQ kernel a query tile's Q, dO and dQ while key tiles
+do. The backward reads the forward's output and LSE, which both backends write alike, so
+each of the three kernels picks its backend on its own. What the backend does not take
+yet is named here, so that
 `backend="gluon"` refuses it with that sentence and `backend="auto"` runs the portable
 kernels and says why.
 """
@@ -62,12 +63,18 @@ def candidates(head_dim: int) -> list:
 BACKWARD_HEAD_DIMS = (64, 128)
 
 
-def backward_unsupported(head_dim: int) -> str | None:
-    """Why the Gluon dK/dV kernel cannot take a call at this head dim, or None."""
+def backward_unsupported(variant: ir.Variant, kind: str, head_dim: int) -> str | None:
+    """Why the Gluon dQ (kind "dq") or dK/dV ("dkdv") kernel cannot take a call of this
+    variant at this head dim, or None."""
+    name = {"dq": "dQ", "dkdv": "dK/dV"}[kind]
     if head_dim not in BACKWARD_HEAD_DIMS:
-        return (f"head dim {head_dim}: the Gluon dK/dV kernel takes head dims "
-                f"{', '.join(map(str, BACKWARD_HEAD_DIMS))} (at 256, dK and dV in fp32 do not "
-                "fit in registers)")
+        return (f"head dim {head_dim}: the Gluon {name} kernel takes head dims "
+                f"{', '.join(map(str, BACKWARD_HEAD_DIMS))} (at 256 its fp32 accumulators "
+                "do not fit in registers beside the score tiles)")
+    if kind == "dq" and variant.learnable_inputs:
+        names = ", ".join(d.name for d in variant.learnable_inputs)
+        return (f"variant '{variant.name}' has learnable inputs ({names}), whose gradients "
+                "the portable dQ kernel accumulates; the Gluon dQ kernel does not yet")
     return None
 
 
@@ -103,6 +110,35 @@ def backward_candidates(head_dim: int) -> list:
     return [c for c in configs if backward_smem_bytes(c, head_dim) <= SMEM_LIMIT]
 
 
+def dq_smem_bytes(config: dict, head_dim: int) -> int:
+    """Q and dO, plus NUM_STAGES slots of K and V, in 16-bit elements."""
+    return 2 * head_dim * (2 * config["BLOCK_M"] + 2 * config["num_stages"] * config["BLOCK_N"])
+
+
+def dq_candidates(head_dim: int) -> list:
+    """dQ tile configs (BLOCK_N key rows stream past BLOCK_M query rows), most likely
+    winner first. BLOCK_M is 16 rows per warp; each thread holds its rows of dQ (fp32)
+    and of S and dP."""
+    shapes = {64: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 4, 2), (128, 128, 8, 2)],
+              128: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3)]}.get(head_dim, [])
+    configs = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+    return [c for c in configs if dq_smem_bytes(c, head_dim) <= SMEM_LIMIT]
+
+
+def check_dq_config(config: dict, head_dim: int) -> str | None:
+    """Why a config cannot run the Gluon dQ kernel, or None."""
+    bm, bn, w = config["BLOCK_M"], config["BLOCK_N"], config["num_warps"]
+    if w not in (4, 8) or bm % (16 * w) or bm > 256 or bn % 16 or not 16 <= bn <= 256 \
+            or config["num_stages"] < 1:
+        return (f"config {config} does not fit the Gluon dQ kernel: it needs num_warps 4 or 8, "
+                "BLOCK_M a multiple of 16 * num_warps up to 256, BLOCK_N a multiple of 16 up to "
+                "256 and num_stages >= 1")
+    if dq_smem_bytes(config, head_dim) > SMEM_LIMIT:
+        return (f"config {config} needs {dq_smem_bytes(config, head_dim)} bytes of shared "
+                f"memory at head dim {head_dim}; Hopper has {SMEM_LIMIT}")
+    return None
+
+
 def check_config(config: dict, head_dim: int) -> str | None:
     """Why a pinned config cannot run the Gluon forward, or None."""
     bm, w = config["BLOCK_M"], config["num_warps"]
@@ -125,3 +161,10 @@ def generate(variant: ir.Variant):
     source = render("attention_gluon.py.jinja", context)
     return Generated(source=source, strategy=context["strategy"],
                      module_name=module_name(variant, "gluon"))
+
+
+# Each Gluon kernel's tile candidates and config check, by tuning direction.
+CANDIDATES = {"gluon-fwd": candidates, "gluon-dq": dq_candidates,
+              "gluon-dkdv": backward_candidates}
+CHECKS = {"gluon-fwd": check_config, "gluon-dq": check_dq_config,
+          "gluon-dkdv": check_backward_config}

@@ -1,7 +1,7 @@
-"""Which backend runs a call's forward and dK/dV: "triton" (the portable kernels,
+"""Which backend runs a call's forward, dQ and dK/dV: "triton" (the portable kernels,
 everywhere) or "gluon" (the Hopper kernels of codegen/gluon.py), and why, in a sentence
 the Kernel reports (`kernel.backend_reason`, `kernel.last_backend`, `kernel.last_backward`)
-or raises for an explicit backend="gluon" it cannot honour. dQ is always portable.
+or raises for an explicit backend="gluon" it cannot honour.
 """
 from __future__ import annotations
 

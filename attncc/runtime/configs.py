@@ -90,10 +90,9 @@ def kept_candidates(variant: ir.Variant, head_dim: int, direction: str) -> list:
     covers several blocks, visits every tile any of them is on in, and evaluates the
     layout per element; it pays for layouts whose blocks cluster (bands), and on random
     layouts of 32-blocks it ran 3x slower than 32x32 tiles (RESULTS.md run 31)."""
-    if direction in ("gluon-fwd", "gluon-dkdv"):  # the Gluon kernels' own lists (codegen/gluon.py)
+    if direction.startswith("gluon-"):  # the Gluon kernels' own lists (codegen/gluon.py)
         from ..codegen import gluon
-        kept = (gluon.candidates(head_dim) if direction == "gluon-fwd"
-                else gluon.backward_candidates(head_dim))
+        kept = gluon.CANDIDATES[direction](head_dim)
         if needs_tileswithin_block(variant):
             kept = [c for c in kept if within_block(c, variant)]
         return kept
@@ -156,12 +155,9 @@ def usable(config: dict, variant: ir.Variant, head_dim: int, direction: str) -> 
         check_pinned(config, variant, "the tuning cache")
     except ValueError:
         return False
-    if direction == "gluon-fwd":
+    if direction.startswith("gluon-"):
         from ..codegen import gluon
-        return gluon.check_config(config, head_dim) is None
-    if direction == "gluon-dkdv":
-        from ..codegen import gluon
-        return gluon.check_backward_config(config, head_dim) is None
+        return gluon.CHECKS[direction](config, head_dim) is None
     return config["num_warps"] != 9 and keep(config, variant, head_dim, direction)
 
 

@@ -42,7 +42,7 @@ class Kernel:
         if self.backend == "gluon" and load:
             self._gluon_generated = load_generated(variant, "gluon")
         self._last_backend = None  # (backend, reason) of the latest forward call
-        self._last_backward = None  # and of the latest backward's dK/dV kernel
+        self._last_backward = {}  # and of the latest backward's "dq" and "dkdv" kernels
         self._index_lists = ir.index_lists(variant.layout)  # {input: "qb" | "kb"}
         self._checked_lists: dict = {}  # index-list states already validated
         self._tables_owner = self  # whose tile_tables(...) this kernel's calls accept
@@ -90,9 +90,9 @@ class Kernel:
         return self._gluon_generated
 
     def _choose_backend(self) -> tuple:
-        """(backend, reason) for the forward and the backward's dK/dV kernel, as far as it
-        can be decided before a call. dQ is always the portable kernel (both read the
-        forward's output and LSE, which both backends write alike)."""
+        """(backend, reason) for the forward and the backward's kernels, as far as it can
+        be decided before a call (the backward reads the forward's output and LSE, which
+        both backends write alike)."""
         if self.requested_backend == "triton":
             return "triton", "backend='triton' was asked for"
         why = gluon.variant_unsupported(self.variant) or backends.environment_unsupported()
@@ -104,12 +104,10 @@ class Kernel:
                 backends.refuse(why)
             return "triton", why
         if self.requested_backend == "gluon":
-            return "gluon", ("backend='gluon' was asked for (the forward and the backward's "
-                             "dK/dV kernel; dQ is portable)")
-        return "gluon", ("an sm_90 GPU: the Gluon forward and dK/dV kernels run each call "
+            return "gluon", "backend='gluon' was asked for"
+        return "gluon", ("an sm_90 GPU: the Gluon forward, dQ and dK/dV kernels run each call "
                          "they can take where the tuner timed them faster than the portable "
-                         "ones (dQ is portable); see kernel.last_backend and "
-                         "kernel.last_backward")
+                         "ones; see kernel.last_backend and kernel.last_backward")
 
     def _pinned(self):
         return self.pinned_config or configs.env_config()
@@ -120,10 +118,10 @@ class Kernel:
         return self._last_backend
 
     @property
-    def last_backward(self):
-        """(backend, reason) of the latest backward's dK/dV kernel, or None before the
-        first (dQ is always the portable kernel's)."""
-        return self._last_backward
+    def last_backward(self) -> dict:
+        """{"dq": (backend, reason), "dkdv": (backend, reason)} of the latest backward
+        ({} before the first; {"bwd": ...} where dQ and dK/dV run in one launch)."""
+        return dict(self._last_backward)
 
     def _call_backend(self, q, k, v) -> tuple:
         """(backend, reason) for one forward call. backend='gluon' refuses a call the Gluon
@@ -159,28 +157,32 @@ class Kernel:
         self._last_backend = chosen[2]
         return chosen[:2]
 
-    def dkdv_runner(self, q, k, v, lse, delta, dout, values, problem, common,
-                    tune=(None, None, None), may_time=True):
-        """(direction, run) of this call's dK/dV, as forward_runner decides the forward:
-        the Gluon kernel where the backend takes the call and its head dim and (auto) the
-        tuner measured it faster, else the portable one; `kernel.last_backward` says which
-        and why. With may_time=False, None where deciding would mean timing both (the
-        caller has no delta yet)."""
-        run = lambda config: self.module.backward_dkdv(q, k, v, lse, delta, dout, values,
-                                                       config=config, **common)
+    def backward_runner(self, kind, q, k, v, lse, delta, dout, values, problem, common,
+                        tune=(None, None, None), may_time=True, out=None):
+        """(direction, run) of this call's dQ (kind "dq"; `out`, the forward's output: the
+        kernel computes delta from it) or dK/dV (kind "dkdv"), as forward_runner decides the
+        forward: the Gluon kernel where the backend takes the call and (auto) the tuner
+        measured it faster, else the portable one; `kernel.last_backward[kind]` says which
+        and why. With may_time=False, None where deciding would mean timing both (dK/dV
+        before dQ has written delta)."""
+        extra = dict(out=out) if kind == "dq" else {}
+        portable = getattr(self.module, f"backward_{kind}")
+        run = lambda config: portable(q, k, v, lse, delta, dout, values, config=config,
+                                      **extra, **common)
         backend, why = self._call_backend(q, k, v)
         if backend == "gluon":
-            why = gluon.backward_unsupported(q.shape[-1])
+            why = gluon.backward_unsupported(self.variant, kind, q.shape[-1])
         if why is not None:
-            self._last_backward = ("triton", why)
-            return "dkdv", run
-        run_gluon = lambda config: self.gluon_module.backward_dkdv(
-            q, k, v, lse, delta, dout, values, host=self.module, config=config, **common)
-        chosen = self._gluon_or_portable(problem, q.dtype, tune, ("gluon-dkdv", run_gluon),
-                                         ("dkdv", run), "dkdvbackend", may_time)
+            self._last_backward[kind] = ("triton", why)
+            return kind, run
+        fast = getattr(self.gluon_module, f"backward_{kind}")
+        run_gluon = lambda config: fast(q, k, v, lse, delta, dout, values, host=self.module,
+                                        config=config, **extra, **common)
+        chosen = self._gluon_or_portable(problem, q.dtype, tune, (f"gluon-{kind}", run_gluon),
+                                         (kind, run), f"{kind}backend", may_time)
         if chosen is None:
             return None
-        self._last_backward = chosen[2]
+        self._last_backward[kind] = chosen[2]
         return chosen[:2]
 
     def _gluon_or_portable(self, problem, dtype, tune, gluon_option, portable_option, stage,

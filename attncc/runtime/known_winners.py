@@ -25,6 +25,8 @@ from .. import ir
 from . import configs
 
 WINNERS_FILE = Path(__file__).with_name("known_winners.json")
+# Entries naming a backend ("triton" or "gluon") instead of a config: which kernel's.
+BACKEND_STAGES = ("backend", "dqbackend", "dkdvbackend")
 MAX_LENGTH_RATIO = 4  # a 16K winner serves 4K..64K
 MAX_DENSITY_RATIO = 2  # a 1/16 winner serves 1/8..1/32
 
@@ -56,7 +58,7 @@ def entry_key(direction: str, dim: int, dtype: str, vclass: str, len_q: int, len
 def _parse(key: str):
     """entry_key's inverse: ((direction, dim, dtype, class), len_q, len_k)."""
     parts = key.split("-")
-    if parts[0] == "gluon":  # "gluon-fwd" and "gluon-dkdv" have a dash of their own
+    if parts[0] == "gluon":  # "gluon-fwd", "gluon-dq", "gluon-dkdv" have a dash of their own
         parts = [f"gluon-{parts[1]}", *parts[2:]]
     direction, dim, dtype, vclass, q, k = parts
     return (direction, int(dim[1:]), dtype, vclass), int(q[1:]), int(k[1:])
@@ -79,7 +81,7 @@ def table_from(winners: dict, path: str) -> dict:
         for key, winner in entries.items():
             (direction, dim, dtype, vclass), len_q, len_k = _parse(key)
             kind, density = _split_class(vclass)
-            if direction in ("backend", "dkdvbackend"):
+            if direction in BACKEND_STAGES:
                 if winner not in ("triton", "gluon"):
                     raise ValueError(f"{path}: {gpu} {key}: backend must be triton or gluon")
             else:
@@ -115,7 +117,7 @@ def lookup(gpu: str, direction: str, dim: int, dtype: str, vclass: str, len_q: i
 
 def shipped_winner(kernel, problem, dtype, direction: str, density):
     """The shipped winner for this call (a config, or for direction "backend" or
-    "dkdvbackend" the faster backend's name), or None: none for this GPU and class, or one the variant cannot run.
+    "dqbackend" or "dkdvbackend" the faster backend's name), or None: none for this GPU and class, or one the variant cannot run.
     (Under ATTNCC_TUNE=full, runtime/tuning.py does not ask.) `density()`: the call's tile density (computed only when this GPU
     has winners at all)."""
     import torch
@@ -129,6 +131,6 @@ def shipped_winner(kernel, problem, dtype, direction: str, density):
     vclass = variant_class(kernel.variant, kernel.module.USES_TABLES, density_bucket(density()))
     winner = lookup(gpu, direction, problem.dim, str(dtype).replace("torch.", ""), vclass,
                     length_bucket(problem.len_q), length_bucket(problem.len_k))
-    if winner is None or direction in ("backend", "dkdvbackend"):
+    if winner is None or direction in BACKEND_STAGES:
         return winner
     return dict(winner) if configs.usable(winner, kernel.variant, problem.dim, direction) else None

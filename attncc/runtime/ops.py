@@ -245,25 +245,26 @@ def _compile_backward_beside(kernel, p, q, k, v, values, common, tune, direction
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     delta = module.new_delta(q)
     for d in backward_directions(module.USES_TABLES):
-        run_dkdv = None
-        if d == "dkdv":  # the Gluon dK/dV kernel or the portable one, where known untimed
-            chosen = kernel.dkdv_runner(q, k, v, lse, delta, dout, values, p, common, tune,
-                                        may_time=False)
-            if chosen is None:
-                return  # the backends are timed later, on real tensors
-            d, run_dkdv = chosen
-        config, new = tuning.untimed_config(kernel, p, q.dtype, d, *tune[1:])
-        if not new:
-            return  # tuned later, on real tensors; or already compiled
         if d == "bwd":
+            config, new = tuning.untimed_config(kernel, p, q.dtype, d, *tune[1:])
+            if not new:
+                return  # tuned later, on real tensors; or already compiled
             launches += [lambda: module.backward_delta(out, dout),
                          lambda c=config: module.backward_one_launch(q, k, v, lse, delta, dout,
                                                                      values, config=c, **common)]
-        elif d == "dq":
-            launches.append(lambda c=config: module.backward_dq(q, k, v, lse, delta, dout, values,
-                                                                config=c, out=out, **common))
-        else:
-            launches.append(lambda c=config, run=run_dkdv: run(c))
+            continue
+        # dQ or dK/dV: the Gluon kernel or the portable one, where known untimed (not
+        # reported: kernel.last_backward is the latest backward's).
+        reported = kernel.last_backward
+        chosen = kernel.backward_runner(d, q, k, v, lse, delta, dout, values, p, common, tune,
+                                        may_time=False, out=out)
+        kernel._last_backward = reported
+        if chosen is None:
+            return  # the backends are timed later, on real tensors
+        config, new = tuning.untimed_config(kernel, p, q.dtype, chosen[0], *tune[1:])
+        if not new:
+            return  # tuned later, on real tensors; or already compiled
+        launches.append(lambda c=config, run=chosen[1]: run(c))
     precompile.launch_together(launches)
 
 
@@ -281,9 +282,10 @@ def _backward(kernel_id, q, k, v, out, lse, dout, inputs, q_offset, k_offset, se
     tune = kernel._tuning(p, values, q.device, tables)
     if backward_directions(module.USES_TABLES) == ("bwd",):
         # dK/dV and dQ as two roles of one grid, one config, both reading delta.
-        kernel._last_backward = ("triton", "a variant with tile tables runs dK/dV and dQ in "
-                                           "one portable launch (ATTNCC_BACKWARD=sequential "
-                                           "runs them apart, dK/dV on the Gluon kernel where it can)")
+        kernel._last_backward = {"bwd": (
+            "triton", "a variant with tile tables runs dK/dV and dQ in one portable launch "
+                      "(ATTNCC_BACKWARD=sequential runs them apart, on the Gluon kernels where "
+                      "they can)")}
         config, new = tuning.untimed_config(kernel, p, q.dtype, "bwd", *tune[1:])
         if new:  # its first launch: compile the delta pass beside it (on a stand-in delta)
             scratch = module.new_delta(q)
@@ -298,26 +300,26 @@ def _backward(kernel_id, q, k, v, out, lse, dout, inputs, q_offset, k_offset, se
         dq, dk, dv, dinputs = run(config)
     else:
         # dQ first, computing delta = rowsum(dO * O) on the way, then dK/dV, which
-        # reads it. They are tuned apart: they want different tile shapes. dK/dV runs the
-        # Gluon kernel or the portable one (kernel.dkdv_runner; kernel.last_backward).
+        # reads it. They are tuned apart: they want different tile shapes. Each runs the
+        # Gluon kernel or the portable one (kernel.backward_runner; kernel.last_backward).
         delta = module.new_delta(q)
-        run_dq = lambda config: module.backward_dq(q, k, v, lse, delta, dout, values,
-                                                   config=config, out=out, **common)
-        dkdv = lambda may_time: kernel.dkdv_runner(q, k, v, lse, delta, dout, values, p,
-                                                   common, tune, may_time=may_time)
-        chosen = dkdv(False)  # None where choosing the backend means timing (delta first)
-        # Configs known without timing and not launched yet: compile both at once (each
-        # launch is discarded; dK/dV's reads a delta dQ's has not finished).
-        config_dq, new_dq = tuning.untimed_config(kernel, p, q.dtype, "dq", *tune[1:])
-        if chosen is not None:
-            config_dkdv, new_dkdv = tuning.untimed_config(kernel, p, q.dtype, chosen[0], *tune[1:])
+        kernel._last_backward = {}
+        runner = lambda kind, may_time: kernel.backward_runner(
+            kind, q, k, v, lse, delta, dout, values, p, common, tune, may_time=may_time, out=out)
+        # None where choosing the backend means timing: dK/dV's reads delta, which dQ writes.
+        chosen_dq, chosen_dkdv = runner("dq", False), runner("dkdv", False)
+        if chosen_dq is not None and chosen_dkdv is not None:
+            # Configs known without timing and not launched yet: compile both at once (each
+            # launch is discarded; dK/dV's reads a delta dQ's has not finished).
+            config_dq, new_dq = tuning.untimed_config(kernel, p, q.dtype, chosen_dq[0], *tune[1:])
+            config_dkdv, new_dkdv = tuning.untimed_config(kernel, p, q.dtype, chosen_dkdv[0],
+                                                          *tune[1:])
             if new_dq and new_dkdv:
-                precompile.launch_together([lambda: run_dq(config_dq),
-                                            lambda: chosen[1](config_dkdv)])
-        # dQ's config first: tuning it fills delta, which tuning dK/dV then reads.
-        config_dq = tuning.config_for(kernel, p, q.dtype, "dq", run_dq, *tune)
-        dq, dinputs = run_dq(config_dq)
-        direction, run_dkdv = chosen or dkdv(True)
-        config_dkdv = tuning.config_for(kernel, p, q.dtype, direction, run_dkdv, *tune)
-        dk, dv = run_dkdv(config_dkdv)
+                precompile.launch_together([lambda: chosen_dq[1](config_dq),
+                                            lambda: chosen_dkdv[1](config_dkdv)])
+        # dQ first: tuning it fills delta, which tuning dK/dV then reads.
+        direction, run_dq = chosen_dq or runner("dq", True)
+        dq, dinputs = run_dq(tuning.config_for(kernel, p, q.dtype, direction, run_dq, *tune))
+        direction, run_dkdv = chosen_dkdv or runner("dkdv", True)
+        dk, dv = run_dkdv(tuning.config_for(kernel, p, q.dtype, direction, run_dkdv, *tune))
     return dq, dk, dv, [dinputs[d.name] for d in kernel.variant.learnable_inputs]

@@ -187,9 +187,9 @@ def _call_density(density, shape_density):
     return (lambda: density) if density is not None else shape_density
 
 
-# What faster_backend decides: the backend of the forward, or of the dK/dV kernel. The
+# What faster_backend decides: the backend of the forward, dQ or dK/dV kernel. The
 # names are the first word of the tuning keys (no dash: known_winners.py splits on it).
-BACKEND_STAGES = {"backend": "forward", "dkdvbackend": "dK/dV"}
+BACKEND_STAGES = {"backend": "forward", "dqbackend": "dQ", "dkdvbackend": "dK/dV"}
 
 
 def faster_backend(kernel, problem, dtype, options: dict, density=None,

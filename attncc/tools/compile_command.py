@@ -145,18 +145,19 @@ def _write_gluon(variant: ir.Variant, out: Path, backend: str, why: str | None, 
         written = write_if_changed(path, gen.source)
     except OSError as err:
         raise AttnccError(f"cannot write {path}: {err.strerror or err}") from None
-    print(f"gluon     {path} ({'written' if written else 'unchanged'}; the Hopper (sm_90) forward "
-          "and dK/dV kernels; dQ, delta and tile tables come from the module above)")
+    print(f"gluon     {path} ({'written' if written else 'unchanged'}; the Hopper (sm_90) forward, "
+          "dQ and dK/dV kernels; tile tables and argument values come from the module above)")
     if backend == "gluon":
-        print("backend   gluon forward and dK/dV on an sm_90 GPU (refused elsewhere and under the "
-              "interpreter); dQ portable")
+        print("backend   gluon forward, dQ and dK/dV on an sm_90 GPU (refused elsewhere and under "
+              "the interpreter)")
     else:
-        print("backend   auto: the Gluon forward and dK/dV on an sm_90 GPU where the tuner times "
-              "them faster than the portable ones, else the portable kernels; dQ portable")
+        print("backend   auto: the Gluon forward, dQ and dK/dV on an sm_90 GPU where the tuner "
+              "times them faster than the portable ones, else the portable kernels")
     if "bwd" in kernel_directions(source):
         print("          backward: dK/dV and dQ in one portable launch (tile tables; "
-              "ATTNCC_BACKWARD=sequential runs dK/dV on the Gluon kernel)")
+              "ATTNCC_BACKWARD=sequential runs them apart, on the Gluon kernels)")
     print(f"          Gluon tiles (head dim {ASSUMED_HEAD_DIM}): "
           + ", ".join(configs.sentence(c) for c in gluon.candidates(ASSUMED_HEAD_DIM)[:4]))
-    print(f"          Gluon dK/dV tiles (head dim {ASSUMED_HEAD_DIM}): "
-          + ", ".join(configs.sentence(c) for c in gluon.backward_candidates(ASSUMED_HEAD_DIM)))
+    for name, kept in (("dQ", gluon.dq_candidates), ("dK/dV", gluon.backward_candidates)):
+        print(f"          Gluon {name} tiles (head dim {ASSUMED_HEAD_DIM}): "
+              + ", ".join(configs.sentence(c) for c in kept(ASSUMED_HEAD_DIM)))
