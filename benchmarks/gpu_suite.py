@@ -40,6 +40,9 @@ VARIANTS = {
                 "layout abs(qb - kb) <= 1 or qb == 0 or kb == 0 or random_blocks[qb, kb] block 128 }"),
     "alibi": "attention alibi { input slopes: f32[h] mask q >= k score s + slopes[h] * (k - q) }",
     "softcap": "attention softcap { mask q >= k score 30.0 * tanh(s / 30.0) }",
+    # The BigBird pattern given wholly as one runtime tensor (issue 18's last target).
+    "bigbird_tensor": ("attention bigbird_tensor { input blocks: bool[qb, kb] "
+                       "layout blocks[qb, kb] block 128 }"),
 }
 
 
@@ -56,6 +59,12 @@ def sample_inputs(name, variant, B, H, L, device, gen):
         # about 3 random key blocks per query block row
         r = torch.rand(nb, nb, generator=gen) < (3.0 / nb)
         return {"random_blocks": r.to(device)}
+    if name == "bigbird_tensor":
+        nb = math.ceil(L / 128)
+        r = torch.rand(nb, nb, generator=gen) < (3.0 / nb)
+        qb, kb = torch.arange(nb)[:, None], torch.arange(nb)[None, :]
+        blocks = ((qb - kb).abs() <= 1) | (qb == 0) | (kb == 0) | r
+        return {"blocks": blocks.to(device)}
     if name == "alibi":
         return {"slopes": torch.tensor([2 ** (-8 * (i + 1) / H) for i in range(H)], device=device)}
     return {}
@@ -188,6 +197,9 @@ def flex_mods(name, variant, inputs, H):
     elif name == "document":
         doc = inputs["doc"]
         mask_mod = lambda b, h, q, k: (doc[q] == doc[k]) & (q >= k)
+    elif name == "bigbird_tensor":
+        blocks = inputs["blocks"]
+        mask_mod = lambda b, h, q, k: blocks[q // 128, k // 128]
     elif name == "bigbird":
         rb = inputs["random_blocks"]
         mask_mod = lambda b, h, q, k: (((q // 128) - (k // 128)).abs() <= 1) | (q // 128 == 0) | (k // 128 == 0) | rb[q // 128, k // 128]
@@ -254,6 +266,7 @@ def speed(args):
                     best = (t_f, t_fb - t_f, cfg)
             kern.pinned_config = None
             if best:
+                row["backends"] = dict(fwd=kern.last_backend, bwd=kern.last_backward)
                 row["attncc"] = dict(fwd_ms=best[0], bwd_ms=best[1], config=best[2],
                                      fwd_tflops=fwd_flops / best[0] / 1e9,
                                      bwd_tflops=2.5 * fwd_flops / best[1] / 1e9)
@@ -305,8 +318,10 @@ def speed(args):
         fmt = lambda d: (f"{d['fwd_tflops']:5.0f}/{d['bwd_tflops']:5.0f}" if "fwd_tflops" in d else "      -     ")
         ratio = (f"{fx['fwd_ms'] / a['fwd_ms']:4.2f}/{fx['bwd_ms'] / a['bwd_ms']:4.2f}"
                  if "fwd_ms" in a and "fwd_ms" in fx else "    -     ")
+        ran = r.get("backends", {})
+        kinds = "/".join(b[0][0] for b in [ran.get("fwd") or "?"] + list((ran.get("bwd") or {}).values()))
         print(f"{r['variant']:16s} {r['L']:6d} {r['density']:5.2f} | {fmt(a):>16s} | {fmt(fx):>12s} | "
-              f"{ratio:>10s} | {fmt(cu):>12s} | {fmt(fl):>12s}")
+              f"{ratio:>10s} | {fmt(cu):>12s} | {fmt(fl):>12s} | {kinds}")
 
 
 def main():

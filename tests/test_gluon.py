@@ -39,7 +39,7 @@ def test_gluon_module_renders_parses_and_stands_alone(name):
     assert gluon.variant_unsupported(variant) is None
     source = gluon.generate(variant).source
     tree = ast.parse(source)
-    assert _imports(tree) <= {"torch", "triton"}
+    assert _imports(tree) <= {"functools", "torch", "triton"}  # the standard library, torch, triton
     defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     assert {"attn_fwd", "attn_fwd_ws", "_ws_loader", "_ws_consumer", "forward",
             "attn_bwd_dkdv", "backward_dkdv", "attn_bwd_dq", "backward_dq"} <= defined
