@@ -13,7 +13,7 @@ case that hangs.
 
 Speed: the ANCHORS shape (bf16, 16 heads, 16384 tokens, head dim --dim): each kernel's
 portable candidates (the four the tuner times) against every Gluon config, the same
-inputs, medians of do_bench, ms. Full results go to $OUT/gluon_backward.json; a short
+inputs, medians of do_bench, ms. Full results go to $OUT/gluon_backward-PART.json; a short
 table is printed last.
 """
 from __future__ import annotations
@@ -40,11 +40,13 @@ from gluon_check import Watchdog  # noqa: E402
 OUT = os.environ.get("OUT", "out")
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 RESULTS: dict = {"correctness": [], "speed": []}
+PART = "all"  # --part, for the results file's name
 
 
 def _write():
     os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "gluon_backward.json"), "w") as f:
+    # One file per part: a speed-only call must not overwrite a correctness call's results.
+    with open(os.path.join(OUT, f"gluon_backward-{PART}.json"), "w") as f:
         json.dump(RESULTS, f, indent=1)
 
 
@@ -217,6 +219,8 @@ def main():
     ap.add_argument("--dim", type=int, default=128, help="speed: head dim")
     ap.add_argument("--sweep", default="", help="correctness: only these examples")
     args = ap.parse_args()
+    global PART
+    PART = args.part
     print(f"torch {torch.__version__}, triton {__import__('triton').__version__}, "
           f"{torch.cuda.get_device_name()}", flush=True)
     RESULTS["versions"] = dict(torch=torch.__version__, triton=__import__("triton").__version__,
