@@ -9,6 +9,8 @@ Phases are timed apart, each ending in a device synchronisation: `import torch`,
 initialisation (which any GPU program pays), `import attncc`, `attncc.compile`, the
 first forward and the first backward (causal, S = 4096, bf16). For scale, the same
 process then times the first call of SDPA's cuDNN and flash backends on new shapes.
+Python's bytecode cache counts too: run it with PYTHONDONTWRITEBYTECODE unset (the GPU
+image sets it) and, where the tree is read-only, PYTHONPYCACHEPREFIX on a writable path.
 """
 import argparse
 import os
