@@ -6,7 +6,7 @@ Triton's bundled ptxas. What this catches before any GPU time is spent: Gluon ty
 layout errors, shared memory over the limit, register spills (from `ptxas -v`).
 It proves nothing about the results: that is benchmarks/gluon_check.py's job, on the GPU.
 
-    python benchmarks/gluon_compile.py [examples/causal.attn ...] [--dims 64,128,256]
+    python benchmarks/gluon_compile.py [examples/causal.attn ...] [--dims 64,128,256] [--backward]
 
 Runs with whichever Triton is importable (put another first on PYTHONPATH to try it).
 """
@@ -118,48 +118,32 @@ def main() -> int:
             v = torch.randn_like(k)
             p = Problem(1, heads[0], heads[1], 300, 300, dim, dim, 0, 0)
             inputs = sample_inputs(variant, p)
-            configs = gluon.candidates(dim)
-            for config in configs if args.all_configs else configs[:1]:
-                label = f"{variant.name} d{dim} {config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
-                compiled.clear()
-                try:
-                    module.forward(q, k, v, inputs, host=host, config=config)
-                    ck = compiled[-1]
-                    print(f"{label}: ok, smem {ck.metadata.shared} B, {_ptxas_report(ck.asm['ptx'])}")
-                except Exception as e:  # report and go on: the point is the whole list
-                    failures += 1
-                    msg = str(e).strip().splitlines()
-                    print(f"{label}: FAILED {type(e).__name__}: {' | '.join(msg[-6:])[:1500]}")
-            if not args.backward:
-                continue
             lse = torch.randn(1, heads[0], 300)
             delta = torch.randn(1, heads[0], 300)
             dout = torch.randn_like(q)
-            bconfigs = gluon.backward_candidates(dim)
-            for config in bconfigs if args.all_configs else bconfigs[:1]:
-                label = f"{variant.name} dK/dV d{dim} {config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
-                compiled.clear()
-                try:
-                    module.backward_dkdv(q, k, v, lse, delta, dout, inputs, host=host, config=config)
-                    ck = compiled[-1]
-                    print(f"{label}: ok, smem {ck.metadata.shared} B, {_ptxas_report(ck.asm['ptx'])}")
-                except Exception as e:
-                    failures += 1
-                    msg = str(e).strip().splitlines()
-                    print(f"{label}: FAILED {type(e).__name__}: {' | '.join(msg[-6:])[:1500]}")
-            dconfigs = gluon.dq_candidates(dim)
-            for config in dconfigs if args.all_configs else dconfigs[:1]:
-                label = f"{variant.name} dQ d{dim} {config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
-                compiled.clear()
-                try:
-                    module.backward_dq(q, k, v, lse, delta, dout, inputs, host=host, config=config,
-                                       out=dout)
-                    ck = compiled[-1]
-                    print(f"{label}: ok, smem {ck.metadata.shared} B, {_ptxas_report(ck.asm['ptx'])}")
-                except Exception as e:
-                    failures += 1
-                    msg = str(e).strip().splitlines()
-                    print(f"{label}: FAILED {type(e).__name__}: {' | '.join(msg[-6:])[:1500]}")
+            kernels = [("", gluon.candidates(dim),
+                        lambda c: module.forward(q, k, v, inputs, host=host, config=c))]
+            if args.backward:
+                kernels += [
+                    (" dK/dV", gluon.backward_candidates(dim),
+                     lambda c: module.backward_dkdv(q, k, v, lse, delta, dout, inputs, host=host,
+                                                    config=c)),
+                    (" dQ", gluon.dq_candidates(dim),
+                     lambda c: module.backward_dq(q, k, v, lse, delta, dout, inputs, host=host,
+                                                  config=c, out=dout))]
+            for what, configs, launch in kernels:
+                for config in configs if args.all_configs else configs[:1]:
+                    label = (f"{variant.name}{what} d{dim} {config['BLOCK_M']}x{config['BLOCK_N']} "
+                             f"w{config['num_warps']} s{config['num_stages']}")
+                    compiled.clear()
+                    try:
+                        launch(config)
+                        ck = compiled[-1]
+                        print(f"{label}: ok, smem {ck.metadata.shared} B, {_ptxas_report(ck.asm['ptx'])}")
+                    except Exception as e:  # report and go on: the point is the whole list
+                        failures += 1
+                        msg = str(e).strip().splitlines()
+                        print(f"{label}: FAILED {type(e).__name__}: {' | '.join(msg[-6:])[:1500]}")
     print(f"{failures} failed")
     return 1 if failures else 0
 

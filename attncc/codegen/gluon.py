@@ -78,65 +78,67 @@ def backward_unsupported(variant: ir.Variant, kind: str, head_dim: int) -> str |
     return None
 
 
-def check_backward_config(config: dict, head_dim: int) -> str | None:
-    """Why a config cannot run the Gluon dK/dV kernel, or None."""
-    bm, bn, w = config["BLOCK_M"], config["BLOCK_N"], config["num_warps"]
-    if w not in (4, 8) or bn % (16 * w) or bn > 256 or bm % 16 or not 16 <= bm <= 256 \
+# The two backward kernels are mirror images: one side's tile stays on chip, split among
+# the warps 16 rows each (the wgmma layout), while the other side's tiles stream through
+# the ring. {kind: (held side, streamed side, name)}.
+_BACKWARD_SIDES = {"dkdv": ("BLOCK_N", "BLOCK_M", "dK/dV"), "dq": ("BLOCK_M", "BLOCK_N", "dQ")}
+
+
+def _backward_smem(kind: str, config: dict, head_dim: int) -> int:
+    """The held tiles (two: K, V or Q, dO) plus NUM_STAGES slots of the streamed two, in
+    16-bit elements."""
+    held, streamed, _ = _BACKWARD_SIDES[kind]
+    return 2 * head_dim * (2 * config[held] + 2 * config["num_stages"] * config[streamed])
+
+
+def _check_backward(kind: str, config: dict, head_dim: int) -> str | None:
+    held, streamed, name = _BACKWARD_SIDES[kind]
+    w = config["num_warps"]
+    if w not in (4, 8) or config[held] % (16 * w) or config[held] > 256 \
+            or config[streamed] % 16 or not 16 <= config[streamed] <= 256 \
             or config["num_stages"] < 1:
-        return (f"config {config} does not fit the Gluon dK/dV kernel: it needs num_warps 4 or 8, "
-                "BLOCK_N a multiple of 16 * num_warps up to 256, BLOCK_M a multiple of 16 up to "
-                "256 and num_stages >= 1")
-    if backward_smem_bytes(config, head_dim) > SMEM_LIMIT:
-        return (f"config {config} needs {backward_smem_bytes(config, head_dim)} bytes of shared "
+        return (f"config {config} does not fit the Gluon {name} kernel: it needs num_warps 4 or "
+                f"8, {held} a multiple of 16 * num_warps up to 256, {streamed} a multiple of 16 "
+                "up to 256 and num_stages >= 1")
+    if _backward_smem(kind, config, head_dim) > SMEM_LIMIT:
+        return (f"config {config} needs {_backward_smem(kind, config, head_dim)} bytes of shared "
                 f"memory at head dim {head_dim}; Hopper has {SMEM_LIMIT}")
     return None
 
 
-def backward_smem_bytes(config: dict, head_dim: int) -> int:
-    """K and V, plus NUM_STAGES slots of Q and dO, in 16-bit elements."""
-    return 2 * head_dim * (2 * config["BLOCK_N"] + 2 * config["num_stages"] * config["BLOCK_M"])
-
-
-def backward_candidates(head_dim: int) -> list:
-    """dK/dV tile configs (BLOCK_M query rows stream past BLOCK_N key rows), most likely
-    winner first. BLOCK_N is 16 rows per warp, as the wgmma layout needs; each thread
-    holds its rows of dK and dV (fp32) and of S^T and dP^T, so tiles stay small."""
-    # Head dim 128 (H100, bf16, 16K tokens; benchmarks/RESULTS.md run 106): 64x64 tiles
-    # on 4 warps (two programs per SM) ran full and causal 8% and 5% faster than 64x128 on
-    # 8 warps, 32x128 13-30% slower.
-    shapes = {64: [(64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2), (64, 128, 8, 3)],
-              128: [(64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 2)]}.get(head_dim, [])
+def _backward_configs(kind: str, shapes: list, head_dim: int) -> list:
     configs = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
-    return [c for c in configs if backward_smem_bytes(c, head_dim) <= SMEM_LIMIT]
+    return [c for c in configs if _backward_smem(kind, c, head_dim) <= SMEM_LIMIT]
 
 
-def dq_smem_bytes(config: dict, head_dim: int) -> int:
-    """Q and dO, plus NUM_STAGES slots of K and V, in 16-bit elements."""
-    return 2 * head_dim * (2 * config["BLOCK_M"] + 2 * config["num_stages"] * config["BLOCK_N"])
-
-
-def dq_candidates(head_dim: int) -> list:
-    """dQ tile configs (BLOCK_N key rows stream past BLOCK_M query rows), most likely
-    winner first. BLOCK_M is 16 rows per warp; each thread holds its rows of dQ (fp32)
-    and of S and dP."""
-    shapes = {64: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 4, 2), (128, 128, 8, 2)],
-              128: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3)]}.get(head_dim, [])
-    configs = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in shapes]
-    return [c for c in configs if dq_smem_bytes(c, head_dim) <= SMEM_LIMIT]
+def check_backward_config(config: dict, head_dim: int) -> str | None:
+    """Why a config cannot run the Gluon dK/dV kernel, or None."""
+    return _check_backward("dkdv", config, head_dim)
 
 
 def check_dq_config(config: dict, head_dim: int) -> str | None:
     """Why a config cannot run the Gluon dQ kernel, or None."""
-    bm, bn, w = config["BLOCK_M"], config["BLOCK_N"], config["num_warps"]
-    if w not in (4, 8) or bm % (16 * w) or bm > 256 or bn % 16 or not 16 <= bn <= 256 \
-            or config["num_stages"] < 1:
-        return (f"config {config} does not fit the Gluon dQ kernel: it needs num_warps 4 or 8, "
-                "BLOCK_M a multiple of 16 * num_warps up to 256, BLOCK_N a multiple of 16 up to "
-                "256 and num_stages >= 1")
-    if dq_smem_bytes(config, head_dim) > SMEM_LIMIT:
-        return (f"config {config} needs {dq_smem_bytes(config, head_dim)} bytes of shared "
-                f"memory at head dim {head_dim}; Hopper has {SMEM_LIMIT}")
-    return None
+    return _check_backward("dq", config, head_dim)
+
+
+def backward_candidates(head_dim: int) -> list:
+    """dK/dV tile configs (BLOCK_M query rows stream past BLOCK_N key rows), most likely
+    winner first. Each thread holds its rows of dK and dV (fp32) and of S^T and dP^T, so
+    tiles stay small."""
+    # Head dim 128 (H100, bf16, 16K tokens; benchmarks/RESULTS.md run 106): 64x64 tiles
+    # on 4 warps (two programs per SM) ran full and causal 8% and 5% faster than 64x128 on
+    # 8 warps, 32x128 13-30% slower.
+    shapes = {64: [(64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2), (64, 128, 8, 3)],
+              128: [(64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 2)]}
+    return _backward_configs("dkdv", shapes.get(head_dim, []), head_dim)
+
+
+def dq_candidates(head_dim: int) -> list:
+    """dQ tile configs (BLOCK_N key rows stream past BLOCK_M query rows), most likely
+    winner first. Each thread holds its rows of dQ (fp32) and of S and dP."""
+    shapes = {64: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 4, 2), (128, 128, 8, 2)],
+              128: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3)]}
+    return _backward_configs("dq", shapes.get(head_dim, []), head_dim)
 
 
 def check_config(config: dict, head_dim: int) -> str | None:
