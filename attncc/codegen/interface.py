@@ -50,10 +50,14 @@ PORTABLE_WITH_TABLES = {
     "backward_one_launch": "backward_one_launch(q, k, v, lse, delta, dout, inputs, *, ...) "
                            "-> (dq, dk, dv, dinputs)",
 }
-# The Gluon forward module (templates/attention_gluon.py.jinja, codegen/gluon.py).
+# The Gluon module (templates/attention_gluon.py.jinja, codegen/gluon.py); `host` is the
+# variant's portable module, which builds the tables and the argument values.
 GLUON = {
     "forward": "forward(q, k, v, inputs, *, host, q_offset, k_offset, seed, config, tables) "
-               "-> (out, lse); `host` is the variant's portable module",
+               "-> (out, lse)",
+    "backward_dq": "backward_dq(q, k, v, lse, delta, dout, inputs, *, host, ..., out=None) "
+                   "-> (dq, {}) (runtime/kernel.py: backward_runner)",
+    "backward_dkdv": "backward_dkdv(q, k, v, lse, delta, dout, inputs, *, host, ...) -> (dk, dv)",
 }
 
 

@@ -166,7 +166,7 @@ class Kernel:
         and why. With may_time=False, None where deciding would mean timing both (dK/dV
         before dQ has written delta)."""
         extra = dict(out=out) if kind == "dq" else {}
-        portable = getattr(self.module, f"backward_{kind}")
+        portable = {"dq": self.module.backward_dq, "dkdv": self.module.backward_dkdv}[kind]
         run = lambda config: portable(q, k, v, lse, delta, dout, values, config=config,
                                       **extra, **common)
         backend, why = self._call_backend(q, k, v)
@@ -175,7 +175,8 @@ class Kernel:
         if why is not None:
             self._last_backward[kind] = ("triton", why)
             return kind, run
-        fast = getattr(self.gluon_module, f"backward_{kind}")
+        gluon_module = self.gluon_module
+        fast = {"dq": gluon_module.backward_dq, "dkdv": gluon_module.backward_dkdv}[kind]
         run_gluon = lambda config: fast(q, k, v, lse, delta, dout, values, host=self.module,
                                         config=config, **extra, **common)
         chosen = self._gluon_or_portable(problem, q.dtype, tune, (f"gluon-{kind}", run_gluon),
