@@ -300,10 +300,9 @@ def context_parallel_attention(kernel, q, k, v, *, group=None, scheme: str = "zi
     tensor). Returns this rank's shard of the output (and of the LSE with
     return_lse=True); differentiable in q, k, v and learnable inputs, through the output
     and the merged LSE alike. The result equals the kernel on the whole sequence.
-    Inputs on position axes are passed whole, the
-    same on every rank; the gradient of a learnable input is this rank's share (sum it
-    over the group, as for any replicated parameter). With dropout, `dropout_seed` is
-    required, the same on every rank.
+    Inputs on position axes are passed whole, the same on every rank; the gradient of a
+    learnable input is this rank's share (sum it over the group, as for any replicated
+    parameter). With dropout, `dropout_seed` is required, the same on every rank.
     """
     from .runtime.kernel import Kernel
     if not isinstance(kernel, Kernel):
