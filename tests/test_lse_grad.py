@@ -7,7 +7,8 @@ float32 with the float64 reference's autograd on the same loss; the closed form 
 LSE's gradient is checked on its own. Paths: the sequential backward (delta computed in
 the dQ kernel), the one-launch backward of table-driven variants (delta from the
 preprocess), both for a table-driven variant, varlen, the flash API and context
-parallelism on two gloo ranks.
+parallelism on two gloo ranks. On a GPU the kernels run on CUDA tensors (the reference
+stays on the CPU), and a Hopper GPU also runs the Gluon dQ kernel's dLSE path.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from attncc.flash import flash_attn_func, flash_attn_varlen_func
 from attncc.runtime import settings
 
 D = 16
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 SPECS = {
     "causal": "attention causal { mask q >= k }",
     # Strict: query 0 attends to nothing (LSE -inf).
@@ -54,14 +57,18 @@ def close(got: dict, ref: dict, what: str):
                                    msg=lambda m: f"{what}, d{name}: {m}")
 
 
-def gradients(call, loss, leaves: dict, dtype) -> dict:
-    """d loss / d leaves, where call(xs) -> (out, lse) and loss(xs, out, lse) -> scalar;
-    zeros for a leaf the loss does not reach (v, in a loss of the LSE alone)."""
-    xs = {n: t.to(dtype).requires_grad_() for n, t in leaves.items()}
+def gradients(call, loss, leaves: dict, dtype, device="cpu") -> dict:
+    """d loss / d leaves (on the CPU), where call(xs) -> (out, lse) and loss(xs, out, lse)
+    -> scalar; zeros for a leaf the loss does not reach (v, in a loss of the LSE alone)."""
+    xs = {n: t.to(device, dtype).requires_grad_() for n, t in leaves.items()}
     out, lse = call(xs)
     grads = torch.autograd.grad(loss(xs, out, lse), list(xs.values()), allow_unused=True,
                                 materialize_grads=True)
-    return dict(zip(xs, grads))
+    return {n: g.cpu() for n, g in zip(xs, grads)}
+
+
+def on_kernel_device(fixed: dict) -> dict:
+    return {n: t.to(DEVICE) for n, t in fixed.items()}
 
 
 # ------------------------------------------------------------------ losses on the LSE
@@ -103,20 +110,20 @@ def make_case(variant, B, H, Hkv, Lq, Lk, gen):
     return leaves, fixed
 
 
-def compare(spec, loss, *, B=1, H=2, Hkv=None, Lq=37, Lk=45, seed=0):
-    kernel = attncc.compile(spec)
+def compare(spec, loss, *, B=1, H=2, Hkv=None, Lq=37, Lk=45, seed=0, backend="auto"):
+    kernel = attncc.compile(spec, backend=backend)
     variant = kernel.variant
     leaves, fixed = make_case(variant, B, H, Hkv or H, Lq, Lk, torch.Generator().manual_seed(seed))
     extra = dict(dropout_seed=11) if variant.dropout else {}
 
-    def caller(fn):
+    def caller(fn, fixed):
         def call(xs):
             learnable = {d.name: xs[d.name] for d in variant.inputs if d.learnable}
             return fn(xs["q"], xs["k"], xs["v"], return_lse=True, **extra, **fixed, **learnable)
         return call
-    got = gradients(caller(kernel), loss, leaves, torch.float32)
-    ref = gradients(caller(lambda *a, **kw: attncc.reference(variant, *a, **kw)), loss, leaves,
-                    torch.float64)
+    got = gradients(caller(kernel, on_kernel_device(fixed)), loss, leaves, torch.float32, DEVICE)
+    ref = gradients(caller(lambda *a, **kw: attncc.reference(variant, *a, **kw), fixed), loss,
+                    leaves, torch.float64)
     close(got, ref, f"{variant.name}, {loss.__name__}")
     return got
 
@@ -162,15 +169,16 @@ def test_lse_gradient_equals_its_closed_form():
     Lq, Lk = 19, 35
     q, k, v = (torch.randn(1, 2, n, D, generator=gen) for n in (Lq, Lk, Lk))
     u = torch.randn(1, 2, Lq, generator=gen)
-    xs = [t.clone().requires_grad_() for t in (q, k, v)]
+    xs = [t.to(DEVICE).requires_grad_() for t in (q, k, v)]
     _, lse = kernel(*xs, return_lse=True)
-    dq, dk, dv = torch.autograd.grad((lse * u).sum(), xs)
+    dq, dk, dv = (g.cpu() for g in torch.autograd.grad((lse * u.to(DEVICE)).sum(), xs))
     scale = 1 / math.sqrt(D)
     qd, kd, ud = q.double(), k.double(), u.double()
     s = qd @ kd.transpose(-1, -2) * scale
     s = s.masked_fill(torch.arange(Lq)[:, None] < torch.arange(Lk)[None, :], -math.inf)
     p = torch.softmax(s, dim=-1)
-    torch.testing.assert_close(dq.double(), scale * ud.unsqueeze(-1) * (p @ kd), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dq.double(), scale * ud.unsqueeze(-1) * (p @ kd),
+                               atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dk.double(), scale * (p * ud.unsqueeze(-1)).transpose(-1, -2) @ qd,
                                atol=1e-5, rtol=1e-5)
     assert torch.all(dv == 0)
@@ -187,12 +195,13 @@ def test_rows_with_no_key_take_no_lse_gradient():
     dlse = torch.randn(1, 2, 24, generator=gen, dtype=torch.float64)
     dlse[:, 0, 0], dlse[:, 1, 0] = math.nan, math.inf  # query 0 attends to nothing
 
-    def grads(fn, dtype):
-        xs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    def grads(fn, dtype, device="cpu"):
+        xs = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
         out, lse = fn(*xs, return_lse=True)
         assert torch.all(lse[:, :, 0] == -math.inf)
-        return dict(zip("qkv", torch.autograd.grad((out, lse), xs, (dout.to(dtype), dlse.to(dtype)))))
-    got = grads(kernel, torch.float32)
+        g = torch.autograd.grad((out, lse), xs, (dout.to(device, dtype), dlse.to(device, dtype)))
+        return {n: t.cpu() for n, t in zip("qkv", g)}
+    got = grads(kernel, torch.float32, DEVICE)
     ref = grads(lambda *a, **kw: attncc.reference(variant, *a, **kw), torch.float64)
     close(got, ref, "window with NaN/inf dLSE on the empty row")
     assert torch.all(got["q"][:, :, 0] == 0)
@@ -218,9 +227,9 @@ def test_chunked_attention_merged_through_the_lse():
             out = o1 * torch.exp(l1 - lse).unsqueeze(-1) + o2 * torch.exp(l2 - lse).unsqueeze(-1)
             return out, lse
         return call
-    loss = lambda xs, out, lse: (out * w.to(out.dtype)).sum()
+    loss = lambda xs, out, lse: (out * w.to(out.device, out.dtype)).sum()
     ref_fn = lambda *a, **kw: attncc.reference(kernel.variant, *a, **kw)
-    got = gradients(merged(kernel), loss, leaves, torch.float32)
+    got = gradients(merged(kernel), loss, leaves, torch.float32, DEVICE)
     close(got, gradients(merged(ref_fn), loss, leaves, torch.float64), "chunked merge")
     whole = lambda xs: ref_fn(xs["q"], xs["k"], xs["v"], return_lse=True)
     close(got, gradients(whole, loss, leaves, torch.float64), "chunked merge vs one call")
@@ -237,7 +246,7 @@ def test_unread_lse_passes_no_gradient_to_the_kernels(monkeypatch):
         seen.append(dlse)
         return backward_dq(*args, dlse=dlse, **kw)
     monkeypatch.setattr(kernel.module, "backward_dq", recording)
-    q, k, v = (torch.randn(1, 2, 20, D, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 20, D, device=DEVICE, requires_grad=True) for _ in range(3))
     out, lse = kernel(q, k, v, return_lse=True)
     out.sum().backward()
     assert seen and all(d is None for d in seen)
@@ -245,6 +254,46 @@ def test_unread_lse_passes_no_gradient_to_the_kernels(monkeypatch):
     out, lse = kernel(q, k, v, return_lse=True)
     (out.sum() + lse.sum()).backward()
     assert seen and all(d is not None for d in seen)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernels run on Hopper GPUs")
+def test_gluon_dq_kernel_carries_the_lse_gradient():
+    """backend="gluon": the Gluon dQ kernel computes delta - dLSE itself (DELTA_FROM_O,
+    HAS_DLSE) for its dK/dV kernel; fp16, a head dim it takes."""
+    kernel = attncc.compile(SPECS["causal"], backend="gluon")
+    gen = torch.Generator().manual_seed(12)
+    Lq, Lk, dim = 200, 333, 64
+    leaves = {"q": torch.randn(1, 4, Lq, dim, generator=gen, dtype=torch.float64),
+              "k": torch.randn(1, 2, Lk, dim, generator=gen, dtype=torch.float64),
+              "v": torch.randn(1, 2, Lk, dim, generator=gen, dtype=torch.float64),
+              "sink": torch.randn(4, generator=gen, dtype=torch.float64),
+              "w": torch.randn(1, 4, Lq, dim, generator=gen, dtype=torch.float64)}
+    call = lambda fn: lambda xs: fn(xs["q"], xs["k"], xs["v"], return_lse=True)
+    got = gradients(call(kernel), sinks, leaves, torch.float16, DEVICE)
+    assert kernel.last_backward["dq"][0] == "gluon", kernel.last_backward
+    ref = gradients(call(lambda *a, **kw: attncc.reference(kernel.variant, *a, **kw)), sinks,
+                    leaves, torch.float64)
+    for name, r in ref.items():  # fp16 rounding: relative to each gradient's size
+        err = (got[name].double() - r).abs().max().item()
+        assert err <= 2e-2 * (1.0 + r.abs().max().item()), f"d{name}: error {err}"
+
+
+@pytest.mark.slow
+def test_lse_gradient_under_torch_compile():
+    """The backward op takes dlse as an optional tensor: traced by AOTAutograd alike."""
+    kernel = attncc.compile(SPECS["causal"])
+    gen = torch.Generator().manual_seed(13)
+    leaves, _ = make_case(kernel.variant, 1, 2, 2, 21, 21, gen)
+
+    def call(fn):
+        return lambda xs: fn(xs["q"], xs["k"], xs["v"], return_lse=True)
+
+    def compiled(xs):
+        step = lambda q, k, v: kernel(q, k, v, return_lse=True)
+        return torch.compile(step, backend="aot_eager", fullgraph=True)(xs["q"], xs["k"], xs["v"])
+    ref = gradients(call(lambda *a, **kw: attncc.reference(kernel.variant, *a, **kw)), sinks,
+                    leaves, torch.float64)
+    close(gradients(compiled, sinks, leaves, torch.float32, DEVICE), ref, "torch.compile")
 
 
 # ------------------------------------------------------------------ varlen and flash API
@@ -260,10 +309,11 @@ def test_varlen_lse_gradient():
     w = torch.randn(T, 3, D, generator=gen, dtype=torch.float64)
 
     def loss(xs, out, lse):  # lse (heads, total_q)
-        return (out * torch.sigmoid(lse - xs["sink"]).T.unsqueeze(-1) * w.to(out.dtype)).sum()
-    call = lambda fn: lambda xs: fn(xs["q"], xs["k"], xs["v"], cu, cu, 19, 19, return_lse=True)
-    close(gradients(call(packed), loss, leaves, torch.float32),
-          gradients(call(packed.reference), loss, leaves, torch.float64), "varlen")
+        gate = torch.sigmoid(lse - xs["sink"]).T.unsqueeze(-1)
+        return (out * gate * w.to(out.device, out.dtype)).sum()
+    call = lambda fn, cu: lambda xs: fn(xs["q"], xs["k"], xs["v"], cu, cu, 19, 19, return_lse=True)
+    close(gradients(call(packed, cu.to(DEVICE)), loss, leaves, torch.float32, DEVICE),
+          gradients(call(packed.reference, cu), loss, leaves, torch.float64), "varlen")
 
 
 def test_flash_api_lse_gradient():
@@ -277,16 +327,17 @@ def test_flash_api_lse_gradient():
               "v": torch.randn(2, Lk, 2, D, generator=gen, dtype=torch.float64),
               "u": torch.randn(2, 4, Lq, generator=gen, dtype=torch.float64)}
     w = torch.randn(2, Lq, 4, D, generator=gen, dtype=torch.float64)
-    loss = lambda xs, out, lse: (out * w.to(out.dtype)).sum() + (lse * xs["u"]).sum()
+    loss = lambda xs, out, lse: (out * w.to(out.device, out.dtype)).sum() + (lse * xs["u"]).sum()
 
     def flash(xs):
-        out, lse, _ = flash_attn_func(xs["q"], xs["k"], xs["v"], causal=True, return_attn_probs=True)
+        out, lse, _ = flash_attn_func(xs["q"], xs["k"], xs["v"], causal=True,
+                                      return_attn_probs=True)
         return out, lse
 
     def ref(xs):
         return attncc.reference(variant, xs["q"], xs["k"], xs["v"], return_lse=True, layout="bshd")
-    close(gradients(flash, loss, leaves, torch.float32), gradients(ref, loss, leaves, torch.float64),
-          "flash_attn_func")
+    close(gradients(flash, loss, leaves, torch.float32, DEVICE),
+          gradients(ref, loss, leaves, torch.float64), "flash_attn_func")
 
 
 def test_flash_varlen_api_lse_gradient():
@@ -294,7 +345,6 @@ def test_flash_varlen_api_lse_gradient():
     calls concatenated."""
     variant = attncc.parse("attention br { mask k <= q + len_k - len_q }")
     gen = torch.Generator().manual_seed(8)
-    lens_q, lens_k = [5, 11], [9, 11]
     cu_q = torch.tensor([0, 5, 16], dtype=torch.int32)
     cu_k = torch.tensor([0, 9, 20], dtype=torch.int32)
     leaves = {"q": torch.randn(16, 2, D, generator=gen, dtype=torch.float64),
@@ -304,8 +354,9 @@ def test_flash_varlen_api_lse_gradient():
     loss = lambda xs, out, lse: (torch.exp(lse) * xs["u"]).sum() + out.square().sum()
 
     def flash(xs):
-        out, lse, _ = flash_attn_varlen_func(xs["q"], xs["k"], xs["v"], cu_q, cu_k, 11, 11,
-                                             causal=True, return_attn_probs=True)
+        out, lse, _ = flash_attn_varlen_func(xs["q"], xs["k"], xs["v"], cu_q.to(DEVICE),
+                                             cu_k.to(DEVICE), 11, 11, causal=True,
+                                             return_attn_probs=True)
         return out, lse
 
     def ref(xs):
@@ -318,8 +369,8 @@ def test_flash_varlen_api_lse_gradient():
             outs.append(o[0])
             lses.append(l[0])
         return torch.cat(outs), torch.cat(lses, dim=1)
-    close(gradients(flash, loss, leaves, torch.float32), gradients(ref, loss, leaves, torch.float64),
-          "flash_attn_varlen_func")
+    close(gradients(flash, loss, leaves, torch.float32, DEVICE),
+          gradients(ref, loss, leaves, torch.float64), "flash_attn_varlen_func")
 
 
 # ------------------------------------------------------------------ context parallelism
@@ -363,6 +414,9 @@ def cp_rank(rank: int, world: int, init_file: str, out_dir: str):
         raise
 
 
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="the gloo ranks pass CPU tensors, which the kernels take only under "
+                           "the Triton interpreter (without a GPU)")
 def test_context_parallel_lse_gradient(tmp_path):
     """Two gloo ranks: the merged LSE's gradient reaches every piece pair."""
     for spec in CP_SPECS.values():
