@@ -13,6 +13,9 @@ What crosses the op boundary, and how:
   and a dropout_seed given by the caller as SymInts (dynamic under torch.compile, not
   baked in). A seed the call draws itself is a one-element CPU int64 tensor from torch's
   generator (`drawn_seed`), so that a compiled graph draws a fresh one on every run.
+- The backward takes the LSE's gradient as an optional tensor, `dlse`: None when no
+  loss reads the LSE (autograd's grads are not materialised), so that case reads no
+  tensor of zeros and launches what it did before the LSE was differentiable.
 - The Kernel and its kept TileTables as int ids into process-wide registries (weak: an
   id outlives nothing). Tables are not tensors to hand over: the generated module builds
   them lazily per tile size, and the tile size is picked inside the op by the tuner; the
