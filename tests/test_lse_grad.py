@@ -90,9 +90,10 @@ def exp_lse(xs, out, lse):
 LOSSES = {"lse_only": lse_only, "sinks": sinks, "exp_lse": exp_lse}
 
 
-def make_case(variant, B, H, Hkv, Lq, Lk, gen):
-    """(leaves, fixed inputs): q, k, v, the losses' weights and learnable inputs as leaves."""
-    leaves = {"q": torch.randn(B, H, Lq, D, generator=gen, dtype=torch.float64),
+def make_case(variant, B, H, Hkv, Lq, Lk, gen, q_scale=1.0):
+    """(leaves, fixed inputs): q, k, v, the losses' weights and learnable inputs as leaves.
+    q_scale stretches the scores (large ones make rows nearly one-hot)."""
+    leaves = {"q": torch.randn(B, H, Lq, D, generator=gen, dtype=torch.float64) * q_scale,
               "k": torch.randn(B, Hkv, Lk, D, generator=gen, dtype=torch.float64),
               "v": torch.randn(B, Hkv, Lk, D, generator=gen, dtype=torch.float64),
               "u": torch.randn(B, H, Lq, generator=gen, dtype=torch.float64),
@@ -110,10 +111,11 @@ def make_case(variant, B, H, Hkv, Lq, Lk, gen):
     return leaves, fixed
 
 
-def compare(spec, loss, *, B=1, H=2, Hkv=None, Lq=37, Lk=45, seed=0, backend="auto"):
-    kernel = attncc.compile(spec, backend=backend)
+def compare(spec, loss, *, B=1, H=2, Hkv=None, Lq=37, Lk=45, seed=0, q_scale=1.0):
+    kernel = attncc.compile(spec)
     variant = kernel.variant
-    leaves, fixed = make_case(variant, B, H, Hkv or H, Lq, Lk, torch.Generator().manual_seed(seed))
+    leaves, fixed = make_case(variant, B, H, Hkv or H, Lq, Lk, torch.Generator().manual_seed(seed),
+                              q_scale)
     extra = dict(dropout_seed=11) if variant.dropout else {}
 
     def caller(fn, fixed):
@@ -129,9 +131,10 @@ def compare(spec, loss, *, B=1, H=2, Hkv=None, Lq=37, Lk=45, seed=0, backend="au
 
 
 # (spec, loss, shape): every mask kind and path with a loss of the LSE; lengths off the
-# tile and len_q != len_k throughout.
+# tile, len_q != len_k where the mask leaves every row a key.
 CASES = [
     ("causal", "sinks", dict(H=3, Hkv=1, Lq=37, Lk=45)),  # GQA, 3 heads
+    ("causal", "lse_only", dict(Lq=45, Lk=45, q_scale=8.0)),  # scores of tens: rows near one-hot
     ("window", "lse_only", dict(Lq=33, Lk=33)),  # query 0 attends to nothing
     ("document", "exp_lse", dict(Lq=40, Lk=40)),
     ("learnable", "sinks", dict(Lq=21, Lk=30)),  # the slopes' gradient carries dLSE
