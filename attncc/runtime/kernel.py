@@ -158,14 +158,15 @@ class Kernel:
         return chosen[:2]
 
     def backward_runner(self, kind, q, k, v, lse, delta, dout, values, problem, common,
-                        tune=(None, None, None), may_time=True, out=None):
+                        tune=(None, None, None), may_time=True, out=None, dlse=None):
         """(direction, run) of this call's dQ (kind "dq"; `out`, the forward's output: the
-        kernel computes delta from it) or dK/dV (kind "dkdv"), as forward_runner decides the
-        forward: the Gluon kernel where the backend takes the call and (auto) the tuner
-        measured it faster, else the portable one; `kernel.last_backward[kind]` says which
-        and why. With may_time=False, None where deciding would mean timing both (dK/dV
+        kernel computes delta from it, minus `dlse`, the returned LSE's gradient, where
+        given) or dK/dV (kind "dkdv"), as forward_runner decides the forward: the Gluon
+        kernel where the backend takes the call and (auto) the tuner measured it faster,
+        else the portable one; `kernel.last_backward[kind]` says which and why. With
+        may_time=False, None where deciding would mean timing both (dK/dV
         before dQ has written delta)."""
-        extra = dict(out=out) if kind == "dq" else {}
+        extra = dict(out=out, dlse=dlse) if kind == "dq" else {}
         portable = {"dq": self.module.backward_dq, "dkdv": self.module.backward_dkdv}[kind]
         run = lambda config: portable(q, k, v, lse, delta, dout, values, config=config,
                                       **extra, **common)

@@ -13,6 +13,9 @@ What crosses the op boundary, and how:
   and a dropout_seed given by the caller as SymInts (dynamic under torch.compile, not
   baked in). A seed the call draws itself is a one-element CPU int64 tensor from torch's
   generator (`drawn_seed`), so that a compiled graph draws a fresh one on every run.
+- The backward takes the LSE's gradient as an optional tensor, `dlse`: None when no
+  loss reads the LSE (autograd's grads are not materialised), so that case reads no
+  tensor of zeros and launches what it did before the LSE was differentiable.
 - The Kernel and its kept TileTables as int ids into process-wide registries (weak: an
   id outlives nothing). Tables are not tensors to hand over: the generated module builds
   them lazily per tile size, and the tile size is picked inside the op by the tuner; the
@@ -126,7 +129,7 @@ _LIBRARY = torch.library.Library("attncc", "FRAGMENT")
 FORWARD_SCHEMA = ("(int kernel, Tensor q, Tensor k, Tensor v, Tensor[] inputs, SymInt q_offset, "
                   "SymInt k_offset, SymInt seed, Tensor? drawn_seed, int tables) -> (Tensor, Tensor)")
 BACKWARD_SCHEMA = ("(int kernel, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
-                   "Tensor[] inputs, SymInt q_offset, SymInt k_offset, SymInt seed, "
+                   "Tensor? dlse, Tensor[] inputs, SymInt q_offset, SymInt k_offset, SymInt seed, "
                    "Tensor? drawn_seed, int tables) -> (Tensor, Tensor, Tensor, Tensor[])")
 
 
@@ -145,7 +148,7 @@ def _define(name: str, variant):
         # The same allocations as the generated module's forward (strides included).
         return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
-    def backward_fake(kernel, q, k, v, out, lse, dout, inputs, q_offset, k_offset, seed,
+    def backward_fake(kernel, q, k, v, out, lse, dout, dlse, inputs, q_offset, k_offset, seed,
                       drawn_seed, tables):
         return (q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(k.shape),
                 [inputs[i].new_empty(inputs[i].shape) for i in learnable])
@@ -163,7 +166,10 @@ def _define(name: str, variant):
                 out, lse = forward(kernel, q, k, v, list(values), q_offset, k_offset, seed,
                                    drawn_seed, tables)
             ctx.save_for_backward(q, k, v, out, lse, *values)
-            ctx.mark_non_differentiable(lse)
+            # The LSE is differentiable, as the reference's: a gradient that does not flow
+            # comes as None (not a tensor of zeros), so a call whose LSE no loss reads
+            # runs the backward it ran before, with nothing more read.
+            ctx.set_materialize_grads(False)
             ctx.call = (kernel, q_offset, k_offset, seed, drawn_seed, tables)
             # The registries are weak: the graph keeps the kernel and tables it needs, as
             # in `attncc.compile(spec)(q, k, v).sum().backward()`.
@@ -172,11 +178,17 @@ def _define(name: str, variant):
 
         @staticmethod
         @torch.autograd.function.once_differentiable
-        def backward(ctx, dout, _dlse):
+        def backward(ctx, dout, dlse):
             q, k, v, out, lse, *values = ctx.saved_tensors
             kernel, q_offset, k_offset, seed, drawn_seed, tables = ctx.call
-            dq, dk, dv, dlearnable = backward(kernel, q, k, v, out, lse, dout, values, q_offset,
-                                              k_offset, seed, drawn_seed, tables)
+            if dout is None and dlse is None:
+                return (None,) * (9 + len(values))
+            if dout is None:  # a loss of the LSE alone
+                dout = torch.zeros_like(out)
+            if dlse is not None:
+                dlse = dlse.contiguous()  # the kernels read it as [B * H, len_q] rows
+            dq, dk, dv, dlearnable = backward(kernel, q, k, v, out, lse, dout, dlse, values,
+                                              q_offset, k_offset, seed, drawn_seed, tables)
             dinputs = [None] * len(values)
             for i, g in zip(learnable, dlearnable):
                 dinputs[i] = g
@@ -268,8 +280,11 @@ def _compile_backward_beside(kernel, p, q, k, v, values, common, tune, direction
     precompile.launch_together(launches)
 
 
-def _backward(kernel_id, q, k, v, out, lse, dout, inputs, q_offset, k_offset, seed, drawn_seed,
-              tables_id):
+def _backward(kernel_id, q, k, v, out, lse, dout, dlse, inputs, q_offset, k_offset, seed,
+              drawn_seed, tables_id):
+    """The gradients of the output and, with dlse (None when no loss reads the LSE), of
+    the LSE: folded into delta (delta - dlse, see the backward template), so the dQ and
+    dK/dV kernels run unchanged."""
     from .settings import backward_directions
     kernel = _kernel(kernel_id)
     seed = _seed(seed, drawn_seed)
@@ -293,7 +308,7 @@ def _backward(kernel_id, q, k, v, out, lse, dout, inputs, q_offset, k_offset, se
                                         lambda: module.backward_one_launch(
                                             q, k, v, lse, scratch, dout, values, config=config,
                                             **common)])
-        delta = module.backward_delta(out, dout)
+        delta = module.backward_delta(out, dout, lse=lse, dlse=dlse)
         run = lambda config: module.backward_one_launch(q, k, v, lse, delta, dout, values,
                                                         config=config, **common)
         config = tuning.config_for(kernel, p, q.dtype, "bwd", run, *tune)
@@ -305,7 +320,8 @@ def _backward(kernel_id, q, k, v, out, lse, dout, inputs, q_offset, k_offset, se
         delta = module.new_delta(q)
         kernel._last_backward = {}
         runner = lambda kind, may_time: kernel.backward_runner(
-            kind, q, k, v, lse, delta, dout, values, p, common, tune, may_time=may_time, out=out)
+            kind, q, k, v, lse, delta, dout, values, p, common, tune, may_time=may_time, out=out,
+            dlse=dlse)
         # None where choosing the backend means timing: dK/dV's reads delta, which dQ writes.
         chosen_dq, chosen_dkdv = runner("dq", False), runner("dkdv", False)
         if chosen_dq is not None and chosen_dkdv is not None:
