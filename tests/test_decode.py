@@ -544,3 +544,89 @@ def test_decode_kernels_compile_for_hopper_and_pipeline_their_loads(spec, tmp_pa
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "compiled" in result.stdout and "NOT PIPELINED" not in result.stdout, result.stdout
+
+
+# ------------------------------------------------------------------------- out-of-contract values
+# Lengths and block-table entries live on the device: reading them to check them would be
+# a host synchronisation per step. The kernels clamp them; decode_reference must read them
+# the same way (a tensor's length to [0, capacity], a page index to [0, num_pages)). An int
+# length is checked on the host: outside the cache, both refuse it.
+CAP = 48
+EDGES = (0, 1, CAP, CAP + 1, 2 ** 31 - 1, 2 ** 31, -1, 2 ** 40)
+INT32 = [x for x in EDGES if -2 ** 31 <= x < 2 ** 31]
+
+
+@pytest.mark.parametrize("n_q, append, page_size", [(1, False, None), (3, True, None),
+                                                   (3, True, 16), (2, False, 16)])
+def test_tensor_lengths_at_the_int32_edges_match_the_reference(n_q, append, page_size):
+    # One row per edge: negative, empty, one, full, one past the capacity, and 2**31 - 1,
+    # which wrapped int32 when the new tokens were added to it.
+    run_case(CAUSAL, n_q=n_q, seqlens=INT32, capacity=CAP, append=append,
+             page_size=page_size, poison=False, seed=21)
+
+
+@pytest.mark.parametrize("length", EDGES)
+@pytest.mark.parametrize("n_new", [0, 2])
+def test_int_lengths_at_the_edges_match_or_are_refused_by_both(length, n_new):
+    # An int length either fits the cache with the new tokens (and matches the
+    # reference) or is refused, with the same message, by kernel.decode and the reference.
+    fits = 0 <= length <= CAP - n_new
+    if fits and length not in (0, 1, CAP - n_new):
+        pytest.skip("the fitting edges are 0, 1 and the capacity")
+    variant = attncc.parse(CAUSAL)
+    gen = torch.Generator().manual_seed(length % 1000 + n_new)
+    q = randn(gen, 2, 4, 2, 16)
+    k, v = randn(gen, 2, 2, CAP, 16), randn(gen, 2, 2, CAP, 16)
+    new = dict(k_new=randn(gen, 2, 2, n_new, 16), v_new=randn(gen, 2, 2, n_new, 16)) if n_new else {}
+    ref = lambda: decode_reference(variant, q.double(), k.double(), v.double(), cache_seqlens=length,
+                                   return_lse=True, **{n: t.double() for n, t in new.items()})
+    if not fits:
+        with pytest.raises(CallError, match="cache_seqlens must be >= 0|do not fit the cache"):
+            attncc.compile(variant).decode(q, k, v, cache_seqlens=length, **new)
+        with pytest.raises(CallError, match="cache_seqlens must be >= 0|do not fit the cache"):
+            ref()
+        return
+    expect = ref()
+    out, lse = attncc.compile(variant).decode(q, k, v, cache_seqlens=length, return_lse=True, **new)
+    torch.testing.assert_close(out.double(), expect[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse.double(), expect[1], rtol=1e-4, atol=1e-4)
+
+
+def test_lengths_outside_int32_in_a_tensor_are_refused_by_dtype():
+    # 2**31 and 2**40 fit no int32 tensor; an int64 one is refused by name.
+    with pytest.raises(CallError, match="must be int32"):
+        _call(cache_seqlens=torch.tensor([2 ** 31, 2 ** 40]))
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (dict(k_new=torch.randn(2, 2, 33, 16), v_new=torch.randn(2, 2, 33, 16)), "cannot be appended"),
+    (dict(cache_seqlens=2 ** 40), "do not fit the cache's 32 positions"),
+])
+def test_new_tokens_or_lengths_past_the_cache_are_refused(overrides, words):
+    with pytest.raises(CallError) as err:
+        _call(**overrides)
+    assert words in str(err.value)
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_block_table_entries_out_of_range_read_as_the_kernels_clamp_them(append):
+    # Entries below 0 read page 0 and entries past the last page read the last page, in
+    # the kernels and in decode_reference (which raised IndexError or wrapped before).
+    # With an append, no row reads a slot another row writes (clamped entries alias
+    # pages: a row reading what another appends would read it before or after the write).
+    variant = attncc.parse(CAUSAL)
+    gen = torch.Generator().manual_seed(8)
+    pages_k, pages_v = randn(gen, 5, 16, 2, 16), randn(gen, 5, 16, 2, 16)
+    second = [3, 1, 2] if append else [3, -1, 2 ** 31 - 1]
+    table = torch.tensor([[-7, 10 ** 6, 2 ** 31 - 1], second], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([20, 40], dtype=torch.int32, device=DEVICE)
+    q = randn(gen, 2, 4, 2, 16)
+    new = {}
+    if append:
+        new = dict(k_new=randn(gen, 2, 2, 2, 16), v_new=randn(gen, 2, 2, 2, 16))
+    ref = decode_reference(variant, q.double(), pages_k.double(), pages_v.double(), cache_seqlens=lens,
+                           block_table=table, return_lse=True, **{n: t.double() for n, t in new.items()})
+    out, lse = attncc.compile(variant).decode(q, pages_k, pages_v, cache_seqlens=lens, block_table=table,
+                                              return_lse=True, **new)
+    torch.testing.assert_close(out.double(), ref[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse.double(), ref[1], rtol=1e-4, atol=1e-4)

@@ -158,11 +158,15 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
         if k_new.shape != v_new.shape:
             raise CallError(f"k_new {_shape(k_new)} and v_new {_shape(v_new)} must have the same shape")
         n_new = k_new.shape[2]
-    seqlens = _seqlens(cache_seqlens, B, q.device)
-    if capacity > MAX_EXTENT:
-        raise CallError(f"the cache holds {capacity} positions; positions must stay below 2**31 "
-                        f"(at most {MAX_EXTENT}), as the range analysis of the variant's "
-                        "integers assumes (attncc/analysis/ranges.py)")
+    if capacity + n_new > MAX_EXTENT:
+        raise CallError(f"the cache holds {capacity} positions and k_new {n_new} more; "
+                        f"positions must stay below 2**31 (capacity + n_new at most "
+                        f"{MAX_EXTENT}), as the range analysis of the variant's integers "
+                        "assumes (attncc/analysis/ranges.py)")
+    if n_new > capacity:
+        raise CallError(f"k_new holds {n_new} new tokens but the cache only {capacity} "
+                        "positions: they cannot be appended; use a larger cache")
+    seqlens = _seqlens(cache_seqlens, B, q.device, capacity, n_new)
     problem = DecodeProblem(B, Hq, Hkv, n_q, n_new, D, capacity, page_size)
     # Input axes on positions (q, k) and tiles (qb, kb) span the cache's capacity: every
     # position a call may place a key or a query at.
@@ -174,7 +178,11 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
     return problem, seqlens
 
 
-def _seqlens(cache_seqlens, batch: int, device) -> torch.Tensor:
+def _seqlens(cache_seqlens, batch: int, device, capacity: int, n_new: int) -> torch.Tensor:
+    """cache_seqlens as a (batch,) int32 tensor. An int is checked here (no sync): it must
+    fit the cache with the new tokens. A tensor's values are not read (that is a host
+    synchronisation per step): the kernels clamp each length to [0, capacity] and drop the
+    new tokens past the capacity, and decode_reference does the same."""
     if cache_seqlens is None:
         raise CallError("decode needs cache_seqlens=: the number of keys each batch row's cache "
                         "holds (before k_new), an int or a (batch,) int32 tensor")
@@ -182,8 +190,7 @@ def _seqlens(cache_seqlens, batch: int, device) -> torch.Tensor:
         raise CallError(f"cache_seqlens must be an int or a (batch,) int32 tensor, got "
                         f"{type(cache_seqlens).__name__}")
     if isinstance(cache_seqlens, int):
-        if cache_seqlens < 0:
-            raise CallError(f"cache_seqlens must be >= 0, got {cache_seqlens}")
+        _check_int_length(cache_seqlens, capacity, n_new)
         return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     if tuple(cache_seqlens.shape) != (batch,):
         raise CallError(f"cache_seqlens has shape {_shape(cache_seqlens)}, expected ({batch},): "
@@ -194,6 +201,16 @@ def _seqlens(cache_seqlens, batch: int, device) -> torch.Tensor:
     if cache_seqlens.device != device:
         raise CallError(f"cache_seqlens is on {cache_seqlens.device} but q is on {device}")
     return cache_seqlens
+
+
+def _check_int_length(length: int, capacity: int, n_new: int) -> None:
+    if length < 0:
+        raise CallError(f"cache_seqlens must be >= 0, got {length}")
+    if length + n_new > capacity:
+        raise CallError(f"cache_seqlens={length} keys cached"
+                        + (f" plus {n_new} new ones" if n_new else "")
+                        + f" do not fit the cache's {capacity} positions: an int cache_seqlens "
+                        f"runs from 0 to {capacity - n_new}; use a larger cache")
 
 
 # ---------------------------------------------------------------------------- configs
@@ -353,9 +370,10 @@ def gather_cache(cache: torch.Tensor, block_table, b: int, length: int) -> torch
     """Row b's first `length` cached positions as (kv_heads, length, dim)."""
     if block_table is None:
         return cache[b, :, :length]
-    page_size = cache.shape[1]
+    num_pages, page_size = cache.shape[:2]
     pos = torch.arange(length, device=cache.device)
-    pages = block_table[b].long()[pos // page_size]
+    # An entry outside [0, num_pages) reads the page clamped into range, as the kernels do.
+    pages = block_table[b].long()[pos // page_size].clamp(0, num_pages - 1)
     return cache[pages, pos % page_size].transpose(0, 1)  # (length, kv_heads, dim) -> heads first
 
 
@@ -366,6 +384,9 @@ def decode_reference(variant: ir.Variant, q, k_cache, v_cache, *, cache_seqlens,
     sequence of L tokens; q fills the last n_q rows of an L-row query sequence (the others
     are zeros, and unused); attncc.reference gives the rows. Computes in q's dtype (use
     float64 for truth); never writes the cache. Dropout is left out, as decoding does.
+    Out-of-contract values read as the kernels read them: a tensor's lengths clamped to
+    [0, capacity] (new tokens past the capacity dropped), block-table entries clamped to
+    [0, num_pages); an int length outside the cache is refused, as kernel.decode refuses it.
 
     A variant that does not read len_q gets the same rows from attncc.reference with
     q_offset = L - n_q, which costs n_q x L per head instead of L x L (long caches)."""
@@ -374,10 +395,14 @@ def decode_reference(variant: ir.Variant, q, k_cache, v_cache, *, cache_seqlens,
     reads_len_q = any("len_q" in ir.free_vars(e) for e in (variant.mask, variant.score,
                                                               variant.layout) if e is not None)
     B, Hq, n_q, D = q.shape
-    lengths = ([int(cache_seqlens)] * B if isinstance(cache_seqlens, int)
-               else [int(x) for x in cache_seqlens.tolist()])
     capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
                 else k_cache.shape[2])
+    # An int is checked as kernel.decode checks it; a tensor's lengths are clamped to
+    # [0, capacity], as the kernels read them.
+    if isinstance(cache_seqlens, int):
+        _check_int_length(cache_seqlens, capacity, 0 if k_new is None else k_new.shape[2])
+    lengths = [min(max(int(x), 0), capacity) for x in
+               ([cache_seqlens] * B if isinstance(cache_seqlens, int) else cache_seqlens.tolist())]
     outs, lses = [], []
     for b in range(B):
         keys = [gather_cache(k_cache, block_table, b, lengths[b]).to(q.dtype)]
