@@ -519,7 +519,7 @@ def compile_for_sm90(fn, consts, stages):
 for paged in (False, True):
     tiles = dict(BLOCK_M=16, PAGED=paged, PAGE_SIZE=64 if paged else 1, BLOCK_N=64, HEAD_DIM=128,
                  HEAD_DIM_PAD=128, DOT_PRECISION="tf32", WIDE=False)
-    pipelined = compile_for_sm90(module.decode_split, dict(tiles, ONE_SPLIT=False), 3)
+    pipelined = compile_for_sm90(module.decode_split, dict(tiles, ONE_SPLIT=False, ROWS_BEFORE_START=False), 3)
     print("decode_split", "paged" if paged else "contiguous", "pipelined" if pipelined else "NOT PIPELINED")
     compile_for_sm90(module.decode_append, dict(PAGED=paged, PAGE_SIZE=tiles["PAGE_SIZE"], BLOCK_T=16,
                                                 HEAD_DIM=128, HEAD_DIM_PAD=128), 1)
@@ -630,3 +630,56 @@ def test_block_table_entries_out_of_range_read_as_the_kernels_clamp_them(append)
                                               return_lse=True, **new)
     torch.testing.assert_close(out.double(), ref[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(lse.double(), ref[1], rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------- torch.compile
+# kernel.decode is an operator (attncc/runtime/ops.py): a compiled generation loop traces
+# a step as one node, with no graph break, and the in-place append survives
+# functionalization. Compiled results equal eager ones bit for bit (the same kernels).
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_decode_under_torch_compile_fullgraph(page_size, backend="aot_eager"):
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    kernel = attncc.compile(ALIBI)
+    gen = torch.Generator().manual_seed(13)
+    B, Hq, Hkv, cap, D = 2, 6, 2, 48, 16
+    q = randn(gen, B, Hq, 2, 16)
+    k, v = randn(gen, B, Hkv, cap, D), randn(gen, B, Hkv, cap, D)
+    k_new, v_new = randn(gen, B, Hkv, 2, D), randn(gen, B, Hkv, 2, D)
+    slopes = torch.rand(Hq, generator=gen).to(DEVICE)
+    lens = torch.tensor([5, 40], dtype=torch.int32, device=DEVICE)
+    table = None
+    if page_size:
+        k, table = to_paged(k, page_size, torch.Generator().manual_seed(1))
+        v, _ = to_paged(v, page_size, torch.Generator().manual_seed(1))
+
+    def step(q, k, v, lens, k_new, v_new, slopes):
+        out, lse = kernel.decode(q, k, v, cache_seqlens=lens, k_new=k_new, v_new=v_new,
+                                 block_table=table, return_lse=True, num_splits=2, slopes=slopes)
+        return out * 2, lse, kernel.decode(q, k, v, cache_seqlens=7, block_table=table, slopes=slopes)
+
+    k_eager, v_eager = k.clone(), v.clone()
+    want = step(q, k_eager, v_eager, lens, k_new, v_new, slopes)
+    counter = CompileCounterWithBackend(backend)
+    got = torch.compile(step, backend=counter, fullgraph=True)(q, k, v, lens, k_new, v_new, slopes)
+    assert counter.frame_count == 1
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for cache, eager in ((k, k_eager), (v, v_eager)):  # the append happened, in place
+        torch.testing.assert_close(cache, eager, rtol=0, atol=0, equal_nan=True)  # spare pages: NaN
+    ref = decode_reference(kernel.variant, q.double(), k.double(), v.double(), cache_seqlens=lens + 2,
+                           block_table=table, slopes=slopes.double(), return_lse=True)
+    torch.testing.assert_close(got[0].double() / 2, ref[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1].double(), ref[1], rtol=1e-4, atol=1e-4)
+
+
+def test_decode_under_torch_compile_refuses_bad_calls_at_trace_time():
+    import torch._dynamo
+    torch._dynamo.reset()
+    kernel = attncc.compile(CAUSAL)
+    q, k = torch.randn(2, 4, 1, 16, device=DEVICE), torch.randn(2, 2, 32, 16, device=DEVICE)
+    step = torch.compile(lambda q, k: kernel.decode(q, k, k, cache_seqlens=2 ** 40),
+                         backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="do not fit the cache"):
+        step(q, k)

@@ -298,11 +298,8 @@ def tuning_key(p: DecodeProblem, dtype, num_splits: int | None) -> str:
     return key + (f"-splits{num_splits}" if num_splits else "")
 
 
-def decode_config(kernel, p: DecodeProblem, dtype, run, *, num_splits=None, config=None) -> dict:
-    """The config of this call: pinned, or under the interpreter a fixed one, or tuned on
-    the GPU (timing up to TUNE_AT_MOST candidates on the call's own inputs) and cached on
-    disk beside the variant's other configs."""
-    from .settings import interpreting
+def check_pins(num_splits, config) -> dict | None:
+    """The call's pinned config (checked), or None; num_splits checked."""
     if config is not None:
         config = check_decode_config(config, "config")
         if num_splits is not None and num_splits != config["num_splits"]:
@@ -312,6 +309,17 @@ def decode_config(kernel, p: DecodeProblem, dtype, run, *, num_splits=None, conf
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
             raise CallError(f"num_splits must be an int from 1 to {MAX_SPLITS}, got {num_splits!r}")
+    return None
+
+
+def decode_config(kernel, p: DecodeProblem, dtype, run, *, num_splits=None, config=None) -> dict:
+    """The config of this call: pinned, or under the interpreter a fixed one, or tuned on
+    the GPU (timing up to TUNE_AT_MOST candidates on the call's own inputs) and cached on
+    disk beside the variant's other configs."""
+    from .settings import interpreting
+    config = check_pins(num_splits, config)
+    if config is not None:
+        return config
     if interpreting():
         splits = num_splits or max(1, min(INTERPRETER_SPLITS, -(-p.capacity // 16)))
         return dict(BLOCK_N=16, num_warps=4, num_stages=1, num_splits=splits)
@@ -339,30 +347,51 @@ def decode_config(kernel, p: DecodeProblem, dtype, run, *, num_splits=None, conf
 # ---------------------------------------------------------------------------- the call
 def decode(kernel, q, k_cache, v_cache, *, cache_seqlens=None, k_new=None, v_new=None,
            block_table=None, return_lse: bool = False, num_splits: int | None = None,
-           config: dict | None = None, **inputs):
-    """See Kernel.decode."""
+           config: dict | None = None, rows_before_start: bool = False, **inputs):
+    """See Kernel.decode. Checks the call here (what torch.compile traces: shapes, dtypes,
+    devices and ints, no tensor values), then runs the variant's decode op
+    (attncc/runtime/ops.py), which calls run_decode. rows_before_start is attncc.flash's:
+    see the generated module's decode."""
     for name in _NOT_DECODE_ARGUMENTS:  # no input has these names (checker.CALL_KEYWORDS)
         if name in inputs:
             raise CallError(f"decode takes no {name}=: {_NOT_DECODE_ARGUMENTS[name]}")
     if not isinstance(return_lse, bool):
         raise CallError(f"return_lse must be True or False, got {return_lse!r}")
-    p, seqlens = check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+    _, seqlens = check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                    block_table, inputs)
+    pinned = check_pins(num_splits, config)
+    values = [inputs[d.name] for d in kernel.variant.inputs]
+    out, lse = kernel._decode_op(
+        kernel._op_id, q, k_cache, v_cache, seqlens, k_new, v_new, block_table, values,
+        num_splits or 0, [pinned[key] for key in CONFIG_KEYS] if pinned else [],
+        rows_before_start)
+    return (out, lse) if return_lse else out
+
+
+def run_decode(kernel, q, k_cache, v_cache, seqlens, k_new, v_new, block_table, values: dict, *,
+               num_splits=None, config=None, rows_before_start=False):
+    """The decode op's implementation: the append, the config (pinned, fixed under the
+    interpreter, or tuned) and the launches, on a call `decode` has checked."""
     precompile.wait_for_triton()
     module = kernel.module
-    values = {d.name: inputs[d.name] for d in kernel.variant.inputs}
+    B, Hq, n_q, D = q.shape
     with torch.no_grad():  # inference only: nothing here builds an autograd graph
-        if p.n_q == 0:
-            if p.n_new:  # no query: only the append
+        if n_q == 0:
+            if k_new is not None and k_new.shape[2]:  # no query: only the append
                 module.decode_append_kv(k_new, v_new, k_cache, v_cache, seqlens, block_table)
-            out = q.new_zeros((p.batch, p.heads_q, 0, p.dim))
-            lse = torch.zeros((p.batch, p.heads_q, 0), device=q.device, dtype=torch.float32)
-            return (out, lse) if return_lse else out
+            out = q.new_zeros((B, Hq, 0, D))
+            lse = torch.zeros((B, Hq, 0), device=q.device, dtype=torch.float32)
+            return out, lse
+        paged = block_table is not None
+        p = DecodeProblem(B, Hq, k_cache.shape[2] if paged else k_cache.shape[1], n_q,
+                          0 if k_new is None else k_new.shape[2], D,
+                          block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[2],
+                          k_cache.shape[1] if paged else 0)
         run = lambda cfg: module.decode(q, k_cache, v_cache, seqlens, values, k_new=k_new,
-                                        v_new=v_new, block_table=block_table, config=cfg)
+                                        v_new=v_new, block_table=block_table, config=cfg,
+                                        rows_before_start=rows_before_start)
         cfg = decode_config(kernel, p, q.dtype, run, num_splits=num_splits, config=config)
-        out, lse = run(cfg)
-    return (out, lse) if return_lse else out
+        return run(cfg)
 
 
 # ---------------------------------------------------------------------------- reference
