@@ -556,8 +556,9 @@ EDGES = (0, 1, CAP, CAP + 1, 2 ** 31 - 1, 2 ** 31, -1, 2 ** 40)
 INT32 = [x for x in EDGES if -2 ** 31 <= x < 2 ** 31]
 
 
-@pytest.mark.parametrize("n_q, append, page_size", [(1, False, None), (3, True, None),
-                                                   (3, True, 16), (2, False, 16)])
+@pytest.mark.parametrize("n_q, append, page_size", [
+    (1, False, None), pytest.param(3, True, None, marks=pytest.mark.slow), (3, True, 16),
+    pytest.param(2, False, 16, marks=pytest.mark.slow)])
 def test_tensor_lengths_at_the_int32_edges_match_the_reference(n_q, append, page_size):
     # One row per edge: negative, empty, one, full, one past the capacity, and 2**31 - 1,
     # which wrapped int32 when the new tokens were added to it.
@@ -636,7 +637,7 @@ def test_block_table_entries_out_of_range_read_as_the_kernels_clamp_them(append)
 # kernel.decode is an operator (attncc/runtime/ops.py): a compiled generation loop traces
 # a step as one node, with no graph break, and the in-place append survives
 # functionalization. Compiled results equal eager ones bit for bit (the same kernels).
-@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("page_size", [pytest.param(None, marks=pytest.mark.slow), 16])
 def test_decode_under_torch_compile_fullgraph(page_size, backend="aot_eager"):
     import torch._dynamo
     from torch._dynamo.testing import CompileCounterWithBackend

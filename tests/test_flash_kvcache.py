@@ -135,27 +135,32 @@ def run(*, heads=(6, 2), seqlen_q=1, seqlen_new=0, lens=(1, 37, 50), capacity=64
     return out, lse
 
 
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("options", [
-    dict(causal=True),
-    dict(causal=False),
-    dict(causal=True, window_size=(7, -1)),
-    dict(causal=False, window_size=(5, 3)),
-    dict(causal=True, softcap=5.0, softmax_scale=0.3),
-], ids=["causal", "full", "causal-window", "window-both-sides", "softcap-scale"])
+    pytest.param(dict(causal=True), marks=SLOW, id="causal"),
+    pytest.param(dict(causal=False), marks=SLOW, id="full"),
+    pytest.param(dict(causal=True, window_size=(7, -1)), marks=SLOW, id="causal-window"),
+    pytest.param(dict(causal=False, window_size=(5, 3)), id="window-both-sides"),
+    pytest.param(dict(causal=True, softcap=5.0, softmax_scale=0.3), id="softcap-scale"),
+])
 def test_matches_flash_attn_semantics(options):
     # Three new queries and three appended tokens on ragged rows (1 + 3 keys: the first
     # query of that row sits at position 1), GQA 6/2.
     run(seqlen_q=3, seqlen_new=3, lens=(1, 37, 50), **options)
 
 
-@pytest.mark.parametrize("page_size", [16, 24])
+@pytest.mark.parametrize("page_size", [pytest.param(16, marks=SLOW), 24])
 def test_paged_cache_with_shuffled_pages(page_size):
     run(seqlen_q=2, seqlen_new=2, lens=(30, 5, 61), capacity=64, page_size=page_size,
         causal=True, window_size=(20, -1), seed=2)
 
 
-@pytest.mark.parametrize("options", [dict(causal=False), dict(causal=False, window_size=(1, 2)),
-                                     dict(causal=True)], ids=["full", "window", "causal"])
+@pytest.mark.parametrize("options", [
+    pytest.param(dict(causal=False), marks=SLOW, id="full"),
+    pytest.param(dict(causal=False, window_size=(1, 2)), id="window"),
+    pytest.param(dict(causal=True), marks=SLOW, id="causal")])
 def test_queries_before_the_first_key_follow_flash_attn(options):
     # 5 queries over rows of 2 and 0 keys: queries at positions -3 .. 1 and -5 .. -1. Not
     # causal, they see every key (or their window's); causal, those before 0 see nothing.
@@ -165,6 +170,10 @@ def test_queries_before_the_first_key_follow_flash_attn(options):
 def test_alibi_int_lengths_float16_and_one_token():
     run(seqlen_q=1, seqlen_new=1, lens=(40, 40), int_lens=True, causal=True, alibi="bh", D=40,
         dtype=torch.float16, seed=4)
+
+
+@SLOW
+def test_alibi_per_head_one_split():
     run(seqlen_q=2, lens=(9, 20), causal=True, alibi="h", num_splits=1, seed=5)
 
 

@@ -380,7 +380,11 @@ class Kernel:
         and len_q = len_k = L in the variant (so `q >= k` is causal). Input axes on
         positions and tiles span the capacity. Returns (B, Hq, n_q, D), and with
         return_lse the natural LSE (B, Hq, n_q) in float32; a row that attends to no key
-        gives 0 and LSE -inf. Inference only: no autograd graph, no dropout. num_splits
+        gives 0 and LSE -inf. An int cache_seqlens outside [0, capacity - n_new] is
+        refused; a tensor's lengths are clamped to [0, capacity] and block-table entries
+        to [0, num_pages) (not read on the host), as decode_reference reads them. An
+        operator of its own (torch.compile traces it whole). Inference only: no autograd
+        graph, no dropout. num_splits
         or config={"BLOCK_N", "num_warps", "num_stages", "num_splits"} pin what is
         otherwise tuned (attncc/runtime/decoding.py)."""
         from .decoding import decode
