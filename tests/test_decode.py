@@ -593,6 +593,49 @@ def test_int_lengths_at_the_edges_match_or_are_refused_by_both(length, n_new):
     torch.testing.assert_close(lse.double(), expect[1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(12))
+def test_fuzz_lengths_at_the_int32_edges(seed):
+    # Random calls built from the edges: per row a tensor length from INT32, or one int
+    # from EDGES for every row; n_q and n_new from 0 to 5 (more queries than keys
+    # included), contiguous or paged (pages of 16 or 24), GQA 6/2. Each call matches
+    # decode_reference, or kernel.decode and the reference both raise a CallError.
+    import random
+    rnd = random.Random(seed)
+    B, Hq, Hkv, D = rnd.randint(1, 4), 6, 2, 16
+    n_q, n_new = rnd.randint(1, 5), rnd.choice([0, 1, 3, 5])
+    page_size = rnd.choice([None, 16, 24])
+    variant = attncc.parse(rnd.choice([CAUSAL, WINDOW_SINKS, ALIBI]))
+    gen = torch.Generator().manual_seed(seed)
+    q = randn(gen, B, Hq, n_q, D)
+    k, v = randn(gen, B, Hkv, CAP, D), randn(gen, B, Hkv, CAP, D)
+    table = None
+    if page_size:
+        k, table = to_paged(k, page_size, torch.Generator().manual_seed(seed))
+        v, _ = to_paged(v, page_size, torch.Generator().manual_seed(seed))
+    new = dict(k_new=randn(gen, B, Hkv, n_new, D), v_new=randn(gen, B, Hkv, n_new, D)) if n_new else {}
+    inputs = make_inputs(variant, B, Hq, CAP, gen)
+    if rnd.random() < 0.5:
+        lens = rnd.choice(EDGES)
+    else:
+        lens = torch.tensor([rnd.choice(INT32) for _ in range(B)], dtype=torch.int32, device=DEVICE)
+    try:
+        ref = decode_reference(variant, q.double(), k.double(), v.double(), cache_seqlens=lens,
+                               block_table=table, return_lse=True, **inputs,
+                               **{n: t.double() for n, t in new.items()})
+    except CallError as refused:
+        with pytest.raises(CallError) as err:
+            attncc.compile(variant).decode(q, k, v, cache_seqlens=lens, block_table=table, **new,
+                                           **inputs)
+        assert str(err.value) == str(refused)
+        return
+    out, lse = attncc.compile(variant).decode(q, k, v, cache_seqlens=lens, block_table=table,
+                                              return_lse=True, **new, **inputs)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref[1]))
+    torch.testing.assert_close(out.double(), ref[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse.double(), ref[1], rtol=1e-4, atol=1e-4)
+
+
 def test_lengths_outside_int32_in_a_tensor_are_refused_by_dtype():
     # 2**31 and 2**40 fit no int32 tensor; an int64 one is refused by name.
     with pytest.raises(CallError, match="must be int32"):
