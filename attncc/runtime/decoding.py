@@ -71,6 +71,16 @@ class DecodeProblem:
         return -(-self.group * self.n_q // self.rows_block)
 
 
+def decode_problem(q, k_cache, k_new, block_table) -> DecodeProblem:
+    """The sizes of a decode call whose shapes check_decode_call has checked."""
+    B, Hq, n_q, D = q.shape
+    n_new = 0 if k_new is None else k_new.shape[2]
+    if block_table is not None:  # (num_pages, page_size, kv heads, dim)
+        page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+        return DecodeProblem(B, Hq, Hkv, n_q, n_new, D, block_table.shape[1] * page_size, page_size)
+    return DecodeProblem(B, Hq, k_cache.shape[1], n_q, n_new, D, k_cache.shape[2], 0)
+
+
 def _shape(t) -> str:
     return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
@@ -167,7 +177,7 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
         raise CallError(f"k_new holds {n_new} new tokens but the cache only {capacity} "
                         "positions: they cannot be appended; use a larger cache")
     seqlens = _seqlens(cache_seqlens, B, q.device, capacity, n_new)
-    problem = DecodeProblem(B, Hq, Hkv, n_q, n_new, D, capacity, page_size)
+    problem = decode_problem(q, k_cache, k_new, block_table)
     # Input axes on positions (q, k) and tiles (qb, kb) span the cache's capacity: every
     # position a call may place a key or a query at.
     p = Problem(B, Hq, Hkv, capacity, capacity, D, D)
@@ -382,11 +392,7 @@ def run_decode(kernel, q, k_cache, v_cache, seqlens, k_new, v_new, block_table, 
             out = q.new_zeros((B, Hq, 0, D))
             lse = torch.zeros((B, Hq, 0), device=q.device, dtype=torch.float32)
             return out, lse
-        paged = block_table is not None
-        p = DecodeProblem(B, Hq, k_cache.shape[2] if paged else k_cache.shape[1], n_q,
-                          0 if k_new is None else k_new.shape[2], D,
-                          block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[2],
-                          k_cache.shape[1] if paged else 0)
+        p = decode_problem(q, k_cache, k_new, block_table)
         run = lambda cfg: module.decode(q, k_cache, v_cache, seqlens, values, k_new=k_new,
                                         v_new=v_new, block_table=block_table, config=cfg,
                                         rows_before_start=rows_before_start)
