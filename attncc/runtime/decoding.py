@@ -148,7 +148,7 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
             raise CallError(f"k_cache has batch {k_cache.shape[0]} but q has {B}. A contiguous "
                             "cache is (batch, kv_heads, capacity, dim); a paged one "
                             "(num_pages, page_size, kv_heads, dim) needs block_table=")
-        Hkv, capacity, page_size = k_cache.shape[1], k_cache.shape[2], 0
+        Hkv, capacity = k_cache.shape[1], k_cache.shape[2]
     if Hkv == 0 or Hq % Hkv:
         raise CallError(f"q has {Hq} heads, which is not a multiple of the cache's {Hkv} kv heads "
                         f"(k_cache {_shape(k_cache)}, laid out {layout})")
