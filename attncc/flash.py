@@ -1,4 +1,5 @@
-"""flash-attn's functional API over attncc kernels: `flash_attn_func`, `flash_attn_varlen_func`.
+"""flash-attn's functional API over attncc kernels: `flash_attn_func`, `flash_attn_varlen_func`,
+`flash_attn_with_kvcache` (over kernel.decode).
 
 Each call's options (causal, window, softcap, ALiBi, dropout, scale) pick a variant,
 written as text by `variant_text` (print it to see what runs), compiled once and kept
@@ -142,6 +143,82 @@ def _check_layout(name: str, t, dims: str, n: int):
     if t.dim() != n:
         raise CallError(f"{name} must have {n} dimensions {dims}, as flash-attn takes it, got "
                         f"shape {tuple(t.shape)}")
+
+
+# ---------------------------------------------------------------------------- KV cache
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    """flash-attn's `flash_attn_with_kvcache` on attncc's decoding (kernel.decode).
+
+    q: (batch, seqlen_q, nheads, headdim). k_cache, v_cache: (batch, seqlen_cache,
+    nheads_k, headdim), or with block_table (batch, max_num_blocks) int32 a paged cache
+    (num_blocks, page_block_size, nheads_k, headdim), any page size. cache_seqlens: an int
+    or a (batch,) int32 tensor, the keys each row's cache holds (None: the whole cache,
+    without k and v). k, v (batch, seqlen_new, nheads_k, headdim), optional: written into
+    the caches in place at positions cache_seqlens[b] + j first. Row b then holds L =
+    cache_seqlens[b] + seqlen_new keys and query i sits at position L - seqlen_q + i
+    (causal masks and windows aligned to the bottom-right corner); a query before
+    position 0 (L < seqlen_q) attends the keys its window or the absence of a mask
+    gives it, as in flash-attn. num_splits: 0 tunes the split count, n >= 1 pins it.
+    Returns out (batch, seqlen_q, nheads, headdim), and with return_softmax_lse the
+    natural LSE (batch, nheads, seqlen_q) in float32 (-inf for a row that attends to
+    nothing, where flash-attn writes +inf). rotary_cos/rotary_sin, cache_batch_idx and
+    cache_leftpad are refused. Lengths and block-table values are read as
+    kernel.decode reads them (README, Decoding)."""
+    from .runtime.decoding import decode
+    for name, value, fix in (
+            ("rotary_cos", rotary_cos, "apply the rotary embedding to q and k before the call"),
+            ("rotary_sin", rotary_sin, "apply the rotary embedding to q and k before the call"),
+            ("cache_batch_idx", cache_batch_idx, "pass the cache rows in batch order, or a paged "
+                                                 "cache whose block_table picks each row's pages"),
+            ("cache_leftpad", cache_leftpad, "keep each row's keys from position 0 of its cache")):
+        if value is not None:
+            raise CallError(f"{name} is not supported by attncc's flash_attn_with_kvcache: {fix}")
+    _check_layout("q", q, "(batch, seqlen_q, nheads, headdim)", 4)
+    paged = block_table is not None
+    cache_dims = ("(num_blocks, page_block_size, nheads_k, headdim)" if paged
+                  else "(batch, seqlen_cache, nheads_k, headdim)")
+    _check_layout("k_cache", k_cache, cache_dims, 4)
+    _check_layout("v_cache", v_cache, cache_dims, 4)
+    if (k is None) != (v is None):
+        raise CallError("pass both k and v (the new tokens' keys and values) or neither")
+    if k is not None:
+        _check_layout("k", k, "(batch, seqlen_new, nheads_k, headdim)", 4)
+        _check_layout("v", v, "(batch, seqlen_new, nheads_k, headdim)", 4)
+    if not isinstance(return_softmax_lse, bool):
+        raise CallError(f"return_softmax_lse must be True or False, got {return_softmax_lse!r}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise CallError(f"num_splits must be 0 (chosen by attncc) or a positive int, got "
+                        f"{num_splits!r}")
+    options = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                       False, False)
+    # flash-attn's rule: a window side reaching the whole cache is unbounded.
+    if paged:
+        capacity = (block_table.shape[1] if isinstance(block_table, torch.Tensor)
+                    and block_table.dim() == 2 else 0) * k_cache.shape[1]
+    else:
+        capacity = k_cache.shape[1]
+    options["window_size"] = tuple(-1 if w >= capacity else w for w in options["window_size"])
+    if cache_seqlens is None:
+        if k is not None:
+            raise CallError("pass cache_seqlens with k and v: the new tokens are written at "
+                            "positions cache_seqlens[b] + j of each row")
+        cache_seqlens = capacity  # flash-attn: every row holds the whole cache
+    kernel = kernel_for(packed=False, **options)
+    inputs = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
+    # flash-attn's (batch, seqlen, heads, dim) read as (batch, heads, seqlen, dim) through
+    # strides; a paged cache has the same layout in both.
+    caches = (k_cache, v_cache) if paged else (k_cache.transpose(1, 2), v_cache.transpose(1, 2))
+    new = {} if k is None else dict(k_new=k.transpose(1, 2), v_new=v.transpose(1, 2))
+    out, lse = decode(kernel, q.transpose(1, 2), *caches, cache_seqlens=cache_seqlens,
+                      block_table=block_table, return_lse=True, num_splits=num_splits or None,
+                      rows_before_start=True, **new, **inputs)
+    out = out.transpose(1, 2).contiguous()  # flash-attn returns a dense (batch, seqlen, ...)
+    return (out, lse) if return_softmax_lse else out
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,

@@ -50,6 +50,8 @@ class Kernel:
         self.input_names = [d.name for d in variant.inputs]  # the operator's input order
         self._ops = ops.operators(self)  # torch.ops.attncc.<name>_<key>[_bwd]
         self._op_id = ops.register_kernel(self)  # how the operator finds this kernel
+        # kernel.decode's operator, defined now: torch.compile cannot trace its definition.
+        self._decode_op = ops.decode_operator(self)  # torch.ops.attncc.<name>_<key>_decode
         # The same variant without dropout, for training=False: its module is generated on
         # first use, but the Kernel exists now, so that torch.compile can trace a call of
         # it (a kernel made at trace time would be file reads and writes, untraceable).
@@ -379,7 +381,11 @@ class Kernel:
         and len_q = len_k = L in the variant (so `q >= k` is causal). Input axes on
         positions and tiles span the capacity. Returns (B, Hq, n_q, D), and with
         return_lse the natural LSE (B, Hq, n_q) in float32; a row that attends to no key
-        gives 0 and LSE -inf. Inference only: no autograd graph, no dropout. num_splits
+        gives 0 and LSE -inf. An int cache_seqlens outside [0, capacity - n_new] is
+        refused; a tensor's lengths are clamped to [0, capacity] and block-table entries
+        to [0, num_pages) (not read on the host), as decode_reference reads them. An
+        operator of its own (torch.compile traces it whole). Inference only: no autograd
+        graph, no dropout. num_splits
         or config={"BLOCK_N", "num_warps", "num_stages", "num_splits"} pin what is
         otherwise tuned (attncc/runtime/decoding.py)."""
         from .decoding import decode

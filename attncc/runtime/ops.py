@@ -339,3 +339,52 @@ def _backward(kernel_id, q, k, v, out, lse, dout, dlse, inputs, q_offset, k_offs
         direction, run_dkdv = chosen_dkdv or runner("dkdv", True)
         dk, dv = run_dkdv(tuning.config_for(kernel, p, q.dtype, direction, run_dkdv, *tune))
     return dq, dk, dv, [dinputs[d.name] for d in kernel.variant.learnable_inputs]
+
+
+# ---------------------------------------------------------------------------- decoding
+# kernel.decode is an op of its own per variant, `torch.ops.attncc.<name>_<key>_decode`,
+# so that a compiled generation loop traces a decode step as one node (Dynamo cannot
+# trace into Triton's launch path or the tuner). The call checks run before it, in
+# Python (at trace time on FakeTensors; they read no tensor values). It writes the new
+# tokens into the caches in place, as its schema says (a!, b!), so functionalization
+# keeps the write. Inference only: its Autograd kernel runs it below autograd, with no
+# graph. `config` is [] or the four CONFIG_KEYS values in order; `num_splits` 0 is unset.
+DECODE_SCHEMA = ("(int kernel, Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+                 "Tensor cache_seqlens, Tensor? k_new, Tensor? v_new, Tensor? block_table, "
+                 "Tensor[] inputs, int num_splits, int[] config, bool rows_before_start) "
+                 "-> (Tensor, Tensor)")
+_DECODE_OPS: dict = {}  # op name -> the decode OpOverload
+
+
+def decode_operator(kernel) -> torch._ops.OpOverload:
+    """The decode op of the kernel's variant, defined on first use."""
+    name = op_name(kernel.variant) + "_decode"
+    if name not in _DECODE_OPS:
+        _LIBRARY.define(name + DECODE_SCHEMA)
+        op = getattr(torch.ops.attncc, name).default
+        _LIBRARY.impl(name, _decode, "CompositeExplicitAutograd")
+
+        def decode_fake(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                        inputs, num_splits, config, rows_before_start):
+            # The generated module's allocations: dense, in q's dtype; LSE in float32.
+            return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+        def decode_autograd(*args):
+            with torch._C._AutoDispatchBelowAutograd():
+                return op(*args)
+
+        torch.library.register_fake(f"attncc::{name}", decode_fake, lib=_LIBRARY)
+        _LIBRARY.impl(name, decode_autograd, "Autograd")
+        _DECODE_OPS[name] = op
+    return _DECODE_OPS[name]
+
+
+def _decode(kernel_id, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, inputs,
+            num_splits, config, rows_before_start):
+    from .decoding import CONFIG_KEYS, run_decode
+    kernel = _kernel(kernel_id)
+    values = dict(zip(kernel.input_names, inputs))
+    return run_decode(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                      values, num_splits=num_splits or None,
+                      config=dict(zip(CONFIG_KEYS, config)) if config else None,
+                      rows_before_start=rows_before_start)
