@@ -48,10 +48,10 @@ class Kernel:
         self._tables_owner = self  # whose tile_tables(...) this kernel's calls accept
         self._shape_densities: dict = {}  # for the shipped winners' class (_tuning)
         self.input_names = [d.name for d in variant.inputs]  # the operator's input order
-        self._ops = ops.operators(self)  # torch.ops.attncc.<name>_<key>[_bwd]
+        self._ops = ops.operators(self)  # torch.ops.attncc.<name>_<key>_<revision>[_bwd]
         self._op_id = ops.register_kernel(self)  # how the operator finds this kernel
         # kernel.decode's operator, defined now: torch.compile cannot trace its definition.
-        self._decode_op = ops.decode_operator(self)  # torch.ops.attncc.<name>_<key>_decode
+        self._decode_op = ops.decode_operator(self)  # torch.ops.attncc.<name>_<key>_<revision>_decode
         # The same variant without dropout, for training=False: its module is generated on
         # first use, but the Kernel exists now, so that torch.compile can trace a call of
         # it (a kernel made at trace time would be file reads and writes, untraceable).

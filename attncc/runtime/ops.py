@@ -1,8 +1,8 @@
 """PyTorch operators for compiled variants: a torch.library custom op per variant.
 
 `Kernel.__call__` checks a call in Python and then calls the variant's forward op,
-`torch.ops.attncc.<name>_<key>`; its autograd kernel (an autograd.Function) calls the
-backward op, `torch.ops.attncc.<name>_<key>_bwd`. Each op has a real implementation (the
+`torch.ops.attncc.<name>_<key>_<revision>` (`op_name`); its autograd kernel (an
+autograd.Function) calls the backward op, `..._bwd`. Each op has a real implementation (the
 generated module's launches, tuning included) and a fake one (empty outputs of the right
 shapes and strides), so torch.compile traces a call as one opaque node, with symbolic
 sequence lengths, and never traces into Triton's launch path, the tuner or the table
@@ -32,6 +32,7 @@ import functools
 import itertools
 import warnings
 import weakref
+from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
@@ -39,6 +40,7 @@ import torch
 from . import precompile, tuning
 from ..arguments import Problem, check_seed
 from ..errors import CallError
+from ..version import __version__
 
 _KERNELS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _TABLES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
@@ -60,12 +62,26 @@ def register_tables(tables) -> int:
 
 
 def op_name(variant) -> str:
-    return f"{variant.name}_{variant.key()}"
+    return f"{variant.name}_{variant.key()}_{_revision()}"
+
+
+@functools.cache
+def _revision() -> str:
+    """A short hash of what a compiled graph assumes about the ops: their schemas and this
+    module's autograd and op code. torch.compile's caches (AOTAutograd's and Inductor's,
+    on disk, shared by every process of the user) store traced graphs that call the ops by
+    name; an attncc whose `_bwd` op took one argument more, under the same name, would be
+    called by a stale cached backward with the old argument list (seen when the LSE became
+    differentiable). Naming the revision makes such a graph miss the cache instead."""
+    import hashlib
+    text = "\n".join((FORWARD_SCHEMA, BACKWARD_SCHEMA, DECODE_SCHEMA, __version__,
+                      Path(__file__).read_text()))
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
 class Operators(NamedTuple):
-    forward: torch._ops.OpOverload  # torch.ops.attncc.<name>_<key>.default
-    backward: torch._ops.OpOverload  # torch.ops.attncc.<name>_<key>_bwd.default
+    forward: torch._ops.OpOverload  # torch.ops.attncc.<op_name>.default
+    backward: torch._ops.OpOverload  # torch.ops.attncc.<op_name>_bwd.default
     # The forward op's autograd kernel, for eager calls to enter directly: with the same
     # arguments and results as `forward`, one trip through the dispatcher fewer (~20 us
     # of host time on a slow CPU). Its forward calls the forward op, so the kernels run
@@ -342,7 +358,7 @@ def _backward(kernel_id, q, k, v, out, lse, dout, dlse, inputs, q_offset, k_offs
 
 
 # ---------------------------------------------------------------------------- decoding
-# kernel.decode is an op of its own per variant, `torch.ops.attncc.<name>_<key>_decode`,
+# kernel.decode is an op of its own per variant, `torch.ops.attncc.<name>_<key>_<revision>_decode`,
 # so that a compiled generation loop traces a decode step as one node (Dynamo cannot
 # trace into Triton's launch path or the tuner). The call checks run before it, in
 # Python (at trace time on FakeTensors; they read no tensor values). It writes the new
