@@ -63,16 +63,20 @@ def assert_close(got, ref, eager, tensors, do, *, scale=None):
     q, k, _ = tensors
     group = q.shape[-2] // k.shape[-2]
     scales = gradient_scales(q, k, ref[0], do, scale or q.shape[-1] ** -0.5, group)
-    for name, g, r, e in zip(["out", "lse", "dq", "dk", "dv"], got, ref, eager):
+    names = ["out", "lse", "dq", "dk", "dv"] if len(got) == 5 else ["out", "dq", "dk", "dv"]
+    for name, g, r, e in zip(names, got, ref, eager, strict=True):
         err, eager_err = max_abs_error(g, r), max_abs_error(e, r)
         assert within_tolerance(err, eager_err, torch.float32, r, scales.get(name, 1.0)), (
             f"{name}: kernel error {err:.3g} vs eager {eager_err:.3g}")
 
 
 def run(fn, tensors, do, dtype):
+    """[out, lse, dq, dk, dv] of fn returning (out, lse), or [out, dq, dk, dv] of fn
+    returning out."""
     leaves = [t.to(dtype).requires_grad_() for t in tensors]
-    out, lse = fn(*leaves)
-    return [out, lse, *torch.autograd.grad(out, leaves, do.to(dtype))]
+    result = fn(*leaves)
+    out, rest = (result[0], list(result[1:])) if isinstance(result, tuple) else (result, [])
+    return [out, *rest, *torch.autograd.grad(out, leaves, do.to(dtype))]
 
 
 CASES = {
@@ -118,13 +122,11 @@ def test_dropout_matches_the_reference_of_the_generated_variant():
     variant = attncc.parse(variant_text(causal=True, dropout_p=0.25))
 
     def kernel(q, k, v):
-        return flash_attn_func(q, k, v, dropout_p=0.25, causal=True, return_attn_probs=True,
-                               dropout_seed=5)[:2]
+        return flash_attn_func(q, k, v, dropout_p=0.25, causal=True, dropout_seed=5)
 
     def reference(q, k, v):
-        out, lse = attncc.reference(variant, q.transpose(1, 2), k.transpose(1, 2),
-                                    v.transpose(1, 2), dropout_seed=5, return_lse=True)
-        return out.transpose(1, 2), lse
+        return attncc.reference(variant, q.transpose(1, 2), k.transpose(1, 2),
+                                v.transpose(1, 2), dropout_seed=5).transpose(1, 2)
 
     got = run(kernel, (q, k, v), do, torch.float32)
     ref = run(reference, (q, k, v), do, torch.float64)
@@ -183,12 +185,10 @@ def test_varlen_dropout_matches_the_packed_reference():
     vk = attncc.varlen(variant_text(causal=True, dropout_p=0.2))
 
     def kernel(q, k, v):
-        out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, 12, 12, dropout_p=0.2, causal=True,
-                                             return_attn_probs=True, dropout_seed=9)
-        return out, lse
+        return flash_attn_varlen_func(q, k, v, cu, cu, 12, 12, dropout_p=0.2, causal=True,
+                                      dropout_seed=9)
 
-    reference = lambda q, k, v: vk.reference(q, k, v, cu, cu, 12, 12, dropout_seed=9,
-                                             return_lse=True)
+    reference = lambda q, k, v: vk.reference(q, k, v, cu, cu, 12, 12, dropout_seed=9)
     got = run(kernel, (q, k, v), do, torch.float32)
     ref = run(reference, (q, k, v), do, torch.float64)
     eager = run(reference, (q, k, v), do, torch.float32)
@@ -226,7 +226,7 @@ def _q(*shape):
     (lambda: flash_attn_func(_q(2, 4, 16), _q(2, 4, 16), _q(2, 4, 16)),
      r"q must have 4 dimensions \(batch, seqlen_q, nheads, headdim\)"),
     (lambda: flash_attn_func(_q(1, 4, 2, 16), _q(1, 4, 2, 16), _q(1, 4, 2, 16), window_size=3),
-     r"window_size must be a pair of ints"),
+     r"window_size must be a pair of integers"),
     (lambda: flash_attn_func(_q(1, 4, 2, 16), _q(1, 4, 2, 16), _q(1, 4, 2, 16), dropout_p=1.0),
      r"dropout_p must be a probability in \[0, 1\)"),
     (lambda: flash_attn_func(_q(1, 4, 2, 16), _q(1, 4, 2, 16), _q(1, 4, 2, 16),
@@ -238,7 +238,7 @@ def _q(*shape):
                              alibi_slopes=_q(1, 2, 3)),
      r"alibi_slopes must be a float32 tensor of shape"),
     (lambda: flash_attn_func(_q(1, 4, 3, 16), _q(1, 4, 2, 16), _q(1, 4, 2, 16)),
-     r"q has 3 heads, which is not a multiple of the 2 heads"),
+     r"nheads \(3\) must be a multiple of nheads_k \(2\)"),
     (lambda: flash_attn_varlen_func(_q(4, 2, 16), _q(4, 2, 16), _q(4, 2, 16), packed([4]),
                                     packed([4]), 4, 4, block_table=torch.zeros(1, 1)),
      r"block_table \(paged KV cache\) is not supported"),
