@@ -25,6 +25,7 @@ on its value and recompiles for another.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import operator
@@ -36,7 +37,16 @@ from torch.fx.experimental.symbolic_shapes import guard_scalar
 from .errors import CallError
 
 CACHE_SIZE = 64  # compiled combinations kept; a workload rarely uses more than a few
-_KERNELS: OrderedDict = OrderedDict()
+_KERNELS: OrderedDict = OrderedDict()  # options key -> the name of its kernel in _KEPT
+
+
+class _Kept:
+    """The kept kernels, one attribute each. torch.compile reads an attribute afresh
+    when it traces it, where it would read a dict as it first saw it in the trace (and
+    miss a kernel compiled later in the same trace)."""
+
+
+_KEPT = _Kept()
 
 
 def variant_text(*, causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
@@ -164,6 +174,9 @@ def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slope
                 softmax_scale=softmax_scale)
 
 
+_OPTION_NAMES = ("causal", "window_size", "softcap", "alibi", "dropout_p", "softmax_scale")
+
+
 def kernel_for(*, packed: bool = False, **options):
     """The compiled kernel (with packed=True, the varlen kernel) that calls with these
     `variant_text` options run, compiled on first use and kept (CACHE_SIZE of them)."""
@@ -175,20 +188,32 @@ def kernel_for(*, packed: bool = False, **options):
     if options["softmax_scale"] is not None:
         options["softmax_scale"] = float(options["softmax_scale"])
     # A tuple in a fixed order (not sorted items), which torch.compile traces.
-    key = (packed, *(options[name] for name in ("causal", "window_size", "softcap", "alibi",
-                                                "dropout_p", "softmax_scale")))
-    kernel = _KERNELS.get(key)
-    if kernel is None:
-        from .runtime.kernel import compile as compile_spec
-        from .runtime.packed import varlen
-        text = variant_text(**options)
-        kernel = varlen(text) if packed else compile_spec(text)
-        _KERNELS[key] = kernel
-        if len(_KERNELS) > CACHE_SIZE:
-            _KERNELS.popitem(last=False)
-    else:
+    key = (packed, *(options[name] for name in _OPTION_NAMES))
+    # Under torch.compile, Dynamo guards on this attribute (an evicted kernel retraces).
+    return getattr(_KEPT, _keep_compiled(key))
+
+
+@torch.compiler.assume_constant_result
+def _keep_compiled(key: tuple) -> str:
+    """The name in _KEPT of the kernel of `key`, compiled if it is not kept, and marked
+    recently used. torch.compile runs this at trace time (the key is constants by then)
+    instead of tracing the parsing and code generation behind it."""
+    if key in _KERNELS:
         _KERNELS.move_to_end(key)
-    return kernel
+        return _KERNELS[key]
+    from .runtime.kernel import compile as compile_spec
+    from .runtime.packed import varlen
+    packed, options = key[0], dict(zip(_OPTION_NAMES, key[1:]))
+    text = variant_text(**options)
+    name = f"kernel_{next(_NAMES)}"
+    setattr(_KEPT, name, varlen(text) if packed else compile_spec(text))
+    _KERNELS[key] = name
+    if len(_KERNELS) > CACHE_SIZE:
+        delattr(_KEPT, _KERNELS.popitem(last=False)[1])
+    return name
+
+
+_NAMES = itertools.count()
 
 
 def _check_layout(name: str, t, dims: str, n: int):
@@ -269,6 +294,73 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     return result.transpose(1, 2)
 
 
+# ---------------------------------------------------------------- packed q/k/v forms
+# flash-attn's qkvpacked and kvpacked functions: the same calls on views of the packed
+# tensor (no copy), so gradients flow back into it.
+
+def _unpack(name: str, t, dims: str, n: int, axis: int, count: int) -> tuple:
+    """The `count` tensors stacked on `axis` of flash-attn's packed `t`, as views."""
+    _check_layout(name, t, dims, n)
+    if t.shape[axis] != count:
+        raise CallError(f"{name} must have shape {dims}, with {count} on dimension {axis}, "
+                        f"got {tuple(t.shape)}")
+    return t.unbind(axis)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False, *,
+                              dropout_seed: int | None = None):
+    """flash-attn's `flash_attn_qkvpacked_func`: `flash_attn_func` on qkv (batch, seqlen,
+    3, nheads, headdim), q, k and v stacked on dimension 2."""
+    q, k, v = _unpack("qkv", qkv, "(batch, seqlen, 3, nheads, headdim)", 5, 2, 3)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs,
+                           dropout_seed=dropout_seed)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False, *,
+                             dropout_seed: int | None = None):
+    """flash-attn's `flash_attn_kvpacked_func`: `flash_attn_func` on q (batch, seqlen_q,
+    nheads, headdim) and kv (batch, seqlen_k, 2, nheads_k, headdim)."""
+    k, v = _unpack("kv", kv, "(batch, seqlen_k, 2, nheads_k, headdim)", 5, 2, 2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs,
+                           dropout_seed=dropout_seed)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False, *,
+                                     dropout_seed: int | None = None):
+    """flash-attn's `flash_attn_varlen_qkvpacked_func`: `flash_attn_varlen_func` on qkv
+    (total, 3, nheads, headdim), one packing (cu_seqlens, max_seqlen) for q and k."""
+    q, k, v = _unpack("qkv", qkv, "(total, 3, nheads, headdim)", 4, 1, 3)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs,
+                                  dropout_seed=dropout_seed)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                                    causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False, *,
+                                    dropout_seed: int | None = None):
+    """flash-attn's `flash_attn_varlen_kvpacked_func`: `flash_attn_varlen_func` on q
+    (total_q, nheads, headdim) and kv (total_k, 2, nheads_k, headdim)."""
+    k, v = _unpack("kv", kv, "(total_k, 2, nheads_k, headdim)", 4, 1, 2)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                  softcap, alibi_slopes, deterministic, return_attn_probs,
+                                  dropout_seed=dropout_seed)
+
+
+# ---------------------------------------------------------------- variable length
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
