@@ -260,11 +260,15 @@ def _alibi_inputs(alibi_slopes, batch: int | None, nheads: int) -> dict:
     flash-attn reads it."""
     if alibi_slopes is None:
         return {}
-    shapes = [(nheads,)] if batch is None else [(nheads,), (batch, nheads)]
-    if tuple(alibi_slopes.shape) not in shapes:
-        raise CallError(f"alibi_slopes must have shape (nheads,)"
-                        f"{'' if batch is None else ' or (batch, nheads)'}, here "
-                        f"{' or '.join(map(str, shapes))}, got {tuple(alibi_slopes.shape)}")
+    # Compared a dimension at a time: under torch.compile the sizes may be symbolic.
+    shape = alibi_slopes.shape
+    per_head = alibi_slopes.dim() == 1 and shape[0] == nheads
+    per_batch = (batch is not None and alibi_slopes.dim() == 2 and shape[0] == batch
+                 and shape[1] == nheads)
+    if not (per_head or per_batch):
+        raise CallError(f"alibi_slopes must have shape (nheads,) = ({nheads},)"
+                        + ("" if batch is None else f" or (batch, nheads) = ({batch}, {nheads})")
+                        + f", got {tuple(shape)}")
     return {"alibi_slopes": alibi_slopes.detach()}
 
 
