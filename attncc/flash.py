@@ -164,7 +164,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     inputs = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
     # (batch, seqlen, heads, dim) read as (batch, heads, seqlen, dim) through strides.
     result = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                    return_lse=return_attn_probs, dropout_seed=dropout_seed, **inputs)
+                    return_lse=return_attn_probs, dropout_seed=dropout_seed, layout="bhsd",
+                    **inputs)
     if return_attn_probs:
         out, lse = result
         return out.transpose(1, 2), lse, None
