@@ -154,6 +154,12 @@ def type_of(node, child_types: list, scope: Scope) -> str:
             raise SpecError(f"{node.fn}() needs numbers, not a condition")
         if node.fn in ir.FLOAT_FUNCTIONS:
             return ir.FLOAT
+        if node.fn in ir.ROUNDING_FUNCTIONS:
+            if child_types[0] == ir.INT:
+                raise SpecError(f"{node.fn}() of an integer is that integer: its argument is "
+                                f"already one, so drop {node.fn}() (it rounds numbers, as in "
+                                f"{node.fn}(q / 8.0))")
+            return ir.INT
         return ir.INT if all(t == ir.INT for t in child_types) else ir.FLOAT
     if isinstance(node, ir.Where):
         ct, at, bt = child_types
