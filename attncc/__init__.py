@@ -6,7 +6,7 @@
 See README.md for the language and the Python decorator.
 """
 from . import flash  # attncc.flash.flash_attn_func, flash_attn_varlen_func
-from .errors import AttnccError, BackendError, CallError, NoGPUError, SpecError
+from .errors import AttnccError, BackendError, CallError, NoGPUError, SpecError, SpecWarning
 from .frontend.decorator import (ceil, chance, exp, floor, isin, log, maximum, minimum, sqrt, tanh,
                                  trunc, variant, where)
 from .frontend.load import load
@@ -20,4 +20,4 @@ from .version import __version__
 
 __all__ = ["compile", "varlen", "load", "parse", "parse_file", "reference", "decode_reference",
            "variant", "Variant", "where", "isin", "chance", "minimum", "maximum", "exp", "log",
-           "tanh", "sqrt", "floor", "ceil", "trunc", "AttnccError", "SpecError", "CallError", "BackendError", "NoGPUError"]
+           "tanh", "sqrt", "floor", "ceil", "trunc", "AttnccError", "SpecError", "SpecWarning", "CallError", "BackendError", "NoGPUError"]

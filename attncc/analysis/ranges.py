@@ -127,8 +127,36 @@ class _Analysis:
             _, a, b = kids
             if a is None or b is None:
                 return None
+            a = self._narrowed(e.cond, e.then, a, True)
+            b = self._narrowed(e.cond, e.other, b, False)
+            if a.lo > a.hi or b.lo > b.hi:  # a branch never taken: the other's range
+                a, b = (b, b) if a.lo > a.hi else (a, a)
             return self._result(e, min(a.lo, b.lo), max(a.hi, b.hi), [a, b])
         return None  # conditions, floats, chance, index lists
+
+    def _narrowed(self, cond, branch, r: Range, holds: bool) -> Range:
+        """`branch`'s range where `cond` holds (or fails): `where(x < 8, x, 8)` is below 8.
+        Narrows by a comparison of the branch itself with a bounded integer, the pattern
+        of a clamp written with where (T5's buckets); otherwise the range unchanged."""
+        if not isinstance(cond, ir.Cmp) or r.wrapped or cond.op in ("==", "!="):
+            return r
+        op = cond.op if holds else {"<": ">=", "<=": ">", ">": "<=", ">=": "<"}[cond.op]
+        if cond.lhs == branch:
+            other = self.ranges.get(id(cond.rhs))
+        elif cond.rhs == branch:
+            other = self.ranges.get(id(cond.lhs))
+            op = {"<": ">", "<=": ">=", ">": "<", ">=": "<="}[op]  # other op branch
+        else:
+            return r
+        if other is None or other.wrapped:
+            return r
+        if op == "<":
+            return Range(r.lo, min(r.hi, other.hi - 1), r.wide_data, r.wrapped)
+        if op == "<=":
+            return Range(r.lo, min(r.hi, other.hi), r.wide_data, r.wrapped)
+        if op == ">":
+            return Range(max(r.lo, other.lo + 1), r.hi, r.wide_data, r.wrapped)
+        return Range(max(r.lo, other.lo), r.hi, r.wide_data, r.wrapped)
 
     def _rounded(self, e) -> Range:
         """floor/ceil/int of a number: its bounds rounded, after widening them by what
@@ -143,7 +171,12 @@ class _Analysis:
                           f"max, as in {e.fn}(min(max(x, 0.0), 100.0))")
             return Range(INT64_MIN, INT64_MAX)
         lo, hi = bounds
-        lo, hi = lo - FLOAT_SLACK * (1 + abs(lo)), hi + FLOAT_SLACK * (1 + abs(hi))
+        # IEEE + - * / round monotonically, so a bound their exact values respect is
+        # respected by the float32 values up to a relative error. exp, log, tanh and sqrt
+        # on a GPU are approximations, off by an absolute amount near 0 as well.
+        near_zero = float(any(isinstance(n, ir.Call) and n.fn in ir.FLOAT_FUNCTIONS
+                              for n in ir.walk(x)))
+        lo, hi = lo - FLOAT_SLACK * (near_zero + abs(lo)), hi + FLOAT_SLACK * (near_zero + abs(hi))
         rounding = {"floor": math.floor, "ceil": math.ceil, "int": math.trunc}[e.fn]
         return self._result(e, rounding(lo), rounding(hi), [])
 
