@@ -64,6 +64,10 @@ SAFE = {
     "where clamp flipped": "input bias: f32[10]\n score s + bias[where(9 < q % 20, 9, q % 20)]",
     "named axes": "input doc: i32[q]\n input slopes: f32[h]\n mask doc[q] == 0\n score s * slopes[h]",
     "data index": "input idx: i32[k]\n input t: f32[4]\n score s + t[idx[k]]",
+    # Positions against their lengths (tree verification over a KV cache): not judged.
+    "lengths": ("param draft: int = 5\n input ancestors: bool[b, 5, 5]\n"
+                " mask k < len_k - draft or ancestors[b, max(q - len_q + draft, 0), "
+                "max(k - len_k + draft, 0)]"),
     "t5 buckets": ("input table: f32[h, 32]\n score s + table[h, where(k > q, 16, 0) + "
                    "where(abs(k - q) < 8, abs(k - q), min(8 + int(log(max(abs(k - q), 1) / 8.0) "
                    "/ log(128.0 / 8.0) * 8.0), 15))]"),

@@ -7,9 +7,11 @@ finite garbage, so the front ends warn (attncc.SpecWarning) where the range anal
 (attncc/analysis/ranges.py) shows that an index on a numbered axis can leave it, and
 offer the clamp the author likely meant.
 
-Only indices computed from positions, sizes, params and constants are judged: an index
-that reads another input depends on that input's data, which is the caller's to keep
-in range. The analysis knows nothing of the mask, so a read that only escapes at pairs
+Only indices computed from positions, indices, params and constants are judged: an
+index that reads another input depends on that input's data, which is the caller's to
+keep in range, and one that reads len_q or len_k usually relates a position to its
+length (`k - len_k + draft`, below `draft` without offsets), which intervals cannot
+see, so it would be warned about where it is right. The analysis knows nothing of the mask, so a read that only escapes at pairs
 the mask removes is warned about too: the reference evaluates the score at every pair
 and raises there as well.
 """
@@ -60,7 +62,7 @@ def escaping_reads(variant: ir.Variant) -> list:
             if not isinstance(node, ir.Load):
                 continue
             for axis, (index, size) in enumerate(zip(node.indices, sizes[node.tensor])):
-                if not isinstance(size, int) or _reads_data(index):
+                if not isinstance(size, int) or _not_judged(index):
                     continue
                 read = _escape(variant, node, axis, index, size)
                 if read is not None:
@@ -68,8 +70,9 @@ def escaping_reads(variant: ir.Variant) -> list:
     return found
 
 
-def _reads_data(e) -> bool:
-    return any(isinstance(n, (ir.Load, ir.Member)) for n in ir.walk(e))
+def _not_judged(e) -> bool:
+    return any(isinstance(n, (ir.Load, ir.Member))
+               or (isinstance(n, ir.Var) and n.name in ("len_q", "len_k")) for n in ir.walk(e))
 
 
 def _range(variant, index, extent: int):
