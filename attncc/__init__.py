@@ -20,4 +20,5 @@ from .version import __version__
 
 __all__ = ["compile", "varlen", "load", "parse", "parse_file", "reference", "decode_reference",
            "variant", "Variant", "where", "isin", "chance", "minimum", "maximum", "exp", "log",
-           "tanh", "sqrt", "floor", "ceil", "trunc", "AttnccError", "SpecError", "SpecWarning", "CallError", "BackendError", "NoGPUError"]
+           "tanh", "sqrt", "floor", "ceil", "trunc", "AttnccError", "SpecError", "SpecWarning",
+           "CallError", "BackendError", "NoGPUError"]

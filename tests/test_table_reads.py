@@ -40,7 +40,8 @@ ESCAPING = {
                     r"in `layout`, `on\[qb - kb\]`.*reaches 17"),
     "rounded": ("input t: f32[h, 8]\n score s + t[h, floor(q / 64.0)]",
                 r"`t\[h, floor\(q / 64.0\)\]`.*past 7 once a size or position reaches 513"),
-    "only masked pairs": ("input bias: f32[10]\n mask q >= k and q - k < 10\n score s + bias[q - k]",
+    "only masked pairs": ("input bias: f32[10]\n mask q >= k and q - k < 10\n"
+                          " score s + bias[q - k]",
                           r"goes below 0"),
 }
 
@@ -62,7 +63,8 @@ SAFE = {
     "floor of positions": "input t: f32[8]\n score s + t[min(floor(q / 64.0), 7)]",
     "where clamp": "input bias: f32[10]\n score s + bias[where(abs(q - k) < 10, abs(q - k), 9)]",
     "where clamp flipped": "input bias: f32[10]\n score s + bias[where(9 < q % 20, 9, q % 20)]",
-    "named axes": "input doc: i32[q]\n input slopes: f32[h]\n mask doc[q] == 0\n score s * slopes[h]",
+    "named axes": ("input doc: i32[q]\n input slopes: f32[h]\n mask doc[q] == 0\n"
+                   " score s * slopes[h]"),
     "data index": "input idx: i32[k]\n input t: f32[4]\n score s + t[idx[k]]",
     # Positions against their lengths (tree verification over a KV cache): not judged.
     "lengths": ("param draft: int = 5\n input ancestors: bool[b, 5, 5]\n"

@@ -165,8 +165,8 @@ class _Analysis:
         bounds = self._float_bounds(x)
         if bounds is None:
             self._fail(e, f"{e.fn}() needs a number whose range is known, so that the integer "
-                          f"it gives is too, but `{ir.print_expr(x)}` can be anything (it reads the "
-                          "score s or a float input, divides by a value that can be 0, or takes "
+                          f"it gives is too, but `{ir.print_expr(x)}` can be anything (it reads "
+                          "the score s or a float input, divides by a value that can be 0, or takes "
                           "log or sqrt of one that can be 0 or less); bound it with min and "
                           f"max, as in {e.fn}(min(max(x, 0.0), 100.0))")
             return Range(INT64_MIN, INT64_MAX)

@@ -11,9 +11,9 @@ Only indices computed from positions, indices, params and constants are judged: 
 index that reads another input depends on that input's data, which is the caller's to
 keep in range, and one that reads len_q or len_k usually relates a position to its
 length (`k - len_k + draft`, below `draft` without offsets), which intervals cannot
-see, so it would be warned about where it is right. The analysis knows nothing of the mask, so a read that only escapes at pairs
-the mask removes is warned about too: the reference evaluates the score at every pair
-and raises there as well.
+see, so it would be warned about where it is right. The analysis knows nothing of the
+mask, so a read that only escapes at pairs the mask removes is warned about too: the
+reference evaluates the score at every pair and raises there as well.
 """
 from __future__ import annotations
 
