@@ -121,8 +121,10 @@ def bind(variant: ir.Variant, q, k, v, inputs: dict, *, q_offset: int = 0,
 def _likely(p: Problem) -> bool:
     """Whether a reading of the tensors is a likely one: no more query heads than the
     longer sequence has positions. Every ordinary call has far fewer heads than positions;
-    a reading with more is most often the other layout read by mistake."""
-    return p.heads_q <= max(p.len_q, p.len_k)
+    a reading with more is most often the other layout read by mistake. Two comparisons,
+    not max(): under torch.compile, max() of symbolic lengths would guard on which is
+    longer and recompile when that changes."""
+    return p.heads_q <= p.len_q or p.heads_q <= p.len_k
 
 
 def _try_bind(*args) -> Problem | None:
