@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import difflib
+import os
+import sys
+import warnings
 
 # Hostile input can make a message or a source line megabytes long; show a window of it.
 MAX_MESSAGE = 400
@@ -58,6 +61,16 @@ class SpecWarning(UserWarning):
 
     def __str__(self) -> str:
         return _located_text(self, "warning")
+
+
+def warn(warning: Warning):
+    """Issue `warning` attributed to the first caller outside attncc (the user's parse,
+    compile or decorator line), as warnings.warn's stacklevel would if it were fixed."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 2  # stacklevel 2 is the frame that called warn()
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(warning, stacklevel=level)
 
 
 def _located_text(e, severity: str) -> str:

@@ -103,3 +103,10 @@ def test_what_the_warning_warns_of_is_real():
     q, k, v = (torch.randn(1, 2, 12, 16) for _ in range(3))
     with pytest.raises(CallError, match="out of range"):
         attncc.reference(variant, q, k, v, bias=torch.randn(2, 10), layout="bhsd")
+
+
+def test_the_warning_points_at_the_users_line():
+    # Not at attncc's internals: the line that parsed the spec, so filters by module work.
+    with pytest.warns(SpecWarning) as caught:
+        attncc.parse("attention r { input bias: f32[h, 10] score s + bias[h, q - k] }")
+    assert caught[0].filename == __file__

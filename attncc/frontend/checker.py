@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
 
 from .. import ir
 from ..analysis import ranges, reads
-from ..errors import SpecError, SpecWarning, did_you_mean
+from ..errors import SpecError, SpecWarning, did_you_mean, warn
 from ..semantics.random_blocks import probability
 
 # A name as the grammar's NAME token spells it; the decorator's names must match it too,
@@ -363,7 +362,7 @@ def check_variant(v: ir.Variant) -> ir.Variant:
     check_structure(v)
     ranges.check_variant(v)
     for decl, read in reads.escaping_reads(v):
-        warnings.warn(SpecWarning(f"variant '{v.name}': {read.message(decl)}"), stacklevel=3)
+        warn(SpecWarning(f"variant '{v.name}': {read.message(decl)}"))
     return v
 
 

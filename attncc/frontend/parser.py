@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import math
 import unicodedata
-import warnings
 from pathlib import Path
 
 import lark
@@ -18,7 +17,7 @@ from lark import Token, Tree
 from . import checker
 from .. import ir
 from ..analysis import ranges, reads
-from ..errors import SpecError, SpecWarning, did_you_mean
+from ..errors import SpecError, SpecWarning, did_you_mean, warn
 from ..resources import grammar_path
 
 # A variant is a few lines. The limits keep hostile input from taking long to parse
@@ -318,9 +317,9 @@ class _Builder:
         for decl, read in reads.escaping_reads(v):
             where = self.trees.get(id(read.load), seen[decl])
             located = self._locate(SpecError(read.message(decl)), where)
-            warnings.warn(SpecWarning(located.message, path=located.path, line=located.line,
-                                      column=located.column, source_line=located.source_line,
-                                      width=located.width), stacklevel=2)
+            warn(SpecWarning(located.message, path=located.path, line=located.line,
+                             column=located.column, source_line=located.source_line,
+                             width=located.width))
 
     def _check_ranges(self, v: ir.Variant, seen: dict):
         """Divisions by zero and integers past 64 bits (attncc/analysis/ranges.py), located at the
