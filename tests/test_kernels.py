@@ -75,7 +75,9 @@ def compare(variant, *, B=2, H=None, Hkv=None, Lq=37, Lk=45, D=32, dtype=torch.f
         inputs = make_inputs(variant, B, H, Lq + q_offset, Lk + k_offset, gen)
     inputs = {n: t.to(DEVICE) for n, t in inputs.items()}
     learnable = [d.name for d in variant.learnable_inputs]
-    extra = dict(dropout_seed=seed + 11, q_offset=q_offset, k_offset=k_offset)
+    # The tensors are (batch, heads, seq, dim) whatever their sizes: said, so that shapes
+    # with more heads than positions (one token) are not refused as ambiguous.
+    extra = dict(dropout_seed=seed + 11, q_offset=q_offset, k_offset=k_offset, layout="bhsd")
 
     def run(fn, cast):
         qkv = [t.to(DEVICE, cast).requires_grad_() for t in (q, k, v)]

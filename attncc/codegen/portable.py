@@ -84,6 +84,9 @@ class TorchEmitter(TritonEmitter):
             return f"_h_{e.fn}({args[0]}, {args[1]})"
         if e.fn == "abs":
             return f"torch.abs(torch.as_tensor({args[0]}))"
+        if e.fn in ir.ROUNDING_FUNCTIONS:
+            rounding = {"floor": "floor", "ceil": "ceil", "int": "trunc"}[e.fn]
+            return f"torch.{rounding}(torch.as_tensor({args[0]}) * 1.0).long()"
         return f"torch.{e.fn}(torch.as_tensor({args[0]}) * 1.0)"
 
     def Where(self, e):

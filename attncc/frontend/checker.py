@@ -10,8 +10,8 @@ import math
 import re
 
 from .. import ir
-from ..analysis import ranges
-from ..errors import SpecError, did_you_mean
+from ..analysis import ranges, reads
+from ..errors import SpecError, SpecWarning, did_you_mean, warn
 from ..semantics.random_blocks import probability
 
 # A name as the grammar's NAME token spells it; the decorator's names must match it too,
@@ -154,6 +154,12 @@ def type_of(node, child_types: list, scope: Scope) -> str:
             raise SpecError(f"{node.fn}() needs numbers, not a condition")
         if node.fn in ir.FLOAT_FUNCTIONS:
             return ir.FLOAT
+        if node.fn in ir.ROUNDING_FUNCTIONS:
+            if child_types[0] == ir.INT:
+                raise SpecError(f"{node.fn}() of an integer is that integer: its argument is "
+                                f"already one, so drop {node.fn}() (it rounds numbers, as in "
+                                f"{node.fn}(q / 8.0))")
+            return ir.INT
         return ir.INT if all(t == ir.INT for t in child_types) else ir.FLOAT
     if isinstance(node, ir.Where):
         ct, at, bt = child_types
@@ -355,6 +361,8 @@ def check_variant(v: ir.Variant) -> ir.Variant:
             check_declared_type(decl, check_expr(e, Scope(decl, params, inputs)))
     check_structure(v)
     ranges.check_variant(v)
+    for decl, read in reads.escaping_reads(v):
+        warn(SpecWarning(f"variant '{v.name}': {read.message(decl)}"))
     return v
 
 

@@ -16,8 +16,8 @@ from lark import Token, Tree
 
 from . import checker
 from .. import ir
-from ..analysis import ranges
-from ..errors import SpecError, did_you_mean
+from ..analysis import ranges, reads
+from ..errors import SpecError, SpecWarning, did_you_mean, warn
 from ..resources import grammar_path
 
 # A variant is a few lines. The limits keep hostile input from taking long to parse
@@ -308,7 +308,18 @@ class _Builder:
             if "input" in err.message:
                 culprit = next((d for d in decls if d.data == "input_decl"), tree)
             raise self._locate(err, culprit)
+        self._warn_reads(v, seen)
         return v
+
+    def _warn_reads(self, v: ir.Variant, seen: dict):
+        """A SpecWarning, located at the read, for each fixed-size table read whose index
+        can leave the table (attncc/analysis/reads.py)."""
+        for decl, read in reads.escaping_reads(v):
+            where = self.trees.get(id(read.load), seen[decl])
+            located = self._locate(SpecError(read.message(decl)), where)
+            warn(SpecWarning(located.message, path=located.path, line=located.line,
+                             column=located.column, source_line=located.source_line,
+                             width=located.width))
 
     def _check_ranges(self, v: ir.Variant, seen: dict):
         """Divisions by zero and integers past 64 bits (attncc/analysis/ranges.py), located at the

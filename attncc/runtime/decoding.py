@@ -457,11 +457,12 @@ def decode_reference(variant: ir.Variant, q, k_cache, v_cache, *, cache_seqlens,
             if reads_len_q:
                 q_rows = q.new_zeros((1, Hq, L, D))
                 q_rows[:, :, L - seen:] = q[b:b + 1, :, n_q - seen:]
-                o, s = reference(variant, q_rows, k_row, v_row, return_lse=True, **row_inputs)
+                o, s = reference(variant, q_rows, k_row, v_row, return_lse=True,
+                                 layout="bhsd", **row_inputs)
                 o, s = o[:, :, L - seen:], s[:, :, L - seen:]
             else:
                 o, s = reference(variant, q[b:b + 1, :, n_q - seen:], k_row, v_row,
-                                 q_offset=L - seen, return_lse=True, **row_inputs)
+                                 q_offset=L - seen, return_lse=True, layout="bhsd", **row_inputs)
             out[:, :, n_q - seen:] = o
             lse[:, :, n_q - seen:] = s
         outs.append(out)

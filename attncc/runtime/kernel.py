@@ -226,7 +226,7 @@ class Kernel:
     def __repr__(self):
         return f"<attncc kernel '{self.variant.name}' ({self.backend} forward): {self.strategy}>"
 
-    def check_call(self, q, k, v, inputs, q_offset, k_offset, layout="bhsd", *,
+    def check_call(self, q, k, v, inputs, q_offset, k_offset, layout=None, *,
                    index_lists: bool = True):
         """The call's Problem, or a CallError naming what is wrong. Reads shapes, dtypes
         and devices only, so that torch.compile can run it on FakeTensors at trace time,
@@ -290,7 +290,7 @@ class Kernel:
 
     def __call__(self, q, k, v, *positional, return_lse: bool = False,
                  dropout_seed: int | None = None, training: bool = True, q_offset: int = 0,
-                 k_offset: int = 0, tables: "TileTables | None" = None, layout: str = "bhsd",
+                 k_offset: int = 0, tables: "TileTables | None" = None, layout: str | None = None,
                  **inputs):
         # Everything up to the operator call is what torch.compile traces (attncc/runtime/ops.py):
         # Python on shapes, dtypes and devices, no tensor data read.
@@ -405,7 +405,7 @@ class Kernel:
                         f"{tile_density(self.module, p, inputs, device, self.variant.block):.3f}")
 
     def tile_tables(self, q, k, v, *, q_offset: int = 0, k_offset: int = 0,
-                    layout: str = "bhsd", **inputs) -> "TileTables":
+                    layout: str | None = None, **inputs) -> "TileTables":
         """Tile tables for calls shaped like this one, to keep and pass as `tables=`.
 
         Without them the kernel keeps the tables of its 32 latest calls, keyed by the
@@ -424,7 +424,7 @@ class Kernel:
         return TileTables(self, p, inputs, q.device)
 
     def density(self, q, k, v, *, block: int | None = None, q_offset: int = 0,
-                k_offset: int = 0, layout: str = "bhsd", **inputs) -> float:
+                k_offset: int = 0, layout: str | None = None, **inputs) -> float:
         """The fraction of block x block tiles (default: the layout's block, else 64) that
         the kernels visit for calls shaped like this one, averaged over batch and heads.
         Tiles are classified as the tables do, so this may count a tile the kernels'

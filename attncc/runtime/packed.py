@@ -440,7 +440,7 @@ class VarlenKernel:
         q4, k4, v4, bound = self._bind(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, inputs)
         result = self.kernel(q4, k4, v4, return_lse=return_lse, dropout_seed=dropout_seed,
-                             training=training, **bound)
+                             training=training, layout="bhsd", **bound)
         if return_lse:
             out, lse = result
             return out[0].transpose(0, 1), lse[0]
@@ -455,7 +455,8 @@ class VarlenKernel:
         q4, k4, v4, bound = self._bind(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, inputs)
         result = reference(self.variant, q4, k4, v4, return_lse=return_lse,
-                           dropout_seed=dropout_seed, training=training, **bound)
+                           dropout_seed=dropout_seed, training=training, layout="bhsd",
+                           **bound)
         if return_lse:
             out, lse = result
             return out[0].transpose(0, 1), lse[0]

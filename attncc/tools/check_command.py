@@ -66,7 +66,7 @@ def _run_attention(fn, variant, q, k, v, inputs, dout):
     """(results {name: tensor}) of fn = kernel or reference: out, lse, dq, dk, dv, d<input>."""
     learn = [d.name for d in variant.learnable_inputs]
     kwargs = {"dropout_seed": CHECK_DROPOUT_SEED} if variant.dropout else {}
-    out, lse = fn(q, k, v, return_lse=True, **kwargs, **inputs)
+    out, lse = fn(q, k, v, return_lse=True, layout="bhsd", **kwargs, **inputs)
     wrt = [q, k, v] + [inputs[n] for n in learn]
     grads = torch.autograd.grad(out, wrt, dout, allow_unused=True)
     res = {"out": out, "lse": lse}
