@@ -6,6 +6,8 @@ knows where each node came from), the decorator reports the Python function inst
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import re
 
@@ -250,19 +252,41 @@ def check_dropout(p):
         raise SpecError(f"dropout {p} is out of range: the probability must be in [0, 1)")
 
 
-# Keyword arguments of a kernel call, of kernel.decode (and of attncc.reference and
-# decode_reference): an input of one of these names could not be passed, since inputs are
-# keyword arguments too.
-DECODE_KEYWORDS = ("k_cache", "v_cache", "cache_seqlens", "k_new", "v_new", "block_table",
-                   "num_splits", "config")
-CALL_KEYWORDS = ("v", "return_lse", "dropout_seed", "training", "q_offset", "k_offset",
-                 "tables", "layout") + DECODE_KEYWORDS
+def calls_taking_inputs() -> tuple:
+    """(what the user calls, the function) for every public call that takes a variant's
+    inputs as keyword arguments (**inputs). Its other parameters that can be passed by
+    keyword are names no input may take: the input could never be passed."""
+    # Imported here: the runtime imports the front end.
+    from .. import distributed
+    from ..runtime import decoding, packed
+    from ..runtime.kernel import Kernel
+    from ..semantics import reference
+    return (("the kernel call", Kernel.__call__), ("kernel.decode", Kernel.decode),
+            ("kernel.tile_tables", Kernel.tile_tables), ("kernel.density", Kernel.density),
+            ("a varlen kernel's call", packed.VarlenKernel.__call__),
+            ("varlen_kernel.reference", packed.VarlenKernel.reference),
+            ("varlen_kernel.density", packed.VarlenKernel.density),
+            ("attncc.reference", reference.reference),
+            ("attncc.decode_reference", decoding.decode_reference),
+            ("attncc.context_parallel_attention", distributed.context_parallel_attention))
+
+
+@functools.cache
+def call_keywords() -> dict:
+    """{keyword: the first call in calls_taking_inputs() that takes it}, read from the
+    calls' signatures (never a list kept by hand, which a new keyword would outgrow)."""
+    taken = {}
+    for label, fn in calls_taking_inputs():
+        for param in inspect.signature(fn).parameters.values():
+            if param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+                taken.setdefault(param.name, label)
+    return taken
 
 
 def check_input(inp: ir.InputDecl):
-    if inp.name in CALL_KEYWORDS:
-        call = "kernel.decode" if inp.name in DECODE_KEYWORDS else "the kernel call"
-        raise SpecError(f"an input cannot be named '{inp.name}': {call} already takes "
+    taken_by = call_keywords().get(inp.name)
+    if taken_by is not None:
+        raise SpecError(f"an input cannot be named '{inp.name}': {taken_by} already takes "
                         f"{inp.name}= (inputs are passed as keyword arguments); choose another name")
     if inp.dtype not in ir.DTYPES:
         raise SpecError(f"unknown element type '{inp.dtype}': use one of {', '.join(ir.DTYPES)}"

@@ -386,7 +386,7 @@ class _Builder:
         try:
             checker.check_input(inp)
         except SpecError as err:
-            bad = name_tok if name in checker.CALL_KEYWORDS else (
+            bad = name_tok if name in checker.call_keywords() else (
                 dtype_tok if str(dtype_tok) not in ir.DTYPES else (
                     name_tok if "learnable" in err.message else axes_tree))
             raise self._locate(err, bad)

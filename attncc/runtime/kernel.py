@@ -285,7 +285,7 @@ class Kernel:
         and tuned, on first use. Without dropout in the variant, the kernel itself."""
         return self._without_dropout if self.variant.dropout else self
 
-    def __call__(self, q, k, v, *positional, return_lse: bool = False,
+    def __call__(self, q, k, v, /, *positional, return_lse: bool = False,
                  dropout_seed: int | None = None, training: bool = True, q_offset: int = 0,
                  k_offset: int = 0, tables: "TileTables | None" = None, layout: str = "bhsd",
                  **inputs):
@@ -361,7 +361,7 @@ class Kernel:
             return self._shape_densities[key]
         return (self._tuning_context(p, inputs, device, tables),
                 tables.density if tables is not None else None, shape_density)
-    def decode(self, q, k_cache, v_cache, *, cache_seqlens=None, k_new=None, v_new=None,
+    def decode(self, q, /, k_cache, v_cache, *, cache_seqlens=None, k_new=None, v_new=None,
                block_table=None, return_lse: bool = False, num_splits: int | None = None,
                config: dict | None = None, **inputs):
         """Split-KV decoding: n_q new query tokens per batch row against a KV cache.
@@ -397,7 +397,7 @@ class Kernel:
         return lambda: (f"on a layout of tile density "
                         f"{tile_density(self.module, p, inputs, device, self.variant.block):.3f}")
 
-    def tile_tables(self, q, k, v, *, q_offset: int = 0, k_offset: int = 0,
+    def tile_tables(self, q, k, v, /, *, q_offset: int = 0, k_offset: int = 0,
                     layout: str = "bhsd", **inputs) -> "TileTables":
         """Tile tables for calls shaped like this one, to keep and pass as `tables=`.
 
@@ -416,7 +416,7 @@ class Kernel:
                             "the kernel without tables=")
         return TileTables(self, p, inputs, q.device)
 
-    def density(self, q, k, v, *, block: int | None = None, q_offset: int = 0,
+    def density(self, q, k, v, /, *, block: int | None = None, q_offset: int = 0,
                 k_offset: int = 0, layout: str = "bhsd", **inputs) -> float:
         """The fraction of block x block tiles (default: the layout's block, else 64) that
         the kernels visit for calls shaped like this one, averaged over batch and heads.
