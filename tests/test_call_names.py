@@ -79,3 +79,65 @@ def test_inputs_named_like_positional_parameters_can_be_passed(name):
                                                        k.double(), v.double(), cache_seqlens=23,
                                                        **{name: slopes.double()}),
                                atol=2e-5, rtol=1e-4)
+
+
+# ------------------------------------------------------------------ did you mean
+ALIBI = "attention a { input slopes: f32[h]\n mask q >= k\n score s + slopes[h] * (k - q) }"
+
+
+@pytest.mark.parametrize("typo, meant", [("retrun_lse", "return_lse"), ("q_ofset", "q_offset"),
+                                          ("dropout_sed", "dropout_seed"), ("slops", "slopes"),
+                                          ("k_cach", "k_cache")])
+def test_a_misspelt_call_keyword_or_input_gets_a_suggestion(typo, meant):
+    kernel = attncc.compile(ALIBI)
+    q = torch.randn(1, 2, 5, 16)
+    inputs = {} if meant == "slopes" else {"slopes": torch.rand(2)}
+    with pytest.raises(attncc.CallError, match=rf"unexpected input '{typo}'.*; did you mean '{meant}'\?"):
+        kernel(q, q, q, **inputs, **{typo: 1})
+    with pytest.raises(attncc.CallError, match=rf"did you mean '{meant}'\?"):
+        attncc.reference(kernel.variant, q, q, q, **inputs, **{typo: 1})
+
+
+def test_several_misspelt_keywords_each_get_their_suggestion():
+    kernel = attncc.compile(ALIBI)
+    q = torch.randn(1, 2, 5, 16)
+    with pytest.raises(attncc.CallError) as err:
+        kernel(q, q, q, slopes=torch.rand(2), retrun_lse=True, q_ofset=1, zzz=2)
+    msg = str(err.value)
+    assert "for 'retrun_lse', did you mean 'return_lse'?" in msg
+    assert "for 'q_ofset', did you mean 'q_offset'?" in msg
+    assert "'zzz', did you mean" not in msg  # nothing close: no guess
+
+
+def test_an_unknown_name_with_nothing_close_gets_no_suggestion():
+    kernel = attncc.compile(ALIBI)
+    q = torch.randn(1, 2, 5, 16)
+    with pytest.raises(attncc.CallError) as err:
+        kernel(q, q, q, slopes=torch.rand(2), xyzzy=1)
+    assert "did you mean" not in str(err.value)
+
+
+@pytest.mark.parametrize("typo, meant", [("maks", "mask"), ("scroe", "score"), ("inptu", "input"),
+                                          ("learnabel", "learnable"), ("hedas", "heads"),
+                                          ("layot", "layout"), ("dropuot", "dropout")])
+def test_a_misspelt_declaration_gets_a_suggestion(typo, meant):
+    with pytest.raises(SpecError, match=rf"unexpected name '{typo}'.*; did you mean '{meant}'\?"):
+        attncc.parse(f"attention a {{ mask q >= k\n {typo} q >= k }}")
+
+
+def test_a_name_after_an_incomplete_declaration_still_gets_that_hint():
+    with pytest.raises(SpecError, match=r"'window'.*is the previous declaration complete\?"):
+        attncc.parse("attention a { mask q >= k window }")
+
+
+def test_a_misspelt_member_of_a_variant_class_gets_a_suggestion():
+    class Causal:
+        def maks(q, k):
+            return q >= k
+    with pytest.raises(SpecError, match=r"has \['maks'\].*; did you mean 'mask'\?"):
+        attncc.variant(Causal)
+
+
+def test_a_misspelt_compile_option_gets_a_suggestion():
+    with pytest.raises(TypeError, match=r"'confg'.*; did you mean 'config'\?"):
+        attncc.compile("attention c { mask q >= k }", confg={})

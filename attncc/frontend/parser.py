@@ -161,7 +161,7 @@ def _syntax_error(e, text, lines, path) -> SpecError:
         ch = text[e.pos_in_stream] if e.pos_in_stream < len(text) else ""
         return SpecError(_unexpected_character(ch), path=path, line=line, column=col,
                          source_line=src)
-    token = getattr(e, "token", None)
+    token = _whole_name(text, getattr(e, "token", None))
     glued = _glued_word(text, token)
     if glued:
         # `1.2.3` or `12ab` lex as two tokens; name the whole word instead of its tail.
@@ -193,6 +193,20 @@ def _unexpected_character(ch: str) -> str:
         label = unicodedata.name(ch, "a control character")
         return f"unexpected invisible character U+{ord(ch):04X} ({label})"
     return f"unexpected character {ch!r}"
+
+
+def _whole_name(text: str, token):
+    """The token, or the whole name when it is a keyword that begins one: where no name
+    may stand the lexer takes `in` out of `index` (or `inptu`, a misspelt `input`), and
+    the error should quote what was written."""
+    if token is None or not str(token).isalpha() or token.type == "NAME":
+        return token
+    end = token.end_pos
+    while end < len(text) and (text[end].isalnum() or text[end] == "_"):
+        end += 1
+    if end == token.end_pos:
+        return token
+    return lark.Token.new_borrow_pos("NAME", text[token.start_pos:end], token)
 
 
 def _glued_word(text: str, token):
@@ -232,7 +246,9 @@ def _expectation(expected, token) -> str:
     if decls & words and "'}'" in words:
         hint = "; expected a declaration (" + ", ".join(checker.DECL_NAMES) + ") or '}'"
         if token is not None and token.type == "NAME":
-            hint += " (is the previous declaration complete?)"
+            # A misspelt declaration (`maks`), or a name after an incomplete one.
+            hint += (did_you_mean(str(token), (*checker.DECL_NAMES, "learnable"))
+                     or " (is the previous declaration complete?)")
         return hint
     if not words:
         return ""

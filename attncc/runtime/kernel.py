@@ -15,7 +15,7 @@ import torch
 from .. import ir
 from ..codegen import gluon
 from ..codegen.generated import Generated
-from ..errors import CallError
+from ..errors import CallError, did_you_mean
 from ..frontend.load import load
 from ..semantics.evaluate import check_index_list
 from . import backends, configs, ops, precompile, tuning
@@ -548,4 +548,5 @@ def _compile_option_hint(name: str, value) -> str:
         return (f"attncc.compile() takes no {name}=: it is part of the variant; declare it in "
                 f"the spec (or in @attncc.variant)")
     return (f"attncc.compile() got an unexpected keyword argument '{name}'; it takes a spec "
-            f"(a path, spec text or Variant) and config={_CONFIG_EXAMPLE} to pin tiles")
+            f"(a path, spec text or Variant), backend= and config={_CONFIG_EXAMPLE} to pin tiles"
+            f"{did_you_mean(name, ('backend', 'config'))}")
