@@ -214,13 +214,63 @@ def check_expr(e, scope: Scope, on_error=None) -> str:
 
 def check_depth(e):
     """Refuse an expression nested deeper than MAX_DEPTH, without recursing to find out."""
-    stack = [(e, 1)]
+    stack = [(e, 1, None)]
     while stack:
-        node, depth = stack.pop()
+        node, depth, path = stack.pop()
+        path = (node, path)
         if depth > MAX_DEPTH:
-            raise SpecError(f"this expression is nested more than {MAX_DEPTH} levels deep; "
-                            "a variant's expressions are a few operators long")
-        stack.extend((c, depth + 1) for c in ir.children(node))
+            raise SpecError(too_deep_message(_linked(path), _ir_operator, _ir_first))
+        stack.extend((c, depth + 1, path) for c in ir.children(node))
+
+
+def _linked(path) -> list:
+    """(node, (parent, (...))) as a list, root first."""
+    out = []
+    while path is not None:
+        node, path = path
+        out.append(node)
+    return out[::-1]
+
+
+ADDITIVE = ("+", "-")
+
+
+def _ir_operator(node):
+    """The operator that chains with itself on the left (`a + b - c`), or None."""
+    if isinstance(node, ir.BinOp):
+        return "+-" if node.op in ADDITIVE else "*/"
+    return {ir.And: "and", ir.Or: "or", ir.Not: "not", ir.Neg: "-"}.get(type(node))
+
+
+def _ir_first(node):
+    return node.lhs if isinstance(node, (ir.BinOp, ir.And, ir.Or)) else node.operand
+
+
+def too_deep_message(path, operator, first) -> str:
+    """Why the expression whose root-to-leaf `path` is deeper than MAX_DEPTH is refused.
+    A long run of one operator (`s + s + ... + s`) nests nothing the user wrote, so it
+    is named as a chain, with its length. `operator(node)` says what a node chains
+    with (or None), `first(node)` its left operand (the tree's own shape, IR or parse)."""
+    best, best_top, run = 0, None, 0
+    for i in range(1, len(path)):
+        above, node = path[i - 1], path[i]
+        kind = operator(above)
+        run = run + 1 if kind is not None and operator(node) == kind and first(above) is node else 0
+        if run > best:
+            best, best_top = run, path[i - run]
+    if best_top is not None and best >= MAX_DEPTH // 2:
+        kind, node, length = operator(best_top), best_top, 0
+        while operator(node) == kind:
+            length, node = length + 1, first(node)
+        return (f"this expression has an operator chain longer than {MAX_DEPTH} levels allow: "
+                f"{length} `{_chain_words(kind)}` in a row; a variant's expressions are a few "
+                "operators long")
+    return (f"this expression is nested more than {MAX_DEPTH} levels deep; a variant's "
+            "expressions are a few operators long")
+
+
+def _chain_words(kind: str) -> str:
+    return {"+-": "+` or `-", "*/": "*`, `/`, `//` or `%"}.get(kind, kind)
 
 
 def check_declared_type(decl: str, t: str):

@@ -98,8 +98,8 @@ def parse(text: str, path: str = "<spec>") -> ir.Variant:
     builder = _Builder(lines, path)
     deepest = _too_deep(tree)
     if deepest is not None:
-        raise builder.fail(f"this expression is nested more than {MAX_DEPTH} levels deep; "
-                           "a variant's expressions are a few operators long", deepest)
+        raise builder.fail(checker.too_deep_message(deepest, _tree_operator, _tree_first),
+                           deepest[-1])
     return builder.variant(tree)
 
 
@@ -140,14 +140,30 @@ def _check_size(text, lines, path):
 
 
 def _too_deep(tree):
-    """The first expression node deeper than MAX_DEPTH, found without recursing."""
-    stack = [(tree, 0)]
+    """The path (root first) to the first expression node deeper than MAX_DEPTH, found
+    without recursing, or None."""
+    stack = [(tree, 0, None)]
     while stack:
-        node, depth = stack.pop()
+        node, depth, path = stack.pop()
+        path = (node, path)
         if depth > MAX_DEPTH:
-            return node
-        stack.extend((c, depth + 1) for c in node.children if isinstance(c, Tree))
+            return checker._linked(path)
+        stack.extend((c, depth + 1, path) for c in node.children if isinstance(c, Tree))
     return None
+
+
+_CHAINS = {"or_": "or", "and_": "and", "not_": "not", "neg": "-"}
+
+
+def _tree_operator(node):
+    """What a parse-tree node chains with on the left (checker.too_deep_message)."""
+    if node.data == "binop":
+        return "+-" if str(node.children[1]) in checker.ADDITIVE else "*/"
+    return _CHAINS.get(node.data)
+
+
+def _tree_first(node):
+    return node.children[0]
 
 
 # ------------------------------------------------------------------------ syntax errors
@@ -490,8 +506,13 @@ class _Builder:
         return ir.BinOp(str(op), a, b), (a, b)
 
     def x_compare(self, t):
-        operands = [self.expr(c) for c in t.children[0::2]]
         ops = [str(o) for o in t.children[1::2]]
+        if len(ops) > checker.MAX_DEPTH:
+            # `a < b < c ...` becomes a chain of `and`: say what was written.
+            raise self.fail(f"this comparison chain is longer than {checker.MAX_DEPTH} "
+                            f"comparisons ({len(ops)}); a variant's expressions are a few "
+                            "operators long", t.children[1 + 2 * checker.MAX_DEPTH])
+        operands = [self.expr(c) for c in t.children[0::2]]
         result = None
         for i, op in enumerate(ops):
             cmp = ir.Cmp(op, operands[i], operands[i + 1])
