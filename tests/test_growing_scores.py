@@ -73,3 +73,21 @@ def test_derivative_that_is_nan_past_the_mask_contributes_nothing():
             _finite(f"{bad.name} {name}", g)
             torch.testing.assert_close(g.double(), w, atol=2e-4 * max(1.0, w.abs().max().item()),
                                        rtol=1e-3, msg=f"{bad.name} {name}")
+
+
+def test_a_slope_gradient_that_is_exactly_zero_keeps_only_rounding_noise():
+    """One key per row (len_k 1): the softmax is constant, the slope's gradient exactly 0,
+    and what the kernel keeps is dS's rounding noise times |k - q| over every row: the
+    tolerance scales with it (tolerance.input_gradient_scales), as dq's does. The fuzzer's
+    example, positions near 2**31 included."""
+    variant = attncc.parse("""attention one_key {
+        scale 0.3
+        learnable input slope: f32[h]
+        score s + slope[h] * (k - q)
+        dropout 0.1 }""")
+    slopes = torch.tensor([-3.7, 2.9])
+    got, ref = compare(variant, B=2, H=2, Lq=59, Lk=1, D=48, seed=58, inputs={"slope": slopes},
+                       q_offset=2_147_483_555, k_offset=2_147_483_548)
+    assert torch.equal(ref[-1], torch.zeros(2, dtype=torch.float64))
+    _finite("dslope", got[-1])
+    assert got[-1].abs().max() < 1e-2  # noise, not a gradient
