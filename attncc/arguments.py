@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from . import ir
-from .errors import CallError
+from .errors import CallError, did_you_mean
 from .analysis.ranges import MAX_EXTENT
+from .frontend.checker import call_keywords
 
 TORCH_DTYPES = {
     "bool": torch.bool, "i8": torch.int8, "i16": torch.int16, "i32": torch.int32,
@@ -268,9 +269,15 @@ def check_input_names(variant: ir.Variant, inputs: dict):
             raise CallError(f"{name}= is an argument of scaled_dot_product_attention, not of an "
                             f"attncc call: {SDPA_KEYWORDS[name](inputs[name])}")
     if extra:
+        # A misspelt input or call keyword (`retrun_lse=`, `q_ofset=`) lands here too.
+        known = [*declared, *call_keywords()]
+        hints = "".join(did_you_mean(e, known) if len(extra) == 1 else
+                        did_you_mean(e, known).replace("; did you mean", f"; for '{e}', did you mean")
+                        for e in extra)
         raise CallError(f"unexpected input{'s' if len(extra) > 1 else ''} "
                         f"{', '.join(repr(e) for e in extra)}: the variant '{variant.name}' declares "
-                        + (", ".join(repr(d) for d in declared) if declared else "no inputs"))
+                        + (", ".join(repr(d) for d in declared) if declared else "no inputs")
+                        + hints)
     missing = [d for d in declared if d not in inputs]
     if missing:
         decl = declared[missing[0]]

@@ -290,7 +290,7 @@ def make_schedule(kernel, sharding: Sharding, problem: Problem, inputs: dict, de
 
 
 # ------------------------------------------------------------------------ the call
-def context_parallel_attention(kernel, q, k, v, *, group=None, scheme: str = "zigzag",
+def context_parallel_attention(kernel, q, k, v, /, *, group=None, scheme: str = "zigzag",
                                return_lse: bool = False, dropout_seed: int | None = None,
                                training: bool = True, **inputs):
     """Attention of `kernel` over a sequence sharded across `group` (default: the world).

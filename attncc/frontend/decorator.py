@@ -381,7 +381,8 @@ def variant(_obj=None, *, name=None, heads=None, params=None, inputs=None, learn
             unknown = [a for a in vars(obj) if not a.startswith("_") and a not in parts]
             if unknown:
                 raise SpecError(f"variant class '{obj.__name__}' has {unknown}; it may define "
-                                "only mask, score, layout and scale")
+                                "only mask, score, layout and scale"
+                                f"{did_you_mean(unknown[0], parts)}")
         elif callable(obj):
             parts = {"mask": obj}
         else:
