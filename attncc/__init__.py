@@ -5,7 +5,6 @@
 
 See README.md for the language and the Python decorator.
 """
-from . import flash  # attncc.flash.flash_attn_func, flash_attn_varlen_func
 from .errors import AttnccError, BackendError, CallError, NoGPUError, SpecError, SpecWarning
 from .frontend.decorator import (ceil, chance, exp, floor, isin, log, maximum, minimum, sqrt, tanh,
                                  trunc, variant, where)
@@ -22,3 +21,13 @@ __all__ = ["compile", "varlen", "load", "parse", "parse_file", "reference", "dec
            "variant", "Variant", "where", "isin", "chance", "minimum", "maximum", "exp", "log",
            "tanh", "sqrt", "floor", "ceil", "trunc", "AttnccError", "SpecError", "SpecWarning",
            "CallError", "BackendError", "NoGPUError"]
+
+
+def __getattr__(name: str):
+    # attncc.flash (flash-attn's API) is imported on first use: it marks a function for
+    # torch.compile, which imports torch._dynamo and sympy, seconds that `import attncc`
+    # and a warm start must not pay. `import attncc.flash` works as for any submodule.
+    if name == "flash":
+        import importlib
+        return importlib.import_module(".flash", __name__)
+    raise AttributeError(f"module 'attncc' has no attribute {name!r}")

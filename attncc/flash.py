@@ -33,7 +33,6 @@ import operator
 from collections import OrderedDict
 
 import torch
-from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from .errors import CallError
 
@@ -97,11 +96,19 @@ def _number(x: float) -> str:
     return text if x >= 0 else f"({text})"
 
 
+def _concrete(x):
+    """x as a plain Python number: a symbolic one (under torch.compile) is specialised, so
+    another value recompiles. Imported on first use: symbolic_shapes imports sympy, which
+    `import attncc` and a warm start (a kernel found in the cache) must not pay for."""
+    from torch.fx.experimental.symbolic_shapes import guard_scalar
+    return guard_scalar(x)
+
+
 def _real(name: str, x, requirement: str) -> float:
     """A flash-attn float option as a Python float; `requirement` says what is allowed."""
     if isinstance(x, bool) or not isinstance(x, (numbers.Real, torch.SymInt, torch.SymFloat)):
         raise CallError(f"{name} must be {requirement}, got {x!r}")
-    return guard_scalar(float(x))  # under torch.compile, a symbolic float is specialised
+    return _concrete(float(x))  # under torch.compile, a symbolic float is specialised
 
 
 def _integer(name: str, x) -> int:
@@ -118,7 +125,7 @@ def _integer(name: str, x) -> int:
     except TypeError:
         raise CallError(f"{name} must be an integer, got {x!r} "
                         f"({type(x).__name__}); -1 means unbounded") from None
-    return guard_scalar(value)
+    return _concrete(value)
 
 
 def _window(window_size, seqlen_k) -> tuple:
