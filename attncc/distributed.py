@@ -553,13 +553,16 @@ def _differs(name: str, values: list) -> str:
 
 
 def _groups(values: list) -> str:
-    """'ranks 0, 2 agree; rank 1 differs': the ranks grouped by value."""
+    """'ranks 0, 2 hold one value; rank 1 another': the ranks grouped by value."""
     groups: dict = {}
     for r, value in enumerate(values):
         groups.setdefault(value, []).append(r)
-    return "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} "
-                     f"{'hold one value' if i == 0 else 'another'}"
-                     for i, rs in enumerate(groups.values()))
+    said = []
+    for i, ranks in enumerate(groups.values()):
+        who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        said.append(f"{who} {'hold' if len(ranks) > 1 else 'holds'} one value" if i == 0
+                    else f"{who} another")
+    return "; ".join(said)
 
 
 class _ContextParallelAttention(torch.autograd.Function):
