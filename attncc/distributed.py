@@ -32,9 +32,8 @@ shift, not a ring that forwards them), so each hop's transfer is skipped on its 
 when the receiver has no pair to compute with them: a sliding window exchanges keys
 with its neighbours only. For masks and layouts that read no tensor, the schedule is
 computed on the host from shapes alone (no communication, cached); when they read
-tensors (document ids), each rank classifies on its device and one small all-reduce
-makes the schedule, and so the communication, the same on every rank (and catches
-inputs that differ between ranks).
+tensors (document ids), each rank classifies on its device, from inputs the agreement
+below found the same on every rank, so every rank makes the same schedule.
 
 Overlap. The next hop's keys and values are posted (`batch_isend_irecv`) before the
 current hop is computed, and a hop's dK/dV are posted as soon as they are computed. On
@@ -43,8 +42,14 @@ current stream where the work is posted, and `wait()` makes the current stream w
 it, so the transfers overlap the kernels without a stream of our own; with gloo on the
 CPU they run on gloo's threads.
 
-Every rank must call with the same shapes, scheme, group and (with dropout) the same
-`dropout_seed`, as with any collective.
+Agreement. Every rank must call with shards of one length, the same scheme, kernel,
+batch, heads, dtype, inputs and (with dropout) dropout_seed, and all record a backward
+or none. Before any transfer, one all-gather of a few int64 per rank (`Signature`: those
+fields and a checksum of each input) checks it, and also carries whether the rank's own
+checks refused the call: a refusal or a disagreement raises the same CallError on
+every rank (`agree`), so no rank waits on a transfer that never comes, and none
+computes with buffers sized from another rank's length. Uneven shards are refused, not
+supported: the pieces have one length, which sizes every transfer and piece pair.
 """
 from __future__ import annotations
 
@@ -110,6 +115,11 @@ class Sharding:
     def piece_len(self, seq_len: int) -> int:
         """The length of each piece of a sequence of `seq_len` positions."""
         n = self.n_pieces
+        if seq_len == 0:
+            raise CallError(f"the sequence is empty (0 positions): {self.scheme} sharding over "
+                            f"{self.world_size} ranks cuts it into {n} non-empty pieces of equal "
+                            f"length; pass a sequence of at least {n} positions (a multiple of "
+                            f"{n})")
         if seq_len < n or seq_len % n:
             per_rank = f"two pieces per rank, {n} in all" if self.scheme == "zigzag" else f"{n} pieces"
             raise CallError(f"a sequence of {seq_len} positions cannot be cut into {per_rank} "
@@ -406,8 +416,10 @@ class Signature:
         lengths = [t.shape[2] if t is not None else -1 for t in tensors]
         shapes = [(tuple(t.shape[:2]) + tuple(t.shape[3:]), str(t.dtype)) if t is not None
                   else None for t in tensors]
-        seed = dropout_seed if isinstance(dropout_seed, int) and not isinstance(dropout_seed, bool) \
-            and 0 <= dropout_seed < 2 ** 32 else -1
+        seed = -1  # also where the seed is malformed: that rank refuses the call
+        if isinstance(dropout_seed, int) and not isinstance(dropout_seed, bool) \
+                and 0 <= dropout_seed < 2 ** 32:
+            seed = dropout_seed
         dropout = is_kernel and bool(kernel.variant.dropout) and training is True
         records = torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, *inputs.values()))
