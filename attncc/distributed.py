@@ -404,7 +404,6 @@ class Signature:
     fields: list          # ints, in SIGNATURE_FIELDS order
     input_names: list     # the names of the input slots, in order
     checksums: list       # one int64 [CHECKSUM_WORDS] tensor per input slot
-    scheme: str
 
     @classmethod
     def of(cls, kernel, q, k, v, scheme, dropout_seed, training, inputs, *, refused: bool):
@@ -420,14 +419,14 @@ class Signature:
         if isinstance(dropout_seed, int) and not isinstance(dropout_seed, bool) \
                 and 0 <= dropout_seed < 2 ** 32:
             seed = dropout_seed
-        dropout = is_kernel and bool(kernel.variant.dropout) and training is True
+        has_dropout = is_kernel and bool(kernel.variant.dropout)  # else neither matters
         records = torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, *inputs.values()))
         fields = [int(refused),
                   SCHEMES.index(scheme) + 1 if scheme in SCHEMES else 0,
                   int(kernel.key[:15], 16) if is_kernel else 0,
-                  int(training is True),
-                  seed if dropout else -1,
+                  int(training is True) if has_dropout else -1,
+                  seed if has_dropout and training is True else -1,
                   *lengths,
                   _crc(shapes),
                   int(records)]
@@ -441,7 +440,7 @@ class Signature:
                 else:
                     names[-1] = f"{names[-1]}, {decl.name}"
                     checksums[-1] = checksums[-1] + sums.to(checksums[-1].device)
-        return cls(fields, names, checksums, scheme)
+        return cls(fields, names, checksums)
 
     def tensor(self, device) -> torch.Tensor:
         """int64 [_SIGNATURE_LEN] on `device`: unused input slots are 0."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 import random
+import re
 import time
 import traceback
 
@@ -58,13 +59,14 @@ def whole_inputs(variant_name: str, S: int, B: int, H: int, gen) -> dict:
     return {}
 
 
-def call(variant_name, scheme, local_len, B, H, seed, inputs, dropout_seed=7, backward=True):
+def call(variant_name, scheme, local_len, B, H, seed, inputs, dropout_seed=7, backward=True,
+         training=True):
     """One rank's call on its own random shard; returns (out, dq) gathered, or raises."""
     kernel = attncc.compile(SPECS[variant_name])
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, H, local_len, D, generator=gen).requires_grad_(backward)
                for _ in range(3))
-    out = cp.context_parallel_attention(kernel, q, k, v, scheme=scheme,
+    out = cp.context_parallel_attention(kernel, q, k, v, scheme=scheme, training=training,
                                         dropout_seed=dropout_seed, **inputs)
     if backward:
         out.backward(torch.ones_like(out))
@@ -109,6 +111,8 @@ SCENARIOS = [
      "the ranks pass different schemes"),
     ("dropout_seed", lambda r, w: dict(variant_name="dropout", dropout_seed=r),
      "dropout_seed differs between ranks"),
+    ("training", lambda r, w: dict(variant_name="dropout", training=r == 0),
+     "training differs between ranks"),
     ("backward", lambda r, w: dict(backward=r != w - 1),
      "whether the call records a backward"),
     ("one_rank_malformed", lambda r, w: dict(
@@ -136,7 +140,8 @@ def run_scenarios(rank, world, init_file, out_dir, fuzz_trials, fuzz_seed):
         outcomes["agreed_after"] = outcome(
             lambda: call("causal", "zigzag", 2, 1, 1, rank, {}, backward=False))
         trials = [fuzz_trial(rank, world, random.Random(fuzz_seed + i)) for i in range(fuzz_trials)]
-        torch.save({"outcomes": outcomes, "trials": trials}, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save({"outcomes": outcomes, "trials": trials},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
     except Exception:
         with open(os.path.join(out_dir, f"error-{rank}.txt"), "w") as f:
@@ -209,7 +214,7 @@ def fuzz_trial(rank, world, rng) -> dict:
         result.update(out=sharding.unshard(out.detach()), dq=sharding.unshard(local[0].grad),
                       dk=sharding.unshard(local[1].grad), dv=sharding.unshard(local[2].grad))
     status = outcome(run)
-    return dict(trial=t, status=status, **({k: v for k, v in result.items()} if rank == 0 else {}))
+    return dict(trial=t, status=status, **(result if rank == 0 else {}))
 
 
 def check_trial(trials_by_rank, world) -> list:
@@ -218,7 +223,8 @@ def check_trial(trials_by_rank, world) -> list:
     statuses = [tr["status"] for tr in trials_by_rank]
     kinds = {s[0] for s in statuses}
     if "error" in kinds:
-        return [f"{t}: an exception that is no CallError: {[s[1] for s in statuses if s[0] == 'error']}"]
+        errors = [s[1] for s in statuses if s[0] == "error"]
+        return [f"{t}: an exception that is no CallError: {errors}"]
     if len(kinds) > 1:
         return [f"{t}: refused on some ranks only: {statuses}"]
     agrees = len(set(t["lengths"])) == 1 and t["lengths"][0] > 0 and (
@@ -283,14 +289,14 @@ def spawn(world: int, tmp: str, fuzz_trials: int, fuzz_seed: int) -> list:
 def check_scenarios(results, world) -> list:
     failures = []
     for name, _, pattern in SCENARIOS:
-        import re
         for rank, r in enumerate(results):
             kind, message = r["outcomes"][name]
             if kind != "refused" or not re.search(pattern, message):
                 failures.append(f"{name}, rank {rank}: {kind}: {message}")
     for rank, r in enumerate(results):
         if r["outcomes"]["agreed_after"] != ("ok", None):
-            failures.append(f"rank {rank}: the call after the refusals: {r['outcomes']['agreed_after']}")
+            failures.append(f"rank {rank}: the call after the refusals: "
+                            f"{r['outcomes']['agreed_after']}")
     return failures
 
 
