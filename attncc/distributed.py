@@ -54,6 +54,7 @@ supported: the pieces have one length, which sizes every transfer and piece pair
 from __future__ import annotations
 
 import dataclasses
+import weakref
 import zlib
 from dataclasses import dataclass
 
@@ -433,7 +434,7 @@ class Signature:
         names, checksums = [], []
         if is_kernel and not refused:
             for decl in kernel.variant.inputs:
-                sums = _checksum(inputs[decl.name])
+                sums = _checksum_once(inputs[decl.name])
                 if len(names) < INPUT_SLOTS:
                     names.append(decl.name)
                     checksums.append(sums)
@@ -455,6 +456,26 @@ class Signature:
 def _crc(value) -> int:
     """A stable hash of a value's repr (Python's hash() differs between processes)."""
     return zlib.crc32(repr(value).encode())
+
+
+# Checksums of input tensors by id: every layer of a model passes the same document ids
+# (and a parameter is unchanged between its layer's calls), so each is summed once while
+# it lives unmodified. The weak reference tells a live tensor from a new one at a reused
+# id; the version counter sees in-place changes (not writes through .data).
+_CHECKSUMS: dict = {}
+_CHECKSUMS_SIZE = 64
+
+
+def _checksum_once(t: torch.Tensor) -> torch.Tensor:
+    """`_checksum(t)`, reused while t is alive and unmodified."""
+    entry = _CHECKSUMS.get(id(t))
+    if entry is not None and entry[0]() is t and entry[1] == t._version:
+        return entry[2]
+    sums = _checksum(t)
+    if len(_CHECKSUMS) >= _CHECKSUMS_SIZE:
+        _CHECKSUMS.pop(next(iter(_CHECKSUMS)))
+    _CHECKSUMS[id(t)] = (weakref.ref(t), t._version, sums)
+    return sums
 
 
 def _checksum(t: torch.Tensor) -> torch.Tensor:

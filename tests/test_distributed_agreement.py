@@ -11,6 +11,7 @@ float64 reference on every rank or is refused on every rank.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import random
 import re
@@ -319,3 +320,29 @@ def test_fuzz_shard_lengths_and_per_rank_inputs(world, tmp_path):
     results = spawn(world, str(tmp_path), fuzz_trials=40, fuzz_seed=1000 * world)
     failures = check_scenarios(results, world) + check_fuzz(results, world)
     assert not failures, "\n".join(failures)
+
+
+# ------------------------------------------------------------------ checksums
+def test_checksums_tell_inputs_apart():
+    """Every kind of difference the all-gather must see: a value, two values swapped,
+    a sign bit, the dtype, the shape; and an input changed in place after its checksum
+    was kept."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(37, generator=gen)
+    swapped = base.clone()
+    swapped[[4, 30]] = swapped[[30, 4]]
+    changed = base.clone()
+    changed[11] = torch.nextafter(changed[11], torch.tensor(math.inf))
+    zero, negative_zero = torch.zeros(5), -torch.zeros(5)
+    kinds = [base, swapped, changed, base.double(), base.reshape(1, 37), zero, negative_zero,
+             torch.zeros(5, dtype=torch.bool), torch.ones(5, dtype=torch.bool),
+             torch.arange(5, dtype=torch.int32), torch.arange(5, dtype=torch.int32).flip(0)]
+    sums = [tuple(cp._checksum(t).tolist()) for t in kinds]
+    assert len(set(sums)) == len(sums)
+    assert tuple(cp._checksum(base.clone()).tolist()) == sums[0]  # values, not identity
+    doc = torch.arange(64, dtype=torch.int32) // 10
+    before = cp._checksum_once(doc).clone()
+    assert torch.equal(cp._checksum_once(doc), before)
+    doc[20] = 9  # in place: the kept checksum must not be reused
+    assert not torch.equal(cp._checksum_once(doc), before)
+    assert torch.equal(cp._checksum_once(doc), cp._checksum(doc))
