@@ -318,8 +318,12 @@ def context_parallel_attention(kernel, q, k, v, *, group=None, scheme: str = "zi
                                      inputs), None
     except CallError as e:
         prepared, refusal = None, e
+    if dist.get_rank(group) < 0:  # no rank of the group waits for this process
+        raise CallError("this process is not a member of the group it passes; call with a "
+                        "group it belongs to")
     agree(Signature.of(kernel, q, k, v, scheme, dropout_seed, training, inputs,
-                       refused=refusal is not None), refusal, group)
+                       refused=refusal is not None), refusal, group,
+          device=q.device if isinstance(q, torch.Tensor) else None)
     kernel, sharding, problem = prepared
     schedule = make_schedule(kernel, sharding, problem, inputs, q.device)
     variant = kernel.variant
@@ -498,14 +502,18 @@ def _checksum(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([meta, words.sum().reshape(1), (words * weights).sum().reshape(1)])
 
 
-def agree(signature: Signature, refusal: CallError | None, group=None) -> None:
+def agree(signature: Signature, refusal: CallError | None, group=None, device=None) -> None:
     """Gather every rank's signature (one all-gather of a few int64 per rank) and raise
     the same CallError on every rank where a rank refused the call or the ranks
-    disagree; return where the call may go ahead."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    disagree; return where the call may go ahead. `device`: the call's (q's), where
+    the backend needs the signature on a GPU (NCCL)."""
+    world = dist.get_world_size(group)
     backend = str(dist.get_backend(group))
-    device = (torch.device("cuda", torch.cuda.current_device())
-              if "nccl" in backend and "gloo" not in backend else torch.device("cpu"))
+    if "nccl" in backend and "gloo" not in backend:  # NCCL alone: the signature on a GPU
+        if device is None or device.type != "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
     mine = signature.tensor(device)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
