@@ -310,6 +310,11 @@ def test_sharding_pieces_round_trip():
     assert cp.Sharding("contiguous", 4, 1).positions(16).tolist() == [4, 5, 6, 7]
 
 
+def test_an_empty_sequence_is_named():
+    with pytest.raises(CallError, match="the sequence is empty .* at least 4 positions"):
+        cp.Sharding("zigzag", 2, 0).shard(torch.zeros(1, 1, 0, D))
+
+
 def test_shard_inputs_cuts_position_and_block_axes():
     variant = attncc.parse("attention x { input doc: i32[q]  input extra: bool[qb, kb]  "
                            "input slopes: f32[h]  layout extra[qb, kb]  block 16 }")
@@ -474,6 +479,7 @@ def test_piece_pairs_run_the_forward_the_kernel_chooses(world_of_one, monkeypatc
 
 @pytest.mark.parametrize("spec, call, message", [
     ("causal", dict(L=31), "cannot be cut into two pieces per rank"),
+    ("causal", dict(L=0), "this rank's shard is empty .* cut a sequence of at least 2 positions"),
     ("causal", dict(Lk=16), "same local length"),
     ("causal", dict(scheme="ring"), "is not a sharding scheme"),
     ("layout", dict(L=16), "do not hold whole layout blocks of 16"),
