@@ -95,7 +95,7 @@ SCENARIOS = [
     ("uneven", _uneven([8, 12, 8]), "the shards have different lengths"),
     ("uneven_first", _uneven([12, 8, 8]), r"rank 0 12, rank 1 8"),
     ("one_empty", _uneven([8, 0, 8]), "rank 1 holds an empty shard"),
-    ("all_empty", _uneven([0, 0, 0]), "this rank's shard is empty"),
+    ("all_empty", lambda r, w: dict(local_len=0), "this rank's shard is empty"),
     ("document_ids", _differs("document"), "input 'doc_q' differs between ranks"),
     # A document boundary one position apart, inside one piece: the pieces' schedule is
     # the same on every rank, so only the inputs themselves tell the ranks apart.
@@ -177,13 +177,13 @@ def draw(rng: random.Random, world: int) -> dict:
     differing = None
     if rng.random() < 0.3:
         differing = (rng.randrange(world), rng.choice(["inputs", "seed", "scheme"]))
-    return dict(variant_name=variant_name, scheme=scheme, lengths=lengths, B=B, H=H,
+    return dict(variant_name=variant_name, scheme=scheme, local=local, lengths=lengths, B=B, H=H,
                 differing=differing, input_seed=rng.randrange(2 ** 31))
 
 
 def fuzz_trial(rank, world, rng) -> dict:
     t = draw(rng, world)
-    S = t["lengths"][0] * world
+    S = t["local"] * world  # the sequence of the ranks that hold the drawn length
     inputs = whole_inputs(t["variant_name"], S, t["B"], t["H"],
                           torch.Generator().manual_seed(t["input_seed"]))
     scheme, dropout_seed = t["scheme"], 7
@@ -203,9 +203,10 @@ def fuzz_trial(rank, world, rng) -> dict:
         gen = torch.Generator().manual_seed(t["input_seed"] + 2)
         L = t["lengths"][rank]
         whole = [torch.randn(t["B"], t["H"], S, D, generator=gen) for _ in range(4)]
+        # Every rank reaches the call: a rank with another length holds random tensors
+        # of that length (cutting the whole sequence would fail before the call).
         sharding = cp.Sharding(scheme, world, rank)
-        local = [sharding.shard(x).requires_grad_() if L else torch.randn(t["B"], t["H"], 0, D)
-                 for x in whole[:3]] if L == t["lengths"][0] else [
+        local = [sharding.shard(x).requires_grad_() for x in whole[:3]] if L == t["local"] else [
             torch.randn(t["B"], t["H"], L, D).requires_grad_() for _ in range(3)]
         ins = {n: x.clone().requires_grad_() if kernel.variant.input(n).learnable else x
                for n, x in inputs.items()}
@@ -228,7 +229,7 @@ def check_trial(trials_by_rank, world) -> list:
         return [f"{t}: an exception that is no CallError: {errors}"]
     if len(kinds) > 1:
         return [f"{t}: refused on some ranks only: {statuses}"]
-    agrees = len(set(t["lengths"])) == 1 and t["lengths"][0] > 0 and (
+    agrees = set(t["lengths"]) == {t["local"]} and (
         t["differing"] is None or (t["differing"][1] == "inputs" and t["variant_name"] in
                                    ("causal", "dropout"))
         or (t["differing"][1] == "seed" and t["variant_name"] != "dropout"))
@@ -242,7 +243,7 @@ def check_trial(trials_by_rank, world) -> list:
 def check_against_reference(got, world) -> list:
     t = got["trial"]
     variant = attncc.parse(SPECS[t["variant_name"]])
-    S = t["lengths"][0] * world
+    S = t["local"] * world
     inputs = whole_inputs(t["variant_name"], S, t["B"], t["H"],
                           torch.Generator().manual_seed(t["input_seed"]))
     gen = torch.Generator().manual_seed(t["input_seed"] + 2)
