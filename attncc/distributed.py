@@ -521,7 +521,7 @@ def agree(signature: Signature, refusal: CallError | None, group=None, device=No
     by_field = {name: [row[i] for row in rows] for i, name in enumerate(SIGNATURE_FIELDS)}
     # Whatever makes the ranks' own checks disagree comes first: the scheme, the
     # kernel, and the shard lengths the whole sequence is computed from.
-    message = _structural_disagreement(by_field, world)
+    message = _structural_disagreement(by_field)
     if message is not None:
         raise CallError(message)
     refused = [r for r in range(world) if by_field["refused"][r]]
@@ -549,7 +549,8 @@ def agree(signature: Signature, refusal: CallError | None, group=None, device=No
                             "from shards), as a replicated parameter elsewhere")
 
 
-def _structural_disagreement(by_field: dict, world: int) -> str | None:
+def _structural_disagreement(by_field: dict) -> str | None:
+    """The message of a disagreement that makes the ranks' own checks disagree, or None."""
     schemes = by_field["scheme"]
     if len(set(schemes)) > 1:
         names = {0: "not a scheme"} | {i + 1: repr(s) for i, s in enumerate(SCHEMES)}

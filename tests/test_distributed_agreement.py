@@ -203,9 +203,10 @@ def fuzz_trial(rank, world, rng) -> dict:
         gen = torch.Generator().manual_seed(t["input_seed"] + 2)
         L = t["lengths"][rank]
         whole = [torch.randn(t["B"], t["H"], S, D, generator=gen) for _ in range(4)]
-        # Every rank reaches the call: a rank with another length holds random tensors
-        # of that length (cutting the whole sequence would fail before the call).
-        sharding = cp.Sharding(scheme, world, rank)
+        # Every rank reaches the call: shards are cut with the drawn scheme, and a rank
+        # with another length holds random tensors of that length (cutting the whole
+        # sequence otherwise could fail before the call).
+        sharding = cp.Sharding(t["scheme"], world, rank)
         local = [sharding.shard(x).requires_grad_() for x in whole[:3]] if L == t["local"] else [
             torch.randn(t["B"], t["H"], L, D).requires_grad_() for _ in range(3)]
         ins = {n: x.clone().requires_grad_() if kernel.variant.input(n).learnable else x
