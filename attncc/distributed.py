@@ -32,9 +32,8 @@ shift, not a ring that forwards them), so each hop's transfer is skipped on its 
 when the receiver has no pair to compute with them: a sliding window exchanges keys
 with its neighbours only. For masks and layouts that read no tensor, the schedule is
 computed on the host from shapes alone (no communication, cached); when they read
-tensors (document ids), each rank classifies on its device and one small all-reduce
-makes the schedule, and so the communication, the same on every rank (and catches
-inputs that differ between ranks).
+tensors (document ids), each rank classifies on its device, from inputs the agreement
+below found the same on every rank, so every rank makes the same schedule.
 
 Overlap. The next hop's keys and values are posted (`batch_isend_irecv`) before the
 current hop is computed, and a hop's dK/dV are posted as soon as they are computed. On
@@ -43,12 +42,20 @@ current stream where the work is posted, and `wait()` makes the current stream w
 it, so the transfers overlap the kernels without a stream of our own; with gloo on the
 CPU they run on gloo's threads.
 
-Every rank must call with the same shapes, scheme, group and (with dropout) the same
-`dropout_seed`, as with any collective.
+Agreement. Every rank must call with shards of one length, the same scheme, kernel,
+batch, heads, dtype, inputs and (with dropout) dropout_seed, and all record a backward
+or none. Before any transfer, one all-gather of a few int64 per rank (`Signature`: those
+fields and a checksum of each input) checks it, and also carries whether the rank's own
+checks refused the call: a refusal or a disagreement raises the same CallError on
+every rank (`agree`), so no rank waits on a transfer that never comes, and none
+computes with buffers sized from another rank's length. Uneven shards are refused, not
+supported: the pieces have one length, which sizes every transfer and piece pair.
 """
 from __future__ import annotations
 
 import dataclasses
+import weakref
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +63,7 @@ import torch.distributed as dist
 
 from . import ir
 from .runtime import tuning
-from .arguments import Problem
+from .arguments import Problem, check_seed
 from .errors import CallError
 
 SCHEMES = ("zigzag", "contiguous")
@@ -109,6 +116,11 @@ class Sharding:
     def piece_len(self, seq_len: int) -> int:
         """The length of each piece of a sequence of `seq_len` positions."""
         n = self.n_pieces
+        if seq_len == 0:
+            raise CallError(f"the sequence is empty (0 positions): {self.scheme} sharding over "
+                            f"{self.world_size} ranks cuts it into {n} non-empty pieces of equal "
+                            f"length; pass a sequence of at least {n} positions (a multiple of "
+                            f"{n})")
         if seq_len < n or seq_len % n:
             per_rank = f"two pieces per rank, {n} in all" if self.scheme == "zigzag" else f"{n} pieces"
             raise CallError(f"a sequence of {seq_len} positions cannot be cut into {per_rank} "
@@ -258,27 +270,18 @@ def _classify(kernel, sharding, problem, inputs, device, *kind_sets) -> list:
             else torch.stack([kept[k] for k in kinds]).any(0).all(0) for kinds in kind_sets]
 
 
-def make_schedule(kernel, sharding: Sharding, problem: Problem, inputs: dict, device,
-                  group=None) -> Schedule:
+def make_schedule(kernel, sharding: Sharding, problem: Problem, inputs: dict,
+                  device) -> Schedule:
     """The schedule of a call whose whole sequence is `problem`. Masks and layouts that
     read no tensor are classified on the host from shapes alone (and cached); those
-    that read tensors, on the device, then one all-reduce makes every rank agree."""
+    that read tensors, on the device, from the inputs `agree` found the same on every
+    rank, so every rank makes the same schedule without communicating."""
     reads = kernel.module.TABLE_INPUTS
     key = (kernel.key, sharding, problem)
     if not reads and key in _SCHEDULES:
         return _SCHEDULES[key]
     may, whole = _classify(kernel, sharding, problem, inputs,
                            device if reads else torch.device("cpu"), ("full", "part"), ("full",))
-    if reads and sharding.world_size > 1:
-        mine = may.to(torch.int32)
-        bounds = torch.stack([mine, -mine])  # max and -min over ranks in one all-reduce
-        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
-        if not torch.equal(bounds[0], -bounds[1]):
-            raise CallError(f"the inputs that the mask or layout reads ({', '.join(reads)}) "
-                            "differ between ranks; pass them whole (for the global sequence) "
-                            "and the same on every rank (Sharding.unshard_inputs builds them "
-                            "from shards)")
-        may = bounds[0] > 0
     schedule = Schedule(sharding, problem.len_q, problem.len_q // sharding.n_pieces,
                         tuple(tuple(row) for row in may.tolist()),
                         tuple(tuple(row) for row in (whole & may).tolist()))
@@ -297,13 +300,44 @@ def context_parallel_attention(kernel, q, k, v, /, *, group=None, scheme: str = 
 
     q, k, v: this rank's shard, (batch, heads, local length, dim), its pieces in the
     order `Sharding(scheme, ...)` gives (`Sharding.shard` cuts them from a whole
-    tensor). Returns this rank's shard of the output (and of the LSE with
-    return_lse=True); differentiable in q, k, v and learnable inputs, through the output
-    and the merged LSE alike. The result equals the kernel on the whole sequence.
-    Inputs on position axes are passed whole, the same on every rank; the gradient of a
-    learnable input is this rank's share (sum it over the group, as for any replicated
-    parameter). With dropout, `dropout_seed` is required, the same on every rank.
+    tensor); every rank's shard has the same length. Returns this rank's shard of the
+    output (and of the LSE with return_lse=True); differentiable in q, k, v and
+    learnable inputs, through the output and the merged LSE alike. The result equals
+    the kernel on the whole sequence. Inputs on position axes are passed whole; every
+    input is the same on every rank; the gradient of a learnable input is this rank's
+    share (sum it over the group, as for any replicated parameter). With dropout,
+    `dropout_seed` is required, the same on every rank. One small all-gather checks all
+    of this before any transfer (`agree`): a call refused on one rank is refused on
+    every rank.
     """
+    if not dist.is_available() or not dist.is_initialized():
+        raise CallError("torch.distributed is not initialised: call "
+                        "torch.distributed.init_process_group first (backend 'nccl' on "
+                        "GPUs, 'gloo' on the CPU)")
+    try:
+        prepared, refusal = _prepare(kernel, q, k, v, group, scheme, dropout_seed, training,
+                                     inputs), None
+    except CallError as e:
+        prepared, refusal = None, e
+    if dist.get_rank(group) < 0:  # no rank of the group waits for this process
+        raise CallError("this process is not a member of the group it passes; call with a "
+                        "group it belongs to")
+    agree(Signature.of(kernel, q, k, v, scheme, dropout_seed, training, inputs,
+                       refused=refusal is not None), refusal, group,
+          device=q.device if isinstance(q, torch.Tensor) else None)
+    kernel, sharding, problem = prepared
+    schedule = make_schedule(kernel, sharding, problem, inputs, q.device)
+    variant = kernel.variant
+    names = [d.name for d in variant.inputs]
+    values = [inputs[n].contiguous() if variant.input(n).learnable else inputs[n] for n in names]
+    call = _RingAttention(kernel, schedule, group, int(dropout_seed or 0), names, problem)
+    out, lse = _ContextParallelAttention.apply(call, q, k, v, *values)
+    return (out, lse) if return_lse else out
+
+
+def _prepare(kernel, q, k, v, group, scheme, dropout_seed, training, inputs) -> tuple:
+    """(kernel, sharding, whole-sequence Problem) of a call, checked on this rank alone;
+    raises CallError naming what is wrong (which `agree` then raises on every rank)."""
     from .runtime.kernel import Kernel
     if not isinstance(kernel, Kernel):
         raise CallError(f"kernel must come from attncc.compile(...), got {type(kernel).__name__}")
@@ -322,6 +356,11 @@ def context_parallel_attention(kernel, q, k, v, /, *, group=None, scheme: str = 
         raise CallError(f"q has {q.shape[2]} positions on this rank but k has {k.shape[2]}; "
                         "context parallelism shards one sequence, so q, k and v have the same "
                         "local length")
+    if q.shape[2] == 0:
+        raise CallError(f"this rank's shard is empty (q, k and v have 0 positions): every rank "
+                        f"holds {len(sharding.pieces)} non-empty piece(s) of one length "
+                        f"({scheme} sharding over {sharding.world_size} ranks); cut a sequence "
+                        f"of at least {sharding.n_pieces} positions with Sharding.shard")
     seq_len = q.shape[2] * sharding.world_size
     c = sharding.piece_len(seq_len)
     if variant.block is not None and c % variant.block:
@@ -339,6 +378,7 @@ def context_parallel_attention(kernel, q, k, v, /, *, group=None, scheme: str = 
             raise CallError(f"variant '{variant.name}' has dropout: pass dropout_seed=int, the "
                             "same on every rank, so that every rank drops the bits the whole "
                             f"sequence's call would (got {dropout_seed!r})")
+        check_seed(dropout_seed)
     # Check the call as the whole sequence: zero-copy views of the global shape carry
     # the dtype, device and head counts; inputs must be whole.
     whole = [t[:, :, :1].expand(t.shape[0], t.shape[1], seq_len, t.shape[3]) for t in (q, k, v)]
@@ -348,12 +388,223 @@ def context_parallel_attention(kernel, q, k, v, /, *, group=None, scheme: str = 
         raise CallError(f"{e} (context_parallel_attention checks the call as the whole sequence "
                         f"of {seq_len} positions: inputs on position axes are passed whole, the "
                         "same on every rank)") from None
-    schedule = make_schedule(kernel, sharding, problem, inputs, q.device, group)
-    names = [d.name for d in variant.inputs]
-    values = [inputs[n].contiguous() if variant.input(n).learnable else inputs[n] for n in names]
-    call = _RingAttention(kernel, schedule, group, int(dropout_seed or 0), names, problem)
-    out, lse = _ContextParallelAttention.apply(call, q, k, v, *values)
-    return (out, lse) if return_lse else out
+    return kernel, sharding, problem
+
+
+# ------------------------------------------------------------------------ agreement
+# What every rank of a call must agree on, gathered in one all-gather of int64 before
+# any transfer: a rank that computes with other lengths, another scheme, seed or
+# inputs sizes its buffers and pairs differently (garbage, NaN or a hang), and a rank
+# that refuses a call must not leave the others waiting in a transfer.
+SIGNATURE_FIELDS = ("refused", "scheme", "kernel", "training", "dropout_seed", "len_q",
+                    "len_k", "len_v", "shapes", "records_backward")
+INPUT_SLOTS = 8  # inputs beyond the eighth share its slots: still checked, named together
+CHECKSUM_WORDS = 3  # per input: its shape and dtype, and two sums of its bits
+_SIGNATURE_LEN = len(SIGNATURE_FIELDS) + INPUT_SLOTS * CHECKSUM_WORDS
+
+
+@dataclass
+class Signature:
+    """This rank's view of a call: the fields every rank must share, as int64 (host
+    ints, and the inputs' checksums on their device until the all-gather)."""
+    fields: list          # ints, in SIGNATURE_FIELDS order
+    input_names: list     # the names of the input slots, in order
+    checksums: list       # one int64 [CHECKSUM_WORDS] tensor per input slot
+
+    @classmethod
+    def of(cls, kernel, q, k, v, scheme, dropout_seed, training, inputs, *, refused: bool):
+        """Computed from whatever the rank passed, valid or not (a refused call still
+        takes part in the all-gather)."""
+        from .runtime.kernel import Kernel
+        is_kernel = isinstance(kernel, Kernel)
+        tensors = [t if isinstance(t, torch.Tensor) and t.dim() == 4 else None for t in (q, k, v)]
+        lengths = [t.shape[2] if t is not None else -1 for t in tensors]
+        shapes = [(tuple(t.shape[:2]) + tuple(t.shape[3:]), str(t.dtype)) if t is not None
+                  else None for t in tensors]
+        seed = -1  # also where the seed is malformed: that rank refuses the call
+        if isinstance(dropout_seed, int) and not isinstance(dropout_seed, bool) \
+                and 0 <= dropout_seed < 2 ** 32:
+            seed = dropout_seed
+        has_dropout = is_kernel and bool(kernel.variant.dropout)  # else neither matters
+        records = torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, *inputs.values()))
+        fields = [int(refused),
+                  SCHEMES.index(scheme) + 1 if scheme in SCHEMES else 0,
+                  int(kernel.key[:15], 16) if is_kernel else 0,
+                  int(training is True) if has_dropout else -1,
+                  seed if has_dropout and training is True else -1,
+                  *lengths,
+                  _crc(shapes),
+                  int(records)]
+        names, checksums = [], []
+        if is_kernel and not refused:
+            for decl in kernel.variant.inputs:
+                sums = _checksum_once(inputs[decl.name])
+                if len(names) < INPUT_SLOTS:
+                    names.append(decl.name)
+                    checksums.append(sums)
+                else:
+                    names[-1] = f"{names[-1]}, {decl.name}"
+                    checksums[-1] = checksums[-1] + sums.to(checksums[-1].device)
+        return cls(fields, names, checksums)
+
+    def tensor(self, device) -> torch.Tensor:
+        """int64 [_SIGNATURE_LEN] on `device`: unused input slots are 0."""
+        out = torch.zeros(_SIGNATURE_LEN, dtype=torch.int64, device=device)
+        out[:len(SIGNATURE_FIELDS)] = torch.tensor(self.fields, dtype=torch.int64)
+        if self.checksums:
+            sums = torch.cat([c.to(device) for c in self.checksums])
+            out[len(SIGNATURE_FIELDS):len(SIGNATURE_FIELDS) + sums.numel()] = sums
+        return out
+
+
+def _crc(value) -> int:
+    """A stable hash of a value's repr (Python's hash() differs between processes)."""
+    return zlib.crc32(repr(value).encode())
+
+
+# Checksums of input tensors by id: every layer of a model passes the same document ids
+# (and a parameter is unchanged between its layer's calls), so each is summed once while
+# it lives unmodified. The weak reference tells a live tensor from a new one at a reused
+# id; the version counter sees in-place changes (not writes through .data).
+_CHECKSUMS: dict = {}
+_CHECKSUMS_SIZE = 64
+
+
+def _checksum_once(t: torch.Tensor) -> torch.Tensor:
+    """`_checksum(t)`, reused while t is alive and unmodified."""
+    entry = _CHECKSUMS.get(id(t))
+    if entry is not None and entry[0]() is t and entry[1] == t._version:
+        return entry[2]
+    sums = _checksum(t)
+    if len(_CHECKSUMS) >= _CHECKSUMS_SIZE:
+        _CHECKSUMS.pop(next(iter(_CHECKSUMS)))
+    _CHECKSUMS[id(t)] = (weakref.ref(t), t._version, sums)
+    return sums
+
+
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    """int64 [CHECKSUM_WORDS] on t's device: a hash of its shape and dtype, and two
+    sums of its bits in 16-bit words, plain and position-weighted (a changed value
+    changes the first, moved values the second). Exact integer sums: the same on every
+    device and in any reduction order, and no overflow below 2**31 words."""
+    t = t.detach()
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    words = t.reshape(-1).view(bits).to(torch.int64)
+    words = torch.stack([(words >> shift) & 0xFFFF for shift in range(0, 8 * t.element_size(), 16)]
+                        ) if t.element_size() > 2 else words & 0xFFFF
+    words = words.reshape(-1)
+    index = torch.arange(words.numel(), device=words.device, dtype=torch.int64)
+    weights = (index * 40503) % 65521 + 1  # below 2**16, not a multiple of 16 bits' period
+    meta = torch.tensor([_crc((tuple(t.shape), str(t.dtype)))], dtype=torch.int64,
+                        device=words.device)
+    return torch.cat([meta, words.sum().reshape(1), (words * weights).sum().reshape(1)])
+
+
+def agree(signature: Signature, refusal: CallError | None, group=None, device=None) -> None:
+    """Gather every rank's signature (one all-gather of a few int64 per rank) and raise
+    the same CallError on every rank where a rank refused the call or the ranks
+    disagree; return where the call may go ahead. `device`: the call's (q's), where
+    the backend needs the signature on a GPU (NCCL)."""
+    world = dist.get_world_size(group)
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and "gloo" not in backend:  # NCCL alone: the signature on a GPU
+        if device is None or device.type != "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    mine = signature.tensor(device)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    rows = torch.stack(gathered).tolist()
+    by_field = {name: [row[i] for row in rows] for i, name in enumerate(SIGNATURE_FIELDS)}
+    # Whatever makes the ranks' own checks disagree comes first: the scheme, the
+    # kernel, and the shard lengths the whole sequence is computed from.
+    message = _structural_disagreement(by_field)
+    if message is not None:
+        raise CallError(message)
+    refused = [r for r in range(world) if by_field["refused"][r]]
+    if refused:
+        reasons = [None] * world
+        dist.all_gather_object(reasons, str(refusal) if refusal is not None else None,
+                               group=group)
+        if refusal is not None:
+            raise CallError(str(refusal))
+        first = refused[0]
+        raise CallError(f"rank {first} refused this context_parallel_attention call, so every "
+                        f"rank refuses it: {reasons[first]}")
+    for name in ("training", "dropout_seed", "shapes", "records_backward"):
+        values = by_field[name]
+        if len(set(values)) > 1:
+            raise CallError(_differs(name, values))
+    base = len(SIGNATURE_FIELDS)
+    for slot, name in enumerate(signature.input_names):
+        words = [tuple(row[base + CHECKSUM_WORDS * slot: base + CHECKSUM_WORDS * (slot + 1)])
+                 for row in rows]
+        if len(set(words)) > 1:
+            raise CallError(f"input {name!r} differs between ranks ({_groups(words)}): every "
+                            "input is passed the same on every rank, whole for the global "
+                            "sequence on position axes (Sharding.unshard_inputs builds them "
+                            "from shards), as a replicated parameter elsewhere")
+
+
+def _structural_disagreement(by_field: dict) -> str | None:
+    """The message of a disagreement that makes the ranks' own checks disagree, or None."""
+    schemes = by_field["scheme"]
+    if len(set(schemes)) > 1:
+        names = {0: "not a scheme"} | {i + 1: repr(s) for i, s in enumerate(SCHEMES)}
+        said = ", ".join(f"rank {r} {names[s]}" for r, s in enumerate(schemes))
+        return (f"the ranks pass different schemes ({said}); every rank must call with the "
+                "same scheme, the one its shards were cut with")
+    if len(set(by_field["kernel"])) > 1:
+        return (f"the ranks call different kernels ({_groups(by_field['kernel'])}); every "
+                "rank must call with the same variant and params")
+    for axis in ("len_q", "len_k", "len_v"):
+        lengths = by_field[axis]
+        if min(lengths) < 0 or len(set(lengths)) == 1:
+            continue  # a rank without a 4-d tensor refuses the call with the kernel's message
+        held = ", ".join(f"rank {r} {n}" for r, n in enumerate(lengths))
+        empty = [r for r, n in enumerate(lengths) if n == 0]
+        what = (f"rank{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} "
+                f"hold{'' if len(empty) > 1 else 's'} an empty shard" if empty
+                else "the shards have different lengths")
+        name = axis[-1]
+        return (f"{what} ({name} positions per rank: {held}); context parallelism takes one "
+                "non-empty shard of the same length on every rank, because its pieces have one "
+                "length, which sizes every transfer and piece pair: pad the sequence to a "
+                "multiple of the pieces (2 per rank with zigzag, 1 with contiguous; a mask "
+                "that keeps the padding out, e.g. a document id of its own) and cut it with "
+                "Sharding.shard")
+    return None
+
+
+def _differs(name: str, values: list) -> str:
+    what = {"training": ("training", "pass the same training= on every rank"),
+            "dropout_seed": ("dropout_seed", "pass the same dropout_seed on every rank, so that "
+                             "every rank drops the bits the whole sequence's call would"),
+            "shapes": ("the batch, heads, head dim or dtype of q, k, v",
+                       "every rank holds a shard of the same tensors"),
+            "records_backward": ("whether the call records a backward (grad mode, "
+                                 "requires_grad)", "every rank runs the backward together, so "
+                                 "enable gradients and requires_grad alike on every rank")}[name]
+    shown = ", ".join(f"rank {r} {v}" for r, v in enumerate(values)) \
+        if name in ("training", "dropout_seed") else _groups(values)
+    return f"{what[0]} differs between ranks ({shown}); {what[1]}"
+
+
+def _groups(values: list) -> str:
+    """'ranks 0, 2 hold one value; rank 1 another': the ranks grouped by value."""
+    groups: dict = {}
+    for r, value in enumerate(values):
+        groups.setdefault(value, []).append(r)
+    said = []
+    for i, ranks in enumerate(groups.values()):
+        who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        said.append(f"{who} {'hold' if len(ranks) > 1 else 'holds'} one value" if i == 0
+                    else f"{who} another")
+    return "; ".join(said)
 
 
 class _ContextParallelAttention(torch.autograd.Function):

@@ -1,6 +1,6 @@
 """Context parallelism (attncc/distributed.py) against the single-process kernel.
 
-Real processes: one spawn per world size (2 and 4) runs every case of that size with
+Real processes: one spawn per world size (2 and 4; 4 and 8 behind slow) runs every case with
 gloo on localhost, each rank passing its shard; rank 0 saves the gathered results and
 the kernel launches and transfers every rank made. The tests here compare them with the
 single-process kernel on the whole sequence and with the float64 reference (the
@@ -51,7 +51,15 @@ CASES = {
         ("window_zigzag", "window", "zigzag", 64, 1),
         ("window_contiguous", "window", "contiguous", 64, 1),
         ("document_contiguous", "document", "contiguous", 64, 1),
-        ("layout_contiguous", "layout", "contiguous", 64, 1)],
+        ("layout_contiguous", "layout", "contiguous", 64, 1),
+        ("document_zigzag", "document", "zigzag", 48, 3)],
+}
+# Longer runs (issue 36): causal and document masks, zig-zag, on 4 and 8 processes.
+SLOW_CASES = {
+    4: [("causal_zigzag", "causal", "zigzag", 96, 3)],
+    8: [("causal_zigzag", "causal", "zigzag", 80, 3),
+        ("document_zigzag", "document", "zigzag", 64, 2),
+        ("window_zigzag", "window", "zigzag", 64, 1)],
 }
 SEED = 1234
 
@@ -76,13 +84,13 @@ def make_problem(case: str, variant_name: str, S: int, H: int):
 
 
 # ------------------------------------------------------------------ the processes
-def run_cases(rank: int, world: int, init_file: str, out_dir: str):
-    """One rank: every case of this world size; rank 0 saves what every rank did."""
+def run_cases(rank: int, world: int, cases: list, init_file: str, out_dir: str):
+    """One rank: every case of `cases`; rank 0 saves what every rank did."""
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=120))
-        for case, variant_name, scheme, S, H in CASES[world]:
+        for case, variant_name, scheme, S, H in cases:
             result = run_case(case, variant_name, scheme, S, H)
             if rank == 0:
                 torch.save(result, os.path.join(out_dir, f"{case}.pt"))
@@ -151,16 +159,16 @@ class recording:
         dist.batch_isend_irecv = self.batch
 
 
-def spawn(world: int, tmp: str) -> dict:
-    for _, variant_name, *_ in CASES[world]:
+def spawn(world: int, tmp: str, cases: list) -> dict:
+    for _, variant_name, *_ in cases:
         attncc.compile(SPECS[variant_name])  # generate once, so the ranks load from the cache
     try:
-        mp.spawn(run_cases, (world, os.path.join(tmp, "init"), tmp), nprocs=world)
+        mp.spawn(run_cases, (world, cases, os.path.join(tmp, "init"), tmp), nprocs=world)
     except Exception:
         errors = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp))
                   if f.startswith("error-")]
         pytest.fail(f"world {world}: a rank failed:\n" + "\n".join(errors or ["(no traceback)"]))
-    return {case: torch.load(os.path.join(tmp, f"{case}.pt")) for case, *_ in CASES[world]}
+    return {case: torch.load(os.path.join(tmp, f"{case}.pt")) for case, *_ in cases}
 
 
 # ------------------------------------------------------------------ results
@@ -169,15 +177,26 @@ def test_context_parallel_equals_the_single_process_kernel(world, tmp_path):
     """One spawn of `world` ranks runs every case of that size (one test per world size,
     so that test runners spreading tests over workers still spawn each once); every
     case is checked, and the failures are reported together."""
-    results = spawn(world, str(tmp_path))
+    check_world(world, CASES[world], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", sorted(SLOW_CASES), ids=[f"world{w}" for w in sorted(SLOW_CASES)])
+def test_context_parallel_on_more_ranks(world, tmp_path):
+    """Causal and document masks, zig-zag, forward and backward on 4 and 8 processes."""
+    check_world(world, SLOW_CASES[world], tmp_path)
+
+
+def check_world(world, cases, tmp_path):
+    results = spawn(world, str(tmp_path), cases)
     failures = []
-    for case, variant_name, scheme, S, H in CASES[world]:
+    for case, variant_name, scheme, S, H in cases:
         for check in (check_results, check_launches_and_transfers):
             try:
                 check(results[case], world, case, variant_name, scheme, S, H)
             except AssertionError as e:
                 failures.append(f"{case}, {check.__name__}: {e}")
-    if world == 4:
+    if "window_contiguous" in results:
         try:
             check_window_neighbours(results)
         except AssertionError as e:
@@ -289,6 +308,11 @@ def test_sharding_pieces_round_trip():
     # Zig-zag: rank r holds pieces r and 2W - 1 - r.
     assert cp.Sharding("zigzag", 4, 1).positions(16).tolist() == [2, 3, 12, 13]
     assert cp.Sharding("contiguous", 4, 1).positions(16).tolist() == [4, 5, 6, 7]
+
+
+def test_an_empty_sequence_is_named():
+    with pytest.raises(CallError, match="the sequence is empty .* at least 4 positions"):
+        cp.Sharding("zigzag", 2, 0).shard(torch.zeros(1, 1, 0, D))
 
 
 def test_shard_inputs_cuts_position_and_block_axes():
@@ -455,6 +479,7 @@ def test_piece_pairs_run_the_forward_the_kernel_chooses(world_of_one, monkeypatc
 
 @pytest.mark.parametrize("spec, call, message", [
     ("causal", dict(L=31), "cannot be cut into two pieces per rank"),
+    ("causal", dict(L=0), "this rank's shard is empty .* cut a sequence of at least 2 positions"),
     ("causal", dict(Lk=16), "same local length"),
     ("causal", dict(scheme="ring"), "is not a sharding scheme"),
     ("layout", dict(L=16), "do not hold whole layout blocks of 16"),
