@@ -175,7 +175,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None, *,
-                           dropout_seed: int | None = None):
+                           dropout_seed: int | None = None, packing=None):
     """flash-attn's `flash_attn_varlen_func` on attncc kernels (attncc.varlen).
 
     q: (total_q, nheads, headdim), k, v: (total_k, nheads_k, headdim), packed by
@@ -183,7 +183,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     apply within each sequence, bottom-right aligned per sequence. Returns out (total_q,
     nheads, headdim), or (out, softmax_lse (nheads, total_q), None). Dropout bits are
     drawn per (seed, head, packed query, packed key) position. Paged KV (`block_table`)
-    is not supported."""
+    is not supported. The cu_seqlens values are read on every call (one host read), unless
+    `packing` (attncc's, keyword only: attncc.varlen_packing(...)) was built from them."""
     if block_table is not None:
         raise CallError("block_table (paged KV cache) is not supported by attncc's "
                         "flash_attn_varlen_func; pass k and v packed as (total_k, nheads_k, "
@@ -196,7 +197,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     kernel = kernel_for(packed=True, **options)
     inputs = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
     result = kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    return_lse=return_attn_probs, dropout_seed=dropout_seed, **inputs)
+                    return_lse=return_attn_probs, dropout_seed=dropout_seed, packing=packing,
+                    **inputs)
     if return_attn_probs:
         out, lse = result
         return out, lse, None

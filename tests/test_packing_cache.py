@@ -1,0 +1,256 @@
+"""The packing cache of varlen calls (attncc/runtime/packed.py): every call runs the
+packing its cu_seqlens tensors hold at the call, however they were written since the
+last call (through a numpy view, `.data`, `copy_`, the storage, another tensor over the
+same memory), and kept packings (`attncc.varlen_packing`, `packing=`) are refused when a
+write PyTorch sees changed their tensors.
+
+The truth is an independent dense float64 formula of packed attention (each query
+attends the keys of its own sequence, bottom-right causal), written here from the cu
+values, not attncc.reference.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy
+import pytest
+import torch
+
+import attncc
+from attncc.errors import CallError
+from attncc.flash import flash_attn_varlen_func
+from attncc.runtime import packed
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CAUSAL = "attention c { mask q + len_k - len_q >= k }"  # bottom-right, as flash-attn's
+
+
+def cu_of(lengths) -> list:
+    return [0, *numpy.cumsum(lengths, dtype=numpy.int64).tolist()]
+
+
+def dense_packed(q, k, v, cu_q: list, cu_k: list, causal: bool, scale=None):
+    """Packed attention in float64 from the definition: out (total_q, heads, dim), LSE
+    (heads, total_q); a query that sees no key gives 0 and LSE -inf."""
+    q, k, v = (t.detach().double().cpu() for t in (q, k, v))
+    Tq, H, D = q.shape
+    group = H // k.shape[1]
+    k, v = (t.repeat_interleave(group, 1) for t in (k, v))
+    out = torch.zeros(Tq, H, D, dtype=torch.float64)
+    lse = torch.full((H, Tq), -math.inf, dtype=torch.float64)
+    scale = D ** -0.5 if scale is None else scale
+    for s in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
+        if q1 == q0 or k1 == k0:
+            continue
+        scores = torch.einsum("qhd,khd->hqk", q[q0:q1], k[k0:k1]) * scale
+        if causal:
+            i = torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0)
+            scores = scores.masked_fill(torch.arange(k1 - k0)[None, :] > i, -math.inf)
+        row_lse = torch.logsumexp(scores, -1)  # (H, len_q)
+        weights = torch.exp(scores - row_lse[..., None]).nan_to_num(0.0)
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", weights, v[k0:k1])
+        lse[:, q0:q1] = row_lse
+    return out, lse
+
+
+def assert_matches(out, lse, truth):
+    """fp32 kernel against the float64 formula (NaN anywhere fails)."""
+    ref_out, ref_lse = truth
+    torch.testing.assert_close(out.double().cpu(), ref_out, rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, rtol=2e-4, atol=2e-4)
+
+
+# Ways of giving a cu_seqlens tensor new values; each returns the tensor to pass next
+# (the same one, or another over the same memory).
+def _numpy_view(cu, values):
+    cu.numpy()[:] = values
+    return cu
+
+
+def _data(cu, values):
+    cu.data[:] = torch.tensor(values, dtype=torch.int32)
+    return cu
+
+
+def _copy(cu, values):
+    cu.copy_(torch.tensor(values, dtype=torch.int32))
+    return cu
+
+
+def _storage(cu, values):
+    cu.untyped_storage().copy_(torch.tensor(values, dtype=torch.int32).untyped_storage())
+    return cu
+
+
+def _same_address_new_tensor(cu, values):
+    # Another tensor over the same memory: the same data_ptr and a fresh version counter.
+    memory = cu.numpy()
+    memory[:] = values
+    return torch.from_numpy(memory)
+
+
+MUTATIONS = {"numpy_view": _numpy_view, "data": _data, "copy_": _copy,
+             "storage": _storage, "same_address_new_tensor": _same_address_new_tensor}
+
+
+def cpu_int32(values):
+    # Host tensors: the writes above go through numpy, which a CUDA tensor has no view
+    # for; the cache reads a GPU tensor's values the same way.
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def qkv(total_q, total_k, H=2, Hkv=1, D=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    make = lambda n, h: (torch.randn(n, h, D, generator=gen) * 2).to(DEVICE)
+    return make(total_q, H), make(total_k, Hkv), make(total_k, Hkv)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="writes through numpy views need host tensors")
+@pytest.mark.parametrize("mutation", MUTATIONS)
+@pytest.mark.parametrize("entry", ["varlen", "flash"])
+def test_a_call_runs_the_packing_its_tensors_hold_now(mutation, entry):
+    """The issue's repro: the same max_seqlen, cu written between two calls."""
+    before_q, after_q = [0, 5, 9, 13], [0, 3, 3, 13]  # after: an empty sequence too
+    before_k, after_k = [0, 2, 11, 13], [0, 7, 8, 13]
+    q, k, v = qkv(13, 13)
+    cu_q, cu_k = cpu_int32(before_q), cpu_int32(before_k)
+    vk = attncc.varlen(CAUSAL)
+
+    def call(cu_q, cu_k):
+        if entry == "varlen":
+            return vk(q, k, v, cu_q, cu_k, 13, 13, return_lse=True)
+        out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 13, 13, causal=True,
+                                             return_attn_probs=True)
+        return out, lse
+
+    assert_matches(*call(cu_q, cu_k), dense_packed(q, k, v, before_q, before_k, True))
+    cu_q = MUTATIONS[mutation](cu_q, after_q)
+    assert_matches(*call(cu_q, cu_k), dense_packed(q, k, v, after_q, before_k, True))
+    cu_k = MUTATIONS[mutation](cu_k, after_k)
+    assert_matches(*call(cu_q, cu_k), dense_packed(q, k, v, after_q, after_k, True))
+    # And back: a packing seen before is found again, by its values.
+    cu_q = MUTATIONS[mutation](cu_q, before_q)
+    cu_k = MUTATIONS[mutation](cu_k, before_k)
+    assert_matches(*call(cu_q, cu_k), dense_packed(q, k, v, before_q, before_k, True))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="writes through numpy views need host tensors")
+def test_values_written_behind_the_version_counter_are_checked_again():
+    vk = attncc.varlen(CAUSAL)
+    q, k, v = qkv(10, 10)
+    cu = cpu_int32([0, 4, 10])
+    vk(q, k, v, cu, cu, 6, 6)
+    cu.numpy()[1] = 11
+    with pytest.raises(CallError, match=r"cu_seqlens_q must be non-decreasing"):
+        vk(q, k, v, cu, cu, 6, 6)
+    cu.numpy()[1] = 1  # valid, but its second sequence (9 tokens) exceeds max_seqlen
+    with pytest.raises(CallError, match=r"max_seqlen_q=6 is smaller than the longest sequence "
+                                        r"\(sequence 1 has 9 tokens\)"):
+        vk(q, k, v, cu, cu, 6, 6)
+
+
+def test_one_packing_serves_every_call_with_the_same_values():
+    """Keyed by values: new tensors with the same lengths (a new step of a model) reuse
+    the per-position tensors, so the kernels' tile tables are reused too."""
+    vk = attncc.varlen(CAUSAL)
+    q, k, v = qkv(12, 12)
+    seen = []
+    bind = vk._bind
+
+    def spy(*args, **kwargs):
+        result = bind(*args, **kwargs)
+        seen.append(result[3]["varlen_seq_q"])
+        return result
+
+    vk._bind = spy
+    for lengths in ([5, 7], [5, 7], [7, 5]):
+        cu = torch.tensor(cu_of(lengths), dtype=torch.int32, device=DEVICE)
+        assert_matches(*vk(q, k, v, cu, cu, 7, 7, return_lse=True),
+                       dense_packed(q, k, v, cu_of(lengths), cu_of(lengths), True))
+    assert seen[0] is seen[1] and seen[2] is not seen[0]
+
+
+# ------------------------------------------------------------------ kept packings
+def test_a_kept_packing_reads_no_values_and_gives_the_same_result(monkeypatch):
+    lens_q, lens_k = [6, 0, 9, 1], [3, 4, 12, 2]
+    cu_q, cu_k = (torch.tensor(cu_of(x), dtype=torch.int32, device=DEVICE)
+                  for x in (lens_q, lens_k))
+    q, k, v = qkv(16, 21, H=3, Hkv=3)
+    kept = attncc.varlen_packing(cu_q, cu_k, 9, 12)
+    assert "4 sequences" in repr(kept)
+
+    def no_read(*args):
+        raise AssertionError("a call given packing= read cu_seqlens")
+
+    monkeypatch.setattr(packed, "read_cu_seqlens", no_read)
+    truth = dense_packed(q, k, v, cu_of(lens_q), cu_of(lens_k), True)
+    vk = attncc.varlen(CAUSAL)
+    assert_matches(*vk(q, k, v, cu_q, cu_k, 9, 12, packing=kept, return_lse=True), truth)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 12, causal=True,
+                                         return_attn_probs=True, packing=kept)
+    assert_matches(out, lse, truth)
+
+
+def _kept_call(**changes):
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device=DEVICE)
+    q, k, v = qkv(10, 10)
+    args = dict(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6,
+                max_seqlen_k=6)
+    args["packing"] = attncc.varlen_packing(cu, cu, 6, 6)
+    for name, change in changes.items():
+        args[name] = change(args[name])
+    return attncc.varlen(CAUSAL)(**args)
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(cu_seqlens_q=lambda cu: cu.add_(0)),
+     r"built from cu_seqlens_q as it was then, but it was written in place since"),
+    (dict(cu_seqlens_k=lambda cu: cu.clone()),
+     r"built from cu_seqlens_k as it was then, but this call passes another cu_seqlens_k"),
+    (dict(max_seqlen_k=lambda m: 5), r"max_seqlen_k=5 is smaller than the longest sequence"),
+    (dict(q=lambda q: q[:9]), r"cu_seqlens_q ends at 10, but q has 9 tokens"),
+    (dict(packing=lambda p: p.packing), r"packing must come from attncc.varlen_packing"),
+], ids=["written", "another_tensor", "max_seqlen", "total", "not_kept"])
+def test_kept_packings_refuse_calls_they_do_not_describe(changes, match):
+    with pytest.raises(CallError, match=match):
+        _kept_call(**changes)
+
+
+def test_kept_packings_check_their_values_when_built():
+    cu = torch.tensor([0, 7, 4, 10], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(CallError, match=r"cu_seqlens_q must be non-decreasing"):
+        attncc.varlen_packing(cu, cu, 10, 10)
+    good = torch.tensor([0, 4, 10], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(CallError, match=r"max_seqlen_k=3 is smaller than the longest"):
+        attncc.varlen_packing(good, good, 6, 3)
+
+
+def test_inputs_named_like_packed_call_arguments_are_refused():
+    with pytest.raises(CallError, match=r"declares an input 'packing', but a packed call "
+                                        r"already takes packing="):
+        attncc.varlen("attention p { input packing: f32[h] score s + packing[h] }")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_capture_needs_a_kept_packing():
+    cu = torch.tensor([0, 300, 301, 700], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(700, 4, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    kept = attncc.varlen_packing(cu, cu, 399, 399)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (tuning) outside the capture
+        flash_attn_varlen_func(q, k, v, cu, cu, 399, 399, causal=True, packing=kept)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(CallError, match=r"a CUDA graph cannot capture.*packing=packing"):
+        with torch.cuda.graph(graph):
+            flash_attn_varlen_func(q, k, v, cu, cu, 399, 399, causal=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_varlen_func(q, k, v, cu, cu, 399, 399, causal=True, packing=kept)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = dense_packed(q, k, v, cu.tolist(), cu.tolist(), True)
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=2e-2, atol=2e-2)
