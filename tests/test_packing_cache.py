@@ -254,3 +254,16 @@ def test_cuda_graph_capture_needs_a_kept_packing():
     torch.cuda.synchronize()
     ref, _ = dense_packed(q, k, v, cu.tolist(), cu.tolist(), True)
     torch.testing.assert_close(out.double().cpu(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.slow  # ~20 s of tracing under the interpreter
+@pytest.mark.skipif(DEVICE != "cpu", reason="writes through numpy views need host tensors")
+def test_compiled_calls_run_the_packing_their_tensors_hold_now():
+    """Under torch.compile the values are read eagerly (a graph break), on every call."""
+    q, k, v = qkv(14, 14, H=2, Hkv=2)
+    attend = torch.compile(lambda q, k, v, cu: flash_attn_varlen_func(
+        q, k, v, cu, cu, 14, 14, causal=True, return_attn_probs=True)[:2], backend="aot_eager")
+    cu = cpu_int32([0, 5, 14])
+    assert_matches(*attend(q, k, v, cu), dense_packed(q, k, v, [0, 5, 14], [0, 5, 14], True))
+    cu.numpy()[1] = 11
+    assert_matches(*attend(q, k, v, cu), dense_packed(q, k, v, [0, 11, 14], [0, 11, 14], True))
