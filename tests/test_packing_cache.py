@@ -20,6 +20,7 @@ import attncc
 from attncc.errors import CallError
 from attncc.flash import flash_attn_varlen_func
 from attncc.runtime import packed
+from attncc.tools.tolerance import max_abs_error, within_tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CAUSAL = "attention c { mask q + len_k - len_q >= k }"  # bottom-right, as flash-attn's
@@ -267,3 +268,76 @@ def test_compiled_calls_run_the_packing_their_tensors_hold_now():
     assert_matches(*attend(q, k, v, cu), dense_packed(q, k, v, [0, 5, 14], [0, 5, 14], True))
     cu.numpy()[1] = 11
     assert_matches(*attend(q, k, v, cu), dense_packed(q, k, v, [0, 11, 14], [0, 11, 14], True))
+
+
+# ------------------------------------------------------------------------- fuzzing
+def random_cuts(gen, n_sequences: int, total: int) -> list:
+    """cu_seqlens of n sequences over `total` tokens, empty sequences allowed."""
+    if n_sequences == 0:
+        return [0]
+    cuts = sorted(torch.randint(0, total + 1, (n_sequences - 1,), generator=gen).tolist())
+    return [0, *cuts, total]
+
+
+def fuzz_packings(seed: int, n_calls: int = 3):
+    """One random problem (heads, dim, causal, entry point, value scale) and a sequence of
+    calls on the same q, k, v and the same max_seqlen, the cu tensors given new random
+    packings in a random way between calls (or left as they are)."""
+    gen = torch.Generator().manual_seed(seed)
+    pick = lambda options: options[torch.randint(len(options), (1,), generator=gen).item()]
+    n_sequences = pick([0, 1, 2, 3, 5])
+    total_q = 0 if n_sequences == 0 else pick([1, 7, 19, 33])
+    total_k = total_q if pick([True, False]) else (0 if n_sequences == 0 else pick([1, 9, 26]))
+    H, Hkv = pick([(2, 2), (3, 1), (6, 2), (5, 5)])
+    causal, entry, mutation = pick([True, False]), pick(["varlen", "flash"]), pick(list(MUTATIONS))
+    magnitude = pick([1.0, 4.0, 12.0])  # large scores stress the online softmax
+    q, k, v = qkv(total_q, total_k, H=H, Hkv=Hkv, D=pick([16, 32]), seed=seed)
+    q = q * magnitude
+    vk = attncc.varlen(CAUSAL if causal else "attention full { }")
+    values_q = random_cuts(gen, n_sequences, total_q)
+    values_k = values_q if total_k == total_q and pick([True, False]) else \
+        random_cuts(gen, n_sequences, total_k)
+    cu_q, cu_k = cpu_int32(values_q), cpu_int32(values_k)
+    if values_k is values_q and pick([True, False]):
+        cu_k = cu_q  # one tensor for both sides, as self-attention passes it
+    max_q, max_k = max(total_q, 0), max(total_k, 0)
+    for call in range(n_calls):
+        if entry == "varlen":
+            out, lse = vk(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True)
+        else:
+            out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
+                                                 causal=causal, return_attn_probs=True)
+        truth = dense_packed(q, k, v, values_q, values_k, causal)
+        eager = dense_packed(q.float(), k.float(), v.float(), values_q, values_k, causal)
+        for name, got, ref in (("out", out, truth[0]), ("lse", lse, truth[1])):
+            err = max_abs_error(got, ref)
+            assert within_tolerance(err, max_abs_error(eager[0 if name == "out" else 1].float(),
+                                                       ref), torch.float32, ref), (
+                f"seed {seed} call {call} ({mutation}, {entry}, causal={causal}): {name} "
+                f"error {err:.3g} with cu_q {values_q}, cu_k {values_k}")
+        if n_sequences == 0 or call == n_calls - 1:
+            continue
+        # New values for one side or both, written the chosen way (or none at all).
+        side = pick(["q", "k", "both", "none"])
+        shared = cu_k is cu_q
+        if side in ("q", "both") or (shared and side != "none"):
+            values_q = random_cuts(gen, n_sequences, total_q)
+            cu_q = MUTATIONS[mutation](cu_q, values_q)
+            if shared:
+                cu_k, values_k = cu_q, values_q
+        if side in ("k", "both") and not shared:
+            values_k = random_cuts(gen, n_sequences, total_k)
+            cu_k = MUTATIONS[mutation](cu_k, values_k)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="writes through numpy views need host tensors")
+@pytest.mark.parametrize("seed", range(4))
+def test_fuzzed_packings_mutated_between_calls(seed):
+    fuzz_packings(seed)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(DEVICE != "cpu", reason="writes through numpy views need host tensors")
+@pytest.mark.parametrize("seed", range(4, 64))
+def test_fuzzed_packings_mutated_between_calls_at_length(seed):
+    fuzz_packings(seed, n_calls=4)
