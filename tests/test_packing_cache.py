@@ -341,3 +341,45 @@ def test_fuzzed_packings_mutated_between_calls(seed):
 @pytest.mark.parametrize("seed", range(4, 64))
 def test_fuzzed_packings_mutated_between_calls_at_length(seed):
     fuzz_packings(seed, n_calls=4)
+
+
+def test_a_packing_first_seen_under_inference_mode_serves_training_calls():
+    """Kept by value, the packing of an evaluation step under torch.inference_mode is the
+    one a training step with the same lengths finds: its tensors must be normal ones
+    (saved for backward, their versions read by the tables' cache)."""
+    values = cu_of([6, 0, 11])
+    q, k, v = qkv(17, 17, H=3, Hkv=1, seed=5)
+    vk = attncc.varlen(CAUSAL)
+    with torch.inference_mode():
+        cu = torch.tensor(values, dtype=torch.int32, device=DEVICE)
+        assert_matches(*vk(q, k, v, cu, cu, 11, 11, return_lse=True),
+                       dense_packed(q, k, v, values, values, True))
+        kept = attncc.varlen_packing(cu, cu, 11, 11)
+        assert_matches(*vk(q, k, v, cu, cu, 11, 11, return_lse=True, packing=kept),
+                       dense_packed(q, k, v, values, values, True))
+    cu = torch.tensor(values, dtype=torch.int32, device=DEVICE)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = vk(*leaves, cu, cu, 11, 11)
+    dout = torch.randn(out.shape, device=DEVICE)
+    out.backward(dout)
+    ref_leaves = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
+    ref, _ = dense_packed_differentiable(*ref_leaves, values)
+    ref.backward(dout.double().cpu())
+    for got, want in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad.double().cpu(), want.grad, rtol=1e-3, atol=1e-3)
+
+
+def dense_packed_differentiable(q, k, v, cu: list):
+    """dense_packed's causal self-attention on float64 leaves, keeping the graph."""
+    H, D = q.shape[1], q.shape[2]
+    k, v = (t.repeat_interleave(H // t.shape[1], 1) for t in (k, v))
+    outs = []
+    for s in range(len(cu) - 1):
+        a, b = cu[s], cu[s + 1]
+        if a == b:
+            continue
+        scores = torch.einsum("qhd,khd->hqk", q[a:b], k[a:b]) * D ** -0.5
+        future = torch.arange(b - a)[None, :] > torch.arange(b - a)[:, None]
+        weights = torch.softmax(scores.masked_fill(future, -math.inf), -1)
+        outs.append(torch.einsum("hqk,khd->qhd", weights, v[a:b]))
+    return torch.cat(outs), None

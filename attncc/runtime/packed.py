@@ -353,6 +353,12 @@ class Packing:
         self.totals = (values_q[-1], values_k[-1])
         self.longest = longest  # "q" / "k" -> (index, length): max_seqlen is checked per call
         self.n_sequences = len(values_q) - 1
+        # Normal tensors even in an inference_mode call: a later training call with the
+        # same values saves them for backward, and the tables' cache reads their versions.
+        with torch.inference_mode(False):
+            self._build(values_q, values_k, device)
+
+    def _build(self, values_q: list, values_k: list, device):
         cu_q, cu_k = (torch.tensor(v, dtype=torch.int32, device=device)
                       for v in (values_q, values_k))
         q_side, k_side = _positions(cu_q, values_q[-1]), _positions(cu_k, values_k[-1])
@@ -369,8 +375,10 @@ class Packing:
     def term(self, term: Term) -> torch.Tensor:
         """A Term's values at each position of its side (computed once per packing)."""
         if term.name not in self.tensors:
-            total = sum(c * self._per_sequence[value] for value, c in term.coefs)
-            self.tensors[term.name] = total[self._seq[term.side]].to(torch.int32).contiguous()
+            with torch.inference_mode(False):
+                total = sum(c * self._per_sequence[value] for value, c in term.coefs)
+                self.tensors[term.name] = (total[self._seq[term.side]].to(torch.int32)
+                                           .contiguous())
         return self.tensors[term.name]
 
     def check_call(self, total_q: int, total_k: int, max_q, max_k):
@@ -432,7 +440,10 @@ _PACKINGS = _PackingCache()
 
 
 def _state(t: torch.Tensor) -> tuple:
-    return (t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype, str(t.device))
+    # An inference tensor has no version counter (and is written in place only inside
+    # inference_mode): its address, shape and strides stand for it.
+    version = None if t.is_inference() else t._version
+    return (t.data_ptr(), version, tuple(t.shape), t.stride(), t.dtype, str(t.device))
 
 
 class KeptPacking:
