@@ -20,7 +20,7 @@ import attncc
 from attncc.errors import CallError
 from attncc.flash import flash_attn_varlen_func
 from attncc.runtime import packed
-from attncc.tools.tolerance import max_abs_error, within_tolerance
+from attncc.tools.tolerance import gradient_scales, max_abs_error, within_tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CAUSAL = "attention c { mask q + len_k - len_q >= k }"  # bottom-right, as flash-attn's
@@ -30,28 +30,36 @@ def cu_of(lengths) -> list:
     return [0, *numpy.cumsum(lengths, dtype=numpy.int64).tolist()]
 
 
-def dense_packed(q, k, v, cu_q: list, cu_k: list, causal: bool, scale=None):
-    """Packed attention in float64 from the definition: out (total_q, heads, dim), LSE
-    (heads, total_q); a query that sees no key gives 0 and LSE -inf."""
-    q, k, v = (t.detach().double().cpu() for t in (q, k, v))
-    Tq, H, D = q.shape
-    group = H // k.shape[1]
-    k, v = (t.repeat_interleave(group, 1) for t in (k, v))
-    out = torch.zeros(Tq, H, D, dtype=torch.float64)
-    lse = torch.full((H, Tq), -math.inf, dtype=torch.float64)
-    scale = D ** -0.5 if scale is None else scale
+def dense_packed(q, k, v, cu_q: list, cu_k: list, causal: bool):
+    """Packed attention from the definition: out (total_q, heads, dim), LSE (heads,
+    total_q); a query that sees no key gives 0 and LSE -inf. Differentiable, in the
+    leaves' dtype, when q requires grad; else in float64 on detached copies."""
+    if not q.requires_grad:
+        q, k, v = (t.detach().double().cpu() for t in (q, k, v))
+    H, D = q.shape[1], q.shape[2]
+    k, v = (t.repeat_interleave(H // t.shape[1], 1) for t in (k, v))
+    outs, lses = [], []
     for s in range(len(cu_q) - 1):
         q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
-        if q1 == q0 or k1 == k0:
+        # Bottom-right causal: query i sees keys j <= i + len_k - len_q, so the first
+        # len_q - len_k queries see none (all of them when there is no key).
+        blind = q1 - q0 if k1 == k0 else (max(0, (q1 - q0) - (k1 - k0)) if causal else 0)
+        blind = min(blind, q1 - q0)
+        outs.append(q.new_zeros(blind, H, D))
+        lses.append(q.new_full((H, blind), -math.inf))
+        seeing = q[q0 + blind:q1]
+        if seeing.shape[0] == 0:
             continue
-        scores = torch.einsum("qhd,khd->hqk", q[q0:q1], k[k0:k1]) * scale
+        scores = torch.einsum("qhd,khd->hqk", seeing, k[k0:k1]) * D ** -0.5
         if causal:
-            i = torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0)
+            i = torch.arange(blind, q1 - q0)[:, None] + (k1 - k0) - (q1 - q0)
             scores = scores.masked_fill(torch.arange(k1 - k0)[None, :] > i, -math.inf)
-        row_lse = torch.logsumexp(scores, -1)  # (H, len_q)
-        weights = torch.exp(scores - row_lse[..., None]).nan_to_num(0.0)
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", weights, v[k0:k1])
-        lse[:, q0:q1] = row_lse
+        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v[k0:k1]))
+        lses.append(torch.logsumexp(scores, -1))
+    out = torch.cat(outs) if outs else q.new_zeros(q.shape)
+    lse = torch.cat(lses, dim=1) if lses else q.new_zeros(H, 0)
+    if q.requires_grad and not out.requires_grad:  # no query sees a key: zero gradients
+        out = out + 0 * q
     return out, lse
 
 
@@ -317,7 +325,10 @@ def fuzz_packings(seed: int, n_calls: int = 3):
                                                        ref), torch.float32, ref), (
                 f"seed {seed} call {call} ({mutation}, {entry}, causal={causal}): {name} "
                 f"error {err:.3g} with cu_q {values_q}, cu_k {values_k}")
-        if n_sequences == 0 or call == n_calls - 1:
+        if call == n_calls - 1:
+            check_gradients(q, k, v, values_q, values_k, causal, entry, cu_q, cu_k, seed)
+            continue
+        if n_sequences == 0:
             continue
         # New values for one side or both, written the chosen way (or none at all).
         side = pick(["q", "k", "both", "none"])
@@ -330,6 +341,41 @@ def fuzz_packings(seed: int, n_calls: int = 3):
         if side in ("k", "both") and not shared:
             values_k = random_cuts(gen, n_sequences, total_k)
             cu_k = MUTATIONS[mutation](cu_k, values_k)
+
+
+def check_gradients(q, k, v, values_q, values_k, causal, entry, cu_q, cu_k, seed):
+    """dq, dk, dv of the packed call against the formula's in float64, with its fp32
+    gradients as the eager baseline (attncc/tools/tolerance.py's rule)."""
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    if entry == "varlen":
+        vk = attncc.varlen(CAUSAL if causal else "attention full { }")
+        out = vk(*leaves, cu_q, cu_k, q.shape[0], k.shape[0])
+    else:
+        out = flash_attn_varlen_func(*leaves, cu_q, cu_k, q.shape[0], k.shape[0], causal=causal)
+    got = torch.autograd.grad(out, leaves, dout, allow_unused=True)
+
+    def formula(dtype):
+        xs = [t.detach().cpu().to(dtype).requires_grad_() for t in (q, k, v)]
+        ref, _ = dense_packed(*xs, values_q, values_k, causal)
+        return torch.autograd.grad(ref, xs, dout.cpu().to(dtype), allow_unused=True)
+
+    truth, eager = formula(torch.float64), formula(torch.float32)
+    # dq and dk inherit rounding noise from the stored output (tolerance.py): its size.
+    ref_out, _ = dense_packed(q, k, v, values_q, values_k, causal)
+    heads_first = lambda t: t.detach().double().cpu().transpose(0, 1)
+    scales = gradient_scales(heads_first(q), heads_first(k), heads_first(ref_out),
+                             heads_first(dout), q.shape[-1] ** -0.5, q.shape[1] // k.shape[1])
+    for name, g, r, e in zip(("dq", "dk", "dv"), got, truth, eager):
+        r = torch.zeros_like(leaves[0 if name == "dq" else 1], dtype=torch.float64).cpu() \
+            if r is None else r
+        e = torch.zeros_like(r, dtype=torch.float32) if e is None else e
+        assert g is not None and g.shape == r.shape, name
+        err = max_abs_error(g, r)
+        assert within_tolerance(err, max_abs_error(e, r), torch.float32, r,
+                                scales.get(name, 1.0)), (
+            f"seed {seed} ({entry}, causal={causal}): {name} error {err:.3g} with cu_q "
+            f"{values_q}, cu_k {values_k}")
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="writes through numpy views need host tensors")
@@ -365,23 +411,7 @@ def test_a_packing_first_seen_under_inference_mode_serves_training_calls():
     dout = torch.randn(out.shape, device=DEVICE)
     out.backward(dout)
     ref_leaves = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
-    ref, _ = dense_packed_differentiable(*ref_leaves, values)
+    ref, _ = dense_packed(*ref_leaves, values, values, True)
     ref.backward(dout.double().cpu())
     for got, want in zip(leaves, ref_leaves):
         torch.testing.assert_close(got.grad.double().cpu(), want.grad, rtol=1e-3, atol=1e-3)
-
-
-def dense_packed_differentiable(q, k, v, cu: list):
-    """dense_packed's causal self-attention on float64 leaves, keeping the graph."""
-    H, D = q.shape[1], q.shape[2]
-    k, v = (t.repeat_interleave(H // t.shape[1], 1) for t in (k, v))
-    outs = []
-    for s in range(len(cu) - 1):
-        a, b = cu[s], cu[s + 1]
-        if a == b:
-            continue
-        scores = torch.einsum("qhd,khd->hqk", q[a:b], k[a:b]) * D ** -0.5
-        future = torch.arange(b - a)[None, :] > torch.arange(b - a)[:, None]
-        weights = torch.softmax(scores.masked_fill(future, -math.inf), -1)
-        outs.append(torch.einsum("hqk,khd->qhd", weights, v[a:b]))
-    return torch.cat(outs), None
