@@ -138,3 +138,33 @@ def test_flash_attn_func_with_nothing_to_compute_stays_in_the_graph(q_len, k_len
     q.grad = k.grad = v.grad = None
     flash_attn_func(q, k, v, window_size=(3, 1)).sum().backward()
     check_grads([q, k, v])
+
+
+@pytest.mark.parametrize("batch, length", [(1, 0), (0, 5)])
+def test_tile_tables_and_density_of_empty_problems(batch, length):
+    """A loop over micro-batches keeps tables or reads densities for each shape, the empty
+    one included: no tile, density 0, and the calls given those tables stay in the graph."""
+    kernel = attncc.compile("attention d { input doc: i32[b, q] "
+                            "mask doc[b, q] == doc[b, k] and q >= k }")
+    (q,) = leaves((batch, 2, length, 16))
+    doc = torch.zeros(batch, length, dtype=torch.int32, device=DEVICE)
+    assert kernel.density(q, q, q, doc=doc) == 0.0
+    tables = kernel.tile_tables(q, q, q, doc=doc)
+    out = kernel(q, q, q, doc=doc, tables=tables)
+    check_empty_result(out, None, q, None)
+    out.sum().backward()
+    check_grads([q])
+
+
+def test_learnable_inputs_on_an_empty_axis_get_empty_gradients():
+    kernel = attncc.compile("attention l { learnable input w: f32[k] score s + w[k] }")
+    q, k, v = leaves((1, 3, 4, 16), (1, 3, 0, 16), (1, 3, 0, 16))
+    (w,) = leaves((0,), seed=3)
+    out, lse = kernel(q, k, v, w=w, return_lse=True)
+    check_empty_result(out, lse, q, (1, 3, 4))
+    out.sum().backward()
+    check_grads([q, k, v, w])
+    vk = attncc.varlen("attention c { mask q >= k }")
+    assert vk.density(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                      torch.tensor([0, 4], dtype=torch.int32, device=DEVICE),
+                      torch.tensor([0, 0], dtype=torch.int32, device=DEVICE), 4, 0) == 0.0

@@ -425,6 +425,8 @@ def _tile_count(p, block: int) -> int:
 def tile_density(module, p, inputs: dict, device, block: int) -> float:
     if block < 1:
         raise CallError(f"block must be a positive number of positions, got {block}")
+    if ops.empty_problem(p):
+        return 0.0  # no tile at all, so none visited (and calls with it compute nothing)
     t = module.tile_tables(p.batch, p.heads_q, p.len_q, p.len_k, p.q_offset, p.k_offset, p.dim,
                            inputs, block, block, device)
     visited = (t["row_full_count"] + t["row_part_count"]).float().mean()

@@ -210,7 +210,7 @@ def _forward(kernel_id, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, t
     tables = _tables(tables_id)
     values = dict(zip(kernel.input_names, inputs))
     p = _problem(q, k, v, q_offset, k_offset)
-    if _empty(p):
+    if empty_problem(p):
         if tables is not None:
             tables.check_reads(values)
         return _empty_forward(q)
@@ -232,7 +232,7 @@ def _forward(kernel_id, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, t
     return run(config)
 
 
-def _empty(p: Problem) -> bool:
+def empty_problem(p: Problem) -> bool:
     """Whether a call has nothing to compute: no batch row, no query or no key. It still
     goes through the operators, so that its output is part of the autograd graph (an
     empty micro-batch's backward runs, giving zero gradients), as SDPA's is."""
@@ -294,7 +294,7 @@ def _backward(kernel_id, q, k, v, out, lse, dout, inputs, q_offset, k_offset, se
     tables = _tables(tables_id)
     values = dict(zip(kernel.input_names, inputs))
     p = _problem(q, k, v, q_offset, k_offset)
-    if _empty(p):
+    if empty_problem(p):
         # No query sees a key: the output is 0 whatever q, k, v and the inputs hold.
         return (q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape),
                 [values[d.name].new_zeros(values[d.name].shape)
