@@ -298,11 +298,11 @@ def context_parallel_attention(kernel, q, k, v, *, group=None, scheme: str = "zi
     q, k, v: this rank's shard, (batch, heads, local length, dim), its pieces in the
     order `Sharding(scheme, ...)` gives (`Sharding.shard` cuts them from a whole
     tensor). Returns this rank's shard of the output (and of the LSE with
-    return_lse=True); differentiable in q, k, v and learnable inputs. The result equals
-    the kernel on the whole sequence. Inputs on position axes are passed whole, the
-    same on every rank; the gradient of a learnable input is this rank's share (sum it
-    over the group, as for any replicated parameter). With dropout, `dropout_seed` is
-    required, the same on every rank.
+    return_lse=True); differentiable in q, k, v and learnable inputs, through the output
+    and the merged LSE alike. The result equals the kernel on the whole sequence.
+    Inputs on position axes are passed whole, the same on every rank; the gradient of a
+    learnable input is this rank's share (sum it over the group, as for any replicated
+    parameter). With dropout, `dropout_seed` is required, the same on every rank.
     """
     from .runtime.kernel import Kernel
     if not isinstance(kernel, Kernel):
@@ -363,16 +363,21 @@ class _ContextParallelAttention(torch.autograd.Function):
         out, lse = call.forward(q, k, v, inputs)
         ctx.save_for_backward(q, k, v, out, lse, *input_values)
         ctx.call = call
-        ctx.mark_non_differentiable(lse)
+        # The merged LSE is differentiable; an unread one's gradient comes as None.
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse, *input_values = ctx.saved_tensors
         call = ctx.call
+        if dout is None and dlse is None:
+            return (None,) * (4 + len(input_values))
+        if dout is None:  # a loss of the LSE alone
+            dout = torch.zeros_like(out)
         inputs = dict(zip(call.input_names, input_values))
-        dq, dk, dv, dinputs = call.backward(q, k, v, out, lse, dout, inputs)
+        dq, dk, dv, dinputs = call.backward(q, k, v, out, lse, dout, dlse, inputs)
         return (None, dq, dk, dv, *[dinputs.get(n) for n in call.input_names])
 
 
@@ -521,13 +526,18 @@ class _RingAttention:
         return acc.to(q.dtype), acc_lse
 
     # ---------------------------------------------------------------- backward
-    def backward(self, q, k, v, out, lse, dout, inputs):
+    def backward(self, q, k, v, out, lse, dout, dlse, inputs):
         s, c, module = self.schedule, self.c, self.module
         W, r = self.sharding.world_size, self.sharding.rank
         dout = dout.contiguous()
         k, v = k.contiguous(), v.contiguous()
-        # delta = rowsum(dO * O) of the merged output, as the single-device backward has it.
-        delta = module.backward_delta(out, dout)
+        # delta = rowsum(dO * O) of the merged output, as the single-device backward has it,
+        # minus the merged LSE's gradient where one flows: every pair's P is relative to
+        # the merged LSE, so d LSE_i / d s_ij = P_ij over every piece's keys, and the pairs'
+        # dQ and dK/dV kernels carry it through delta.
+        if dlse is not None:
+            dlse = dlse.contiguous()
+        delta = module.backward_delta(out, dout, lse=lse, dlse=dlse)
         # The kernels read LSE and delta as contiguous [B * H, len_q] rows: one per piece.
         n_local = len(self.sharding.pieces)
         lse_of = [lse.narrow(2, i * c, c).contiguous() for i in range(n_local)]

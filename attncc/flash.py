@@ -1,4 +1,7 @@
-"""flash-attn's functional API over attncc kernels: `flash_attn_func`, `flash_attn_varlen_func`.
+"""flash-attn's functional API over attncc kernels: `flash_attn_func`, `flash_attn_varlen_func`,
+their packed forms (`flash_attn_qkvpacked_func`, `flash_attn_kvpacked_func`,
+`flash_attn_varlen_qkvpacked_func`, `flash_attn_varlen_kvpacked_func`), and
+`flash_attn_with_kvcache` (over kernel.decode).
 
 Each call's options (causal, window, softcap, ALiBi, dropout, scale) pick a variant,
 written as text by `variant_text` (print it to see what runs), compiled once and kept
@@ -13,19 +16,38 @@ seqlen_q != seqlen_k, causal masks and windows are aligned to the bottom-right c
 query i attending keys j in [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q +
 right] (-1 meaning unbounded); softcap is `softcap * tanh(s / softcap)` of the scaled
 score s; ALiBi then adds `-slope * |i + seqlen_k - seqlen_q - j|`; a row that attends
-to nothing gives output 0.
+to nothing gives output 0. A window side >= seqlen_k (max_seqlen_k for varlen) is
+unbounded, as flash-attn's kernels take it.
+
+Everything up to the kernel call is plain Python on the options, which torch.compile
+traces: an option that arrives symbolic (an int or float argument of a function compiled
+with dynamic=True) is specialised, since it selects the compiled variant; Dynamo guards
+on its value and recompiles for another.
 """
 from __future__ import annotations
 
+import itertools
 import math
+import numbers
+import operator
 from collections import OrderedDict
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from .errors import CallError
 
 CACHE_SIZE = 64  # compiled combinations kept; a workload rarely uses more than a few
-_KERNELS: OrderedDict = OrderedDict()
+_KERNELS: OrderedDict = OrderedDict()  # options key -> the name of its kernel in _KEPT
+
+
+class _Kept:
+    """The kept kernels, one attribute each. torch.compile reads an attribute afresh
+    when it traces it, where it would read a dict as it first saw it in the trace (and
+    miss a kernel compiled later in the same trace)."""
+
+
+_KEPT = _Kept()
 
 
 def variant_text(*, causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
@@ -75,27 +97,70 @@ def _number(x: float) -> str:
     return text if x >= 0 else f"({text})"
 
 
+def _real(name: str, x, requirement: str) -> float:
+    """A flash-attn float option as a Python float; `requirement` says what is allowed."""
+    if isinstance(x, bool) or not isinstance(x, (numbers.Real, torch.SymInt, torch.SymFloat)):
+        raise CallError(f"{name} must be {requirement}, got {x!r}")
+    return guard_scalar(float(x))  # under torch.compile, a symbolic float is specialised
+
+
+def _integer(name: str, x) -> int:
+    """A flash-attn int option: a Python int, a numpy integer or a one-element integer
+    tensor (flash-attn's C++ binding takes any of them); bools and floats are refused."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1 or x.dtype == torch.bool or x.is_floating_point() or x.is_complex():
+            raise CallError(f"{name} must be an integer, got a {x.dtype} tensor of shape "
+                            f"{tuple(x.shape)}")
+    elif isinstance(x, bool) or type(x).__name__ == "bool_":  # numpy's bool has no __index__
+        raise CallError(f"{name} must be an integer, got {x!r}")
+    try:
+        value = operator.index(x)  # under torch.compile, a symbolic int is specialised here
+    except TypeError:
+        raise CallError(f"{name} must be an integer, got {x!r} "
+                        f"({type(x).__name__}); -1 means unbounded") from None
+    return guard_scalar(value)
+
+
+def _window(window_size, seqlen_k) -> tuple:
+    """flash-attn's window_size as (left, right), -1 for an unbounded side: negative
+    values and sides reaching seqlen_k (or max_seqlen_k) mean unbounded, as flash-attn's
+    kernels take them."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise CallError(f"window_size must be a pair of integers (left, right), -1 meaning "
+                        f"unbounded, got {window_size!r}") from None
+    sides = []
+    for name, side in (("window_size[0]", left), ("window_size[1]", right)):
+        side = _integer(name, side)
+        sides.append(-1 if side < 0 or side >= seqlen_k else side)
+    return tuple(sides)
+
+
 def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-             deterministic, return_attn_probs) -> dict:
-    """Check flash-attn's keyword arguments; the variant_text keywords they select."""
-    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) \
-            or not 0 <= dropout_p < 1:
+             deterministic, return_attn_probs, seqlen_k) -> dict:
+    """Check flash-attn's keyword arguments; the variant_text keywords they select.
+    seqlen_k is the key length (max_seqlen_k for varlen) that bounds the window."""
+    dropout_p = _real("dropout_p", dropout_p, "a probability in [0, 1)")
+    if not 0 <= dropout_p < 1:
         raise CallError(f"dropout_p must be a probability in [0, 1), got {dropout_p!r}")
-    if softmax_scale is not None and (not isinstance(softmax_scale, (int, float))
-                                      or isinstance(softmax_scale, bool)
-                                      or not math.isfinite(softmax_scale)):
-        raise CallError(f"softmax_scale must be None (1 / sqrt(headdim)) or a finite number, "
-                        f"got {softmax_scale!r}")
+    if softmax_scale is not None:
+        softmax_scale = _real("softmax_scale", softmax_scale,
+                              "None (1 / sqrt(headdim)) or a finite number")
+        if not math.isfinite(softmax_scale):
+            raise CallError(f"softmax_scale must be None (1 / sqrt(headdim)) or a finite "
+                            f"number, got {softmax_scale!r}")
     for name, flag in (("causal", causal), ("deterministic", deterministic),
                        ("return_attn_probs", return_attn_probs)):
         if not isinstance(flag, bool):
             raise CallError(f"{name} must be True or False, got {flag!r}")
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
-        raise CallError(f"window_size must be a pair of ints (left, right), -1 meaning "
-                        f"unbounded, got {window_size!r}")
-    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) \
-            or not math.isfinite(softcap):
+    if return_attn_probs and dropout_p > 0:
+        raise CallError("return_attn_probs=True with dropout_p > 0: attncc does not return "
+                        "flash-attn's attention probabilities (with the dropout pattern); call "
+                        "with return_attn_probs=False, or with dropout_p=0.0 to get (out, "
+                        "softmax_lse, None)")
+    softcap = _real("softcap", softcap, "a finite number (0.0 turns it off)")
+    if not math.isfinite(softcap):
         raise CallError(f"softcap must be a finite number (0.0 turns it off), got {softcap!r}")
     alibi = None
     if alibi_slopes is not None:
@@ -105,10 +170,12 @@ def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slope
             raise CallError(f"alibi_slopes must be a float32 tensor of shape (nheads,) or "
                             f"(batch, nheads), got {shape}")
         alibi = "bh" if alibi_slopes.dim() == 2 else "h"
-    left, right = (w if w >= 0 else -1 for w in window_size)  # flash-attn: negative = unbounded
-    return dict(causal=causal, window_size=(left, right), softcap=float(max(softcap, 0.0)),
-                alibi=alibi, dropout_p=float(dropout_p),
-                softmax_scale=None if softmax_scale is None else float(softmax_scale))
+    return dict(causal=causal, window_size=_window(window_size, seqlen_k),
+                softcap=max(softcap, 0.0), alibi=alibi, dropout_p=dropout_p,
+                softmax_scale=softmax_scale)
+
+
+_OPTION_NAMES = ("causal", "window_size", "softcap", "alibi", "dropout_p", "softmax_scale")
 
 
 def kernel_for(*, packed: bool = False, **options):
@@ -121,19 +188,33 @@ def kernel_for(*, packed: bool = False, **options):
         options[name] = float(options[name])
     if options["softmax_scale"] is not None:
         options["softmax_scale"] = float(options["softmax_scale"])
-    key = (packed, *sorted(options.items()))
-    kernel = _KERNELS.get(key)
-    if kernel is None:
-        from .runtime.kernel import compile as compile_spec
-        from .runtime.packed import varlen
-        text = variant_text(**options)
-        kernel = varlen(text) if packed else compile_spec(text)
-        _KERNELS[key] = kernel
-        if len(_KERNELS) > CACHE_SIZE:
-            _KERNELS.popitem(last=False)
-    else:
+    # A tuple in a fixed order (not sorted items), which torch.compile traces.
+    key = (packed, *(options[name] for name in _OPTION_NAMES))
+    # Under torch.compile, Dynamo guards on this attribute (an evicted kernel retraces).
+    return getattr(_KEPT, _keep_compiled(key))
+
+
+@torch.compiler.assume_constant_result
+def _keep_compiled(key: tuple) -> str:
+    """The name in _KEPT of the kernel of `key`, compiled if it is not kept, and marked
+    recently used. torch.compile runs this at trace time (the key is constants by then)
+    instead of tracing the parsing and code generation behind it."""
+    if key in _KERNELS:
         _KERNELS.move_to_end(key)
-    return kernel
+        return _KERNELS[key]
+    from .runtime.kernel import compile as compile_spec
+    from .runtime.packed import varlen
+    packed, options = key[0], dict(zip(_OPTION_NAMES, key[1:]))
+    text = variant_text(**options)
+    name = f"kernel_{next(_NAMES)}"
+    setattr(_KEPT, name, varlen(text) if packed else compile_spec(text))
+    _KERNELS[key] = name
+    if len(_KERNELS) > CACHE_SIZE:
+        delattr(_KEPT, _KERNELS.popitem(last=False)[1])
+    return name
+
+
+_NAMES = itertools.count()
 
 
 def _check_layout(name: str, t, dims: str, n: int):
@@ -144,6 +225,129 @@ def _check_layout(name: str, t, dims: str, n: int):
                         f"shape {tuple(t.shape)}")
 
 
+def _check_qkv(q, k, v, packed: bool):
+    """flash-attn's shape rules, said in its terms (the kernels would say them for the
+    (batch, heads, seq, dim) views they are handed)."""
+    seq = "total" if packed else "seqlen"
+    lead = "" if packed else "batch, "
+    _check_layout("q", q, f"({lead}{seq}_q, nheads, headdim)", 3 if packed else 4)
+    for name, t in (("k", k), ("v", v)):
+        _check_layout(name, t, f"({lead}{seq}_k, nheads_k, headdim)", 3 if packed else 4)
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise CallError(f"q, k and v must have one floating-point dtype, got q {q.dtype}, "
+                        f"k {k.dtype}, v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise CallError(f"q, k and v must be on one device, got q on {q.device}, k on "
+                        f"{k.device}, v on {v.device}")
+    if k.shape != v.shape:
+        raise CallError(f"k and v must have the same shape ({lead}{seq}_k, nheads_k, headdim), "
+                        f"got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if not packed and k.shape[0] != q.shape[0]:
+        raise CallError(f"q and k must have the same batch size, got q {tuple(q.shape)} and "
+                        f"k {tuple(k.shape)}")
+    if k.shape[-1] != q.shape[-1]:
+        raise CallError(f"q and k must have the same headdim, got q {tuple(q.shape)} and "
+                        f"k {tuple(k.shape)}")
+    nheads, nheads_k = q.shape[-2], k.shape[-2]
+    if nheads_k == 0 or nheads % nheads_k:
+        raise CallError(f"nheads ({nheads}) must be a multiple of nheads_k ({nheads_k}) "
+                        f"(q {tuple(q.shape)}, k {tuple(k.shape)}): each key/value head "
+                        f"serves a whole group of query heads")
+
+
+def _alibi_inputs(alibi_slopes, batch: int | None, nheads: int) -> dict:
+    """The kernel inputs for flash-attn's alibi_slopes. flash-attn gives the slopes no
+    gradient, so a tensor that requires one (an nn.Parameter) is read detached, as
+    flash-attn reads it."""
+    if alibi_slopes is None:
+        return {}
+    # Compared a dimension at a time: under torch.compile the sizes may be symbolic.
+    shape = alibi_slopes.shape
+    per_head = alibi_slopes.dim() == 1 and shape[0] == nheads
+    per_batch = (batch is not None and alibi_slopes.dim() == 2 and shape[0] == batch
+                 and shape[1] == nheads)
+    if not (per_head or per_batch):
+        raise CallError(f"alibi_slopes must have shape (nheads,) = ({nheads},)"
+                        + ("" if batch is None else f" or (batch, nheads) = ({batch}, {nheads})")
+                        + f", got {tuple(shape)}")
+    return {"alibi_slopes": alibi_slopes.detach()}
+
+
+# ---------------------------------------------------------------------------- KV cache
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    """flash-attn's `flash_attn_with_kvcache` on attncc's decoding (kernel.decode).
+
+    q: (batch, seqlen_q, nheads, headdim). k_cache, v_cache: (batch, seqlen_cache,
+    nheads_k, headdim), or with block_table (batch, max_num_blocks) int32 a paged cache
+    (num_blocks, page_block_size, nheads_k, headdim), any page size. cache_seqlens: an int
+    or a (batch,) int32 tensor, the keys each row's cache holds (None: the whole cache,
+    without k and v). k, v (batch, seqlen_new, nheads_k, headdim), optional: written into
+    the caches in place at positions cache_seqlens[b] + j first. Row b then holds L =
+    cache_seqlens[b] + seqlen_new keys and query i sits at position L - seqlen_q + i
+    (causal masks and windows aligned to the bottom-right corner); a query before
+    position 0 (L < seqlen_q) attends the keys its window or the absence of a mask
+    gives it, as in flash-attn. num_splits: 0 tunes the split count, n >= 1 pins it.
+    Returns out (batch, seqlen_q, nheads, headdim), and with return_softmax_lse the
+    natural LSE (batch, nheads, seqlen_q) in float32 (-inf for a row that attends to
+    nothing, where flash-attn writes +inf). rotary_cos/rotary_sin, cache_batch_idx and
+    cache_leftpad are refused. Lengths and block-table values are read as
+    kernel.decode reads them (README, Decoding)."""
+    from .runtime.decoding import decode
+    for name, value, fix in (
+            ("rotary_cos", rotary_cos, "apply the rotary embedding to q and k before the call"),
+            ("rotary_sin", rotary_sin, "apply the rotary embedding to q and k before the call"),
+            ("cache_batch_idx", cache_batch_idx, "pass the cache rows in batch order, or a paged "
+                                                 "cache whose block_table picks each row's pages"),
+            ("cache_leftpad", cache_leftpad, "keep each row's keys from position 0 of its cache")):
+        if value is not None:
+            raise CallError(f"{name} is not supported by attncc's flash_attn_with_kvcache: {fix}")
+    _check_layout("q", q, "(batch, seqlen_q, nheads, headdim)", 4)
+    paged = block_table is not None
+    cache_dims = ("(num_blocks, page_block_size, nheads_k, headdim)" if paged
+                  else "(batch, seqlen_cache, nheads_k, headdim)")
+    _check_layout("k_cache", k_cache, cache_dims, 4)
+    _check_layout("v_cache", v_cache, cache_dims, 4)
+    if (k is None) != (v is None):
+        raise CallError("pass both k and v (the new tokens' keys and values) or neither")
+    if k is not None:
+        _check_layout("k", k, "(batch, seqlen_new, nheads_k, headdim)", 4)
+        _check_layout("v", v, "(batch, seqlen_new, nheads_k, headdim)", 4)
+    if not isinstance(return_softmax_lse, bool):
+        raise CallError(f"return_softmax_lse must be True or False, got {return_softmax_lse!r}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise CallError(f"num_splits must be 0 (chosen by attncc) or a positive int, got "
+                        f"{num_splits!r}")
+    if paged:
+        capacity = (block_table.shape[1] if isinstance(block_table, torch.Tensor)
+                    and block_table.dim() == 2 else 0) * k_cache.shape[1]
+    else:
+        capacity = k_cache.shape[1]
+    # flash-attn's rule: a window side reaching the whole cache is unbounded.
+    options = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                       False, False, seqlen_k=capacity)
+    if cache_seqlens is None:
+        if k is not None:
+            raise CallError("pass cache_seqlens with k and v: the new tokens are written at "
+                            "positions cache_seqlens[b] + j of each row")
+        cache_seqlens = capacity  # flash-attn: every row holds the whole cache
+    kernel = kernel_for(packed=False, **options)
+    inputs = _alibi_inputs(alibi_slopes, q.shape[0], q.shape[2])
+    # flash-attn's (batch, seqlen, heads, dim) read as (batch, heads, seqlen, dim) through
+    # strides; a paged cache has the same layout in both.
+    caches = (k_cache, v_cache) if paged else (k_cache.transpose(1, 2), v_cache.transpose(1, 2))
+    new = {} if k is None else dict(k_new=k.transpose(1, 2), v_new=v.transpose(1, 2))
+    out, lse = decode(kernel, q.transpose(1, 2), *caches, cache_seqlens=cache_seqlens,
+                      block_table=block_table, return_lse=True, num_splits=num_splits or None,
+                      rows_before_start=True, **new, **inputs)
+    out = out.transpose(1, 2).contiguous()  # flash-attn returns a dense (batch, seqlen, ...)
+    return (out, lse) if return_softmax_lse else out
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False, *, dropout_seed: int | None = None):
@@ -152,16 +356,15 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim),
     nheads a multiple of nheads_k (GQA/MQA). Returns out (batch, seqlen_q, nheads,
     headdim), or with return_attn_probs (out, softmax_lse (batch, nheads, seqlen_q),
-    None): the attention probabilities are not returned. The backward is always
-    deterministic. `dropout_seed` (attncc's, keyword only) fixes the dropout bits;
-    without it a seed is drawn from torch's CPU generator."""
-    _check_layout("q", q, "(batch, seqlen_q, nheads, headdim)", 4)
-    _check_layout("k", k, "(batch, seqlen_k, nheads_k, headdim)", 4)
-    _check_layout("v", v, "(batch, seqlen_k, nheads_k, headdim)", 4)
+    None): the attention probabilities are not returned, and return_attn_probs with
+    dropout is refused. The backward is always deterministic. alibi_slopes get no
+    gradient, as in flash-attn. `dropout_seed` (attncc's, keyword only) fixes the
+    dropout bits; without it a seed is drawn from torch's CPU generator."""
+    _check_qkv(q, k, v, packed=False)
     options = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       deterministic, return_attn_probs)
+                       deterministic, return_attn_probs, seqlen_k=k.shape[1])
     kernel = kernel_for(packed=False, **options)
-    inputs = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
+    inputs = _alibi_inputs(alibi_slopes, q.shape[0], q.shape[2])
     # (batch, seqlen, heads, dim) read as (batch, heads, seqlen, dim) through strides.
     result = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                     return_lse=return_attn_probs, dropout_seed=dropout_seed, **inputs)
@@ -171,6 +374,73 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     return result.transpose(1, 2)
 
 
+# ---------------------------------------------------------------- packed q/k/v forms
+# flash-attn's qkvpacked and kvpacked functions: the same calls on views of the packed
+# tensor (no copy), so gradients flow back into it.
+
+def _unpack(name: str, t, dims: str, n: int, axis: int, count: int) -> tuple:
+    """The `count` tensors stacked on `axis` of flash-attn's packed `t`, as views."""
+    _check_layout(name, t, dims, n)
+    if t.shape[axis] != count:
+        raise CallError(f"{name} must have shape {dims}, with {count} on dimension {axis}, "
+                        f"got {tuple(t.shape)}")
+    return t.unbind(axis)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False, *,
+                              dropout_seed: int | None = None):
+    """flash-attn's `flash_attn_qkvpacked_func`: `flash_attn_func` on qkv (batch, seqlen,
+    3, nheads, headdim), q, k and v stacked on dimension 2."""
+    q, k, v = _unpack("qkv", qkv, "(batch, seqlen, 3, nheads, headdim)", 5, 2, 3)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs,
+                           dropout_seed=dropout_seed)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False, *,
+                             dropout_seed: int | None = None):
+    """flash-attn's `flash_attn_kvpacked_func`: `flash_attn_func` on q (batch, seqlen_q,
+    nheads, headdim) and kv (batch, seqlen_k, 2, nheads_k, headdim)."""
+    k, v = _unpack("kv", kv, "(batch, seqlen_k, 2, nheads_k, headdim)", 5, 2, 2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs,
+                           dropout_seed=dropout_seed)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False, *,
+                                     dropout_seed: int | None = None):
+    """flash-attn's `flash_attn_varlen_qkvpacked_func`: `flash_attn_varlen_func` on qkv
+    (total, 3, nheads, headdim), one packing (cu_seqlens, max_seqlen) for q and k."""
+    q, k, v = _unpack("qkv", qkv, "(total, 3, nheads, headdim)", 4, 1, 3)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs,
+                                  dropout_seed=dropout_seed)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                                    causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False, *,
+                                    dropout_seed: int | None = None):
+    """flash-attn's `flash_attn_varlen_kvpacked_func`: `flash_attn_varlen_func` on q
+    (total_q, nheads, headdim) and kv (total_k, 2, nheads_k, headdim)."""
+    k, v = _unpack("kv", kv, "(total_k, 2, nheads_k, headdim)", 4, 1, 2)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                  softcap, alibi_slopes, deterministic, return_attn_probs,
+                                  dropout_seed=dropout_seed)
+
+
+# ---------------------------------------------------------------- variable length
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
@@ -180,22 +450,22 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     q: (total_q, nheads, headdim), k, v: (total_k, nheads_k, headdim), packed by
     cu_seqlens_q/cu_seqlens_k (int32, (batch + 1,)). Causal masks, windows and ALiBi
-    apply within each sequence, bottom-right aligned per sequence. Returns out (total_q,
-    nheads, headdim), or (out, softmax_lse (nheads, total_q), None). Dropout bits are
-    drawn per (seed, head, packed query, packed key) position. Paged KV (`block_table`)
-    is not supported. The cu_seqlens values are read on every call (one host read), unless
-    `packing` (attncc's, keyword only: attncc.varlen_packing(...)) was built from them."""
+    apply within each sequence, bottom-right aligned per sequence; a window side >=
+    max_seqlen_k is unbounded. Returns out (total_q, nheads, headdim), or (out,
+    softmax_lse (nheads, total_q), None). Dropout bits are drawn per (seed, head, packed
+    query, packed key) position. Paged KV (`block_table`) is not supported. The
+    cu_seqlens values are read on every call (one host read), unless `packing` (attncc's,
+    keyword only: attncc.varlen_packing(...)) was built from them."""
     if block_table is not None:
         raise CallError("block_table (paged KV cache) is not supported by attncc's "
                         "flash_attn_varlen_func; pass k and v packed as (total_k, nheads_k, "
                         "headdim)")
-    _check_layout("q", q, "(total_q, nheads, headdim)", 3)
-    _check_layout("k", k, "(total_k, nheads_k, headdim)", 3)
-    _check_layout("v", v, "(total_k, nheads_k, headdim)", 3)
+    _check_qkv(q, k, v, packed=True)
     options = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       deterministic, return_attn_probs)
+                       deterministic, return_attn_probs, seqlen_k=max_seqlen_k)
     kernel = kernel_for(packed=True, **options)
-    inputs = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
+    batch = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else None
+    inputs = _alibi_inputs(alibi_slopes, batch, q.shape[1])
     result = kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     return_lse=return_attn_probs, dropout_seed=dropout_seed, packing=packing,
                     **inputs)

@@ -22,6 +22,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import attncc
+from attncc.runtime import ops
 from attncc.errors import CallError
 from test_kernels import DEVICE
 
@@ -258,8 +259,8 @@ def test_operators_are_registered_once_per_variant_and_pass_opcheck():
     kernel = attncc.compile(DOCUMENTS)
     forward, backward = kernel._ops.forward, kernel._ops.backward
     assert attncc.compile(DOCUMENTS)._ops is kernel._ops, "registered once"
-    assert forward is getattr(torch.ops.attncc, f"docs_{kernel.variant.key()}").default
-    assert backward is getattr(torch.ops.attncc, f"docs_{kernel.variant.key()}_bwd").default
+    assert forward is getattr(torch.ops.attncc, ops.op_name(kernel.variant)).default
+    assert backward is getattr(torch.ops.attncc, ops.op_name(kernel.variant) + "_bwd").default
     q, k, v, _ = qkv(24)
     doc = torch.tensor([0] * 10 + [1] * 14, dtype=torch.int32, device=DEVICE)
     slope = torch.rand(2, device=DEVICE, requires_grad=True)
@@ -475,3 +476,21 @@ def test_kept_tables_under_reduce_overhead_need_their_layout_at_a_static_address
         torch.compiler.cudagraph_mark_step_begin()
         assert torch.equal(fn(q, k, v, blocks), want)
     assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+def test_op_names_change_with_the_ops_schemas():
+    """A graph torch.compile cached on disk calls the ops by name: an attncc whose
+    backward op takes other arguments must give its ops other names, or a stale cached
+    backward would call the new op with the old argument list."""
+    variant = attncc.parse(DOCUMENTS)
+    before = ops.op_name(variant)
+    assert before.startswith(f"{variant.name}_{variant.key()}_")
+    schema = ops.BACKWARD_SCHEMA
+    try:
+        ops._revision.cache_clear()
+        ops.BACKWARD_SCHEMA = schema.replace("Tensor? dlse, ", "")
+        assert ops.op_name(variant) != before
+    finally:
+        ops.BACKWARD_SCHEMA = schema
+        ops._revision.cache_clear()
+    assert ops.op_name(variant) == before

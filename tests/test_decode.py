@@ -519,7 +519,7 @@ def compile_for_sm90(fn, consts, stages):
 for paged in (False, True):
     tiles = dict(BLOCK_M=16, PAGED=paged, PAGE_SIZE=64 if paged else 1, BLOCK_N=64, HEAD_DIM=128,
                  HEAD_DIM_PAD=128, DOT_PRECISION="tf32", WIDE=False)
-    pipelined = compile_for_sm90(module.decode_split, dict(tiles, ONE_SPLIT=False), 3)
+    pipelined = compile_for_sm90(module.decode_split, dict(tiles, ONE_SPLIT=False, ROWS_BEFORE_START=False), 3)
     print("decode_split", "paged" if paged else "contiguous", "pipelined" if pipelined else "NOT PIPELINED")
     compile_for_sm90(module.decode_append, dict(PAGED=paged, PAGE_SIZE=tiles["PAGE_SIZE"], BLOCK_T=16,
                                                 HEAD_DIM=128, HEAD_DIM_PAD=128), 1)
@@ -544,3 +544,186 @@ def test_decode_kernels_compile_for_hopper_and_pipeline_their_loads(spec, tmp_pa
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "compiled" in result.stdout and "NOT PIPELINED" not in result.stdout, result.stdout
+
+
+# ------------------------------------------------------------------------- out-of-contract values
+# Lengths and block-table entries live on the device: reading them to check them would be
+# a host synchronisation per step. The kernels clamp them; decode_reference must read them
+# the same way (a tensor's length to [0, capacity], a page index to [0, num_pages)). An int
+# length is checked on the host: outside the cache, both refuse it.
+CAP = 48
+EDGES = (0, 1, CAP, CAP + 1, 2 ** 31 - 1, 2 ** 31, -1, 2 ** 40)
+INT32 = [x for x in EDGES if -2 ** 31 <= x < 2 ** 31]
+
+
+@pytest.mark.parametrize("n_q, append, page_size", [
+    (1, False, None), pytest.param(3, True, None, marks=pytest.mark.slow), (3, True, 16),
+    pytest.param(2, False, 16, marks=pytest.mark.slow)])
+def test_tensor_lengths_at_the_int32_edges_match_the_reference(n_q, append, page_size):
+    # One row per edge: negative, empty, one, full, one past the capacity, and 2**31 - 1,
+    # which wrapped int32 when the new tokens were added to it.
+    run_case(CAUSAL, n_q=n_q, seqlens=INT32, capacity=CAP, append=append,
+             page_size=page_size, poison=False, seed=21)
+
+
+@pytest.mark.parametrize("length", EDGES)
+@pytest.mark.parametrize("n_new", [0, 2])
+def test_int_lengths_at_the_edges_match_or_are_refused_by_both(length, n_new):
+    # An int length either fits the cache with the new tokens (and matches the
+    # reference) or is refused, with the same message, by kernel.decode and the reference.
+    fits = 0 <= length <= CAP - n_new
+    if fits and length not in (0, 1, CAP - n_new):
+        pytest.skip("the fitting edges are 0, 1 and the capacity")
+    variant = attncc.parse(CAUSAL)
+    gen = torch.Generator().manual_seed(length % 1000 + n_new)
+    q = randn(gen, 2, 4, 2, 16)
+    k, v = randn(gen, 2, 2, CAP, 16), randn(gen, 2, 2, CAP, 16)
+    new = dict(k_new=randn(gen, 2, 2, n_new, 16), v_new=randn(gen, 2, 2, n_new, 16)) if n_new else {}
+    ref = lambda: decode_reference(variant, q.double(), k.double(), v.double(), cache_seqlens=length,
+                                   return_lse=True, **{n: t.double() for n, t in new.items()})
+    if not fits:
+        with pytest.raises(CallError, match="cache_seqlens must be >= 0|do not fit the cache"):
+            attncc.compile(variant).decode(q, k, v, cache_seqlens=length, **new)
+        with pytest.raises(CallError, match="cache_seqlens must be >= 0|do not fit the cache"):
+            ref()
+        return
+    expect = ref()
+    out, lse = attncc.compile(variant).decode(q, k, v, cache_seqlens=length, return_lse=True, **new)
+    torch.testing.assert_close(out.double(), expect[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse.double(), expect[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(12))
+def test_fuzz_lengths_at_the_int32_edges(seed):
+    # Random calls built from the edges: per row a tensor length from INT32, or one int
+    # from EDGES for every row; n_q and n_new from 0 to 5 (more queries than keys
+    # included), contiguous or paged (pages of 16 or 24), GQA 6/2. Each call matches
+    # decode_reference, or kernel.decode and the reference both raise a CallError.
+    import random
+    rnd = random.Random(seed)
+    B, Hq, Hkv, D = rnd.randint(1, 4), 6, 2, 16
+    n_q, n_new = rnd.randint(1, 5), rnd.choice([0, 1, 3, 5])
+    page_size = rnd.choice([None, 16, 24])
+    variant = attncc.parse(rnd.choice([CAUSAL, WINDOW_SINKS, ALIBI]))
+    gen = torch.Generator().manual_seed(seed)
+    q = randn(gen, B, Hq, n_q, D)
+    k, v = randn(gen, B, Hkv, CAP, D), randn(gen, B, Hkv, CAP, D)
+    table = None
+    if page_size:
+        k, table = to_paged(k, page_size, torch.Generator().manual_seed(seed))
+        v, _ = to_paged(v, page_size, torch.Generator().manual_seed(seed))
+    new = dict(k_new=randn(gen, B, Hkv, n_new, D), v_new=randn(gen, B, Hkv, n_new, D)) if n_new else {}
+    inputs = make_inputs(variant, B, Hq, CAP, gen)
+    if rnd.random() < 0.5:
+        lens = rnd.choice(EDGES)
+    else:
+        lens = torch.tensor([rnd.choice(INT32) for _ in range(B)], dtype=torch.int32, device=DEVICE)
+    try:
+        ref = decode_reference(variant, q.double(), k.double(), v.double(), cache_seqlens=lens,
+                               block_table=table, return_lse=True, **inputs,
+                               **{n: t.double() for n, t in new.items()})
+    except CallError as refused:
+        with pytest.raises(CallError) as err:
+            attncc.compile(variant).decode(q, k, v, cache_seqlens=lens, block_table=table, **new,
+                                           **inputs)
+        assert str(err.value) == str(refused)
+        return
+    out, lse = attncc.compile(variant).decode(q, k, v, cache_seqlens=lens, block_table=table,
+                                              return_lse=True, **new, **inputs)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref[1]))
+    torch.testing.assert_close(out.double(), ref[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse.double(), ref[1], rtol=1e-4, atol=1e-4)
+
+
+def test_lengths_outside_int32_in_a_tensor_are_refused_by_dtype():
+    # 2**31 and 2**40 fit no int32 tensor; an int64 one is refused by name.
+    with pytest.raises(CallError, match="must be int32"):
+        _call(cache_seqlens=torch.tensor([2 ** 31, 2 ** 40]))
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (dict(k_new=torch.randn(2, 2, 33, 16), v_new=torch.randn(2, 2, 33, 16)), "cannot be appended"),
+    (dict(cache_seqlens=2 ** 40), "do not fit the cache's 32 positions"),
+])
+def test_new_tokens_or_lengths_past_the_cache_are_refused(overrides, words):
+    with pytest.raises(CallError) as err:
+        _call(**overrides)
+    assert words in str(err.value)
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_block_table_entries_out_of_range_read_as_the_kernels_clamp_them(append):
+    # Entries below 0 read page 0 and entries past the last page read the last page, in
+    # the kernels and in decode_reference (which raised IndexError or wrapped before).
+    # With an append, no row reads a slot another row writes (clamped entries alias
+    # pages: a row reading what another appends would read it before or after the write).
+    variant = attncc.parse(CAUSAL)
+    gen = torch.Generator().manual_seed(8)
+    pages_k, pages_v = randn(gen, 5, 16, 2, 16), randn(gen, 5, 16, 2, 16)
+    second = [3, 1, 2] if append else [3, -1, 2 ** 31 - 1]
+    table = torch.tensor([[-7, 10 ** 6, 2 ** 31 - 1], second], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([20, 40], dtype=torch.int32, device=DEVICE)
+    q = randn(gen, 2, 4, 2, 16)
+    new = {}
+    if append:
+        new = dict(k_new=randn(gen, 2, 2, 2, 16), v_new=randn(gen, 2, 2, 2, 16))
+    ref = decode_reference(variant, q.double(), pages_k.double(), pages_v.double(), cache_seqlens=lens,
+                           block_table=table, return_lse=True, **{n: t.double() for n, t in new.items()})
+    out, lse = attncc.compile(variant).decode(q, pages_k, pages_v, cache_seqlens=lens, block_table=table,
+                                              return_lse=True, **new)
+    torch.testing.assert_close(out.double(), ref[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse.double(), ref[1], rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------- torch.compile
+# kernel.decode is an operator (attncc/runtime/ops.py): a compiled generation loop traces
+# a step as one node, with no graph break, and the in-place append survives
+# functionalization. Compiled results equal eager ones bit for bit (the same kernels).
+@pytest.mark.parametrize("page_size", [pytest.param(None, marks=pytest.mark.slow), 16])
+def test_decode_under_torch_compile_fullgraph(page_size, backend="aot_eager"):
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    kernel = attncc.compile(ALIBI)
+    gen = torch.Generator().manual_seed(13)
+    B, Hq, Hkv, cap, D = 2, 6, 2, 48, 16
+    q = randn(gen, B, Hq, 2, 16)
+    k, v = randn(gen, B, Hkv, cap, D), randn(gen, B, Hkv, cap, D)
+    k_new, v_new = randn(gen, B, Hkv, 2, D), randn(gen, B, Hkv, 2, D)
+    slopes = torch.rand(Hq, generator=gen).to(DEVICE)
+    lens = torch.tensor([5, 40], dtype=torch.int32, device=DEVICE)
+    table = None
+    if page_size:
+        k, table = to_paged(k, page_size, torch.Generator().manual_seed(1))
+        v, _ = to_paged(v, page_size, torch.Generator().manual_seed(1))
+
+    def step(q, k, v, lens, k_new, v_new, slopes):
+        out, lse = kernel.decode(q, k, v, cache_seqlens=lens, k_new=k_new, v_new=v_new,
+                                 block_table=table, return_lse=True, num_splits=2, slopes=slopes)
+        return out * 2, lse, kernel.decode(q, k, v, cache_seqlens=7, block_table=table, slopes=slopes)
+
+    k_eager, v_eager = k.clone(), v.clone()
+    want = step(q, k_eager, v_eager, lens, k_new, v_new, slopes)
+    counter = CompileCounterWithBackend(backend)
+    got = torch.compile(step, backend=counter, fullgraph=True)(q, k, v, lens, k_new, v_new, slopes)
+    assert counter.frame_count == 1
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for cache, eager in ((k, k_eager), (v, v_eager)):  # the append happened, in place
+        torch.testing.assert_close(cache, eager, rtol=0, atol=0, equal_nan=True)  # spare pages: NaN
+    ref = decode_reference(kernel.variant, q.double(), k.double(), v.double(), cache_seqlens=lens + 2,
+                           block_table=table, slopes=slopes.double(), return_lse=True)
+    torch.testing.assert_close(got[0].double() / 2, ref[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1].double(), ref[1], rtol=1e-4, atol=1e-4)
+
+
+def test_decode_under_torch_compile_refuses_bad_calls_at_trace_time():
+    import torch._dynamo
+    torch._dynamo.reset()
+    kernel = attncc.compile(CAUSAL)
+    q, k = torch.randn(2, 4, 1, 16, device=DEVICE), torch.randn(2, 2, 32, 16, device=DEVICE)
+    step = torch.compile(lambda q, k: kernel.decode(q, k, k, cache_seqlens=2 ** 40),
+                         backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="do not fit the cache"):
+        step(q, k)

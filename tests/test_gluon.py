@@ -57,7 +57,7 @@ def test_gluon_module_takes_the_portable_argument_list():
     tree = ast.parse(gluon.generate(variant).source)
     params = template_context(variant)["common_param_list"]
     for fn, before in (("attn_fwd", 5), ("attn_fwd_ws", 5), ("attn_bwd_dkdv", 8),
-                       ("attn_bwd_dq", 15)):
+                       ("attn_bwd_dq", 16)):
         node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == fn)
         names = [a.arg for a in node.args.args]
         assert names[before:before + len(params)] == params

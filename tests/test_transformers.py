@@ -110,6 +110,31 @@ def test_generation_with_a_kv_cache_matches_sdpa():
     assert torch.equal(ours.generate(ids, **kwargs), ref.generate(ids, **kwargs))
 
 
+# (The dynamic cache with a sliding window: test_generation_with_a_kv_cache_matches_sdpa.)
+@pytest.mark.parametrize("model, cache", [("llama", "static"), ("gemma2_sliding_and_full", "static")])
+def test_generation_with_each_cache_implementation_matches(model, cache):
+    # A static cache makes generate build the mask before the forward and hand it back
+    # to the model as attention_mask (a MaskInfo, not a tensor); Gemma 2 adds sliding
+    # layers (a static sliding-window cache) and a dict of masks. Decoding runs past
+    # the window, from a left-padded row.
+    if model == "llama":
+        config, cls, reference = transformers.LlamaConfig(**SMALL), transformers.LlamaForCausalLM, "sdpa"
+    else:
+        config = transformers.Gemma2Config(**SMALL, head_dim=16, query_pre_attn_scalar=24,
+                                           attn_logit_softcapping=2.0,
+                                           final_logit_softcapping=None, sliding_window=3)
+        cls, reference = transformers.Gemma2ForCausalLM, "eager"
+    ours, ref = twins(cls, config, reference=reference)
+    ids, mask = padded_batch(7)
+    mask[1] = 1
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                  cache_implementation=cache, output_logits=True, return_dict_in_generate=True)
+    got, want = ours.generate(ids, **kwargs), ref.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"step {step}: {m}")
+
+
 def test_a_registered_variant_adds_its_mask_to_the_models():
     # Llama with a registered 4-key window equals Mistral's sliding window of 4 (the same
     # architecture and weights) under SDPA.

@@ -30,9 +30,10 @@ PORTABLE = {
     "DECODE_STRATEGY": "a sentence on how kernel.decode skips keys (tools/decode_bench.py)",
     # forward and backward (runtime/ops.py, distributed.py)
     "forward": "forward(q, k, v, inputs, *, q_offset, k_offset, seed, config, tables) -> (out, lse)",
-    "backward_delta": "backward_delta(out, dout) -> delta",
+    "backward_delta": "backward_delta(out, dout, *, lse=None, dlse=None) -> delta (minus dlse)",
     "new_delta": "new_delta(q) -> the delta tensor backward_dq(..., out=) fills",
-    "backward_dq": "backward_dq(q, k, v, lse, delta, dout, inputs, *, ..., out=None) -> (dq, dinputs)",
+    "backward_dq": "backward_dq(q, k, v, lse, delta, dout, inputs, *, ..., out=None, dlse=None) "
+                   "-> (dq, dinputs)",
     "backward_dkdv": "backward_dkdv(q, k, v, lse, delta, dout, inputs, *, ...) -> (dk, dv)",
     # tile tables (runtime/kernel.py: kept tables and densities)
     "tile_tables": "tile_tables(B, H, len_q, len_k, q_offset, k_offset, dim, inputs, block_m, "
@@ -55,7 +56,8 @@ PORTABLE_WITH_TABLES = {
 GLUON = {
     "forward": "forward(q, k, v, inputs, *, host, q_offset, k_offset, seed, config, tables) "
                "-> (out, lse)",
-    "backward_dq": "backward_dq(q, k, v, lse, delta, dout, inputs, *, host, ..., out=None) "
+    "backward_dq": "backward_dq(q, k, v, lse, delta, dout, inputs, *, host, ..., out=None, "
+                   "dlse=None) "
                    "-> (dq, {}) (runtime/kernel.py: backward_runner)",
     "backward_dkdv": "backward_dkdv(q, k, v, lse, delta, dout, inputs, *, host, ...) -> (dk, dv)",
 }

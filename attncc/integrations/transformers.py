@@ -81,11 +81,26 @@ class MaskInfo:
     checked: set = dataclasses.field(default_factory=set)  # readings already compared
     sequence_ids: dict = dataclasses.field(default_factory=dict)  # id(position_ids) -> ids
 
+    # It stands where transformers would put its prepared 4D mask. `generate` with a
+    # compileable (static) cache builds the mask before the forward and passes it back to
+    # the model as `attention_mask`, whose mask preprocessing reads `ndim` and `shape`:
+    # they say "a prepared (batch, 1, q_length, kv_length) mask", and `attncc_mask` then
+    # rebuilds from the 2D mask it carries.
+    ndim = 4
+
+    @property
+    def shape(self) -> tuple:
+        return (self.batch_size, 1, self.q_length, self.kv_length)
+
 
 def attncc_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
                 mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
                 use_vmap: bool = False, **kwargs) -> MaskInfo:
     """The mask function attncc registers: no mask is built, only what it describes."""
+    if isinstance(attention_mask, MaskInfo):
+        # A MaskInfo handed back as the model's attention_mask (generate with a static
+        # cache): read again from the 2D mask it was made from, at this call's sizes.
+        attention_mask = attention_mask.attention_mask
     q_offset, kv_offset = int(q_offset), int(kv_offset)
     keep = None
     if attention_mask is not None:

@@ -71,6 +71,16 @@ class DecodeProblem:
         return -(-self.group * self.n_q // self.rows_block)
 
 
+def decode_problem(q, k_cache, k_new, block_table) -> DecodeProblem:
+    """The sizes of a decode call whose shapes check_decode_call has checked."""
+    B, Hq, n_q, D = q.shape
+    n_new = 0 if k_new is None else k_new.shape[2]
+    if block_table is not None:  # (num_pages, page_size, kv heads, dim)
+        page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+        return DecodeProblem(B, Hq, Hkv, n_q, n_new, D, block_table.shape[1] * page_size, page_size)
+    return DecodeProblem(B, Hq, k_cache.shape[1], n_q, n_new, D, k_cache.shape[2], 0)
+
+
 def _shape(t) -> str:
     return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
@@ -138,7 +148,7 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
             raise CallError(f"k_cache has batch {k_cache.shape[0]} but q has {B}. A contiguous "
                             "cache is (batch, kv_heads, capacity, dim); a paged one "
                             "(num_pages, page_size, kv_heads, dim) needs block_table=")
-        Hkv, capacity, page_size = k_cache.shape[1], k_cache.shape[2], 0
+        Hkv, capacity = k_cache.shape[1], k_cache.shape[2]
     if Hkv == 0 or Hq % Hkv:
         raise CallError(f"q has {Hq} heads, which is not a multiple of the cache's {Hkv} kv heads "
                         f"(k_cache {_shape(k_cache)}, laid out {layout})")
@@ -158,12 +168,16 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
         if k_new.shape != v_new.shape:
             raise CallError(f"k_new {_shape(k_new)} and v_new {_shape(v_new)} must have the same shape")
         n_new = k_new.shape[2]
-    seqlens = _seqlens(cache_seqlens, B, q.device)
-    if capacity > MAX_EXTENT:
-        raise CallError(f"the cache holds {capacity} positions; positions must stay below 2**31 "
-                        f"(at most {MAX_EXTENT}), as the range analysis of the variant's "
-                        "integers assumes (attncc/analysis/ranges.py)")
-    problem = DecodeProblem(B, Hq, Hkv, n_q, n_new, D, capacity, page_size)
+    if capacity + n_new > MAX_EXTENT:
+        raise CallError(f"the cache holds {capacity} positions and k_new {n_new} more; "
+                        f"positions must stay below 2**31 (capacity + n_new at most "
+                        f"{MAX_EXTENT}), as the range analysis of the variant's integers "
+                        "assumes (attncc/analysis/ranges.py)")
+    if n_new > capacity:
+        raise CallError(f"k_new holds {n_new} new tokens but the cache only {capacity} "
+                        "positions: they cannot be appended; use a larger cache")
+    seqlens = _seqlens(cache_seqlens, B, q.device, capacity, n_new)
+    problem = decode_problem(q, k_cache, k_new, block_table)
     # Input axes on positions (q, k) and tiles (qb, kb) span the cache's capacity: every
     # position a call may place a key or a query at.
     p = Problem(B, Hq, Hkv, capacity, capacity, D, D)
@@ -174,7 +188,11 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
     return problem, seqlens
 
 
-def _seqlens(cache_seqlens, batch: int, device) -> torch.Tensor:
+def _seqlens(cache_seqlens, batch: int, device, capacity: int, n_new: int) -> torch.Tensor:
+    """cache_seqlens as a (batch,) int32 tensor. An int is checked here (no sync): it must
+    fit the cache with the new tokens. A tensor's values are not read (that is a host
+    synchronisation per step): the kernels clamp each length to [0, capacity] and drop the
+    new tokens past the capacity, and decode_reference does the same."""
     if cache_seqlens is None:
         raise CallError("decode needs cache_seqlens=: the number of keys each batch row's cache "
                         "holds (before k_new), an int or a (batch,) int32 tensor")
@@ -182,8 +200,7 @@ def _seqlens(cache_seqlens, batch: int, device) -> torch.Tensor:
         raise CallError(f"cache_seqlens must be an int or a (batch,) int32 tensor, got "
                         f"{type(cache_seqlens).__name__}")
     if isinstance(cache_seqlens, int):
-        if cache_seqlens < 0:
-            raise CallError(f"cache_seqlens must be >= 0, got {cache_seqlens}")
+        _check_int_length(cache_seqlens, capacity, n_new)
         return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     if tuple(cache_seqlens.shape) != (batch,):
         raise CallError(f"cache_seqlens has shape {_shape(cache_seqlens)}, expected ({batch},): "
@@ -194,6 +211,16 @@ def _seqlens(cache_seqlens, batch: int, device) -> torch.Tensor:
     if cache_seqlens.device != device:
         raise CallError(f"cache_seqlens is on {cache_seqlens.device} but q is on {device}")
     return cache_seqlens
+
+
+def _check_int_length(length: int, capacity: int, n_new: int) -> None:
+    if length < 0:
+        raise CallError(f"cache_seqlens must be >= 0, got {length}")
+    if length + n_new > capacity:
+        raise CallError(f"cache_seqlens={length} keys cached"
+                        + (f" plus {n_new} new ones" if n_new else "")
+                        + f" do not fit the cache's {capacity} positions: an int cache_seqlens "
+                        f"runs from 0 to {capacity - n_new}; use a larger cache")
 
 
 # ---------------------------------------------------------------------------- configs
@@ -281,11 +308,8 @@ def tuning_key(p: DecodeProblem, dtype, num_splits: int | None) -> str:
     return key + (f"-splits{num_splits}" if num_splits else "")
 
 
-def decode_config(kernel, p: DecodeProblem, dtype, run, *, num_splits=None, config=None) -> dict:
-    """The config of this call: pinned, or under the interpreter a fixed one, or tuned on
-    the GPU (timing up to TUNE_AT_MOST candidates on the call's own inputs) and cached on
-    disk beside the variant's other configs."""
-    from .settings import interpreting
+def check_pins(num_splits, config) -> dict | None:
+    """The call's pinned config (checked), or None; num_splits checked."""
     if config is not None:
         config = check_decode_config(config, "config")
         if num_splits is not None and num_splits != config["num_splits"]:
@@ -295,6 +319,17 @@ def decode_config(kernel, p: DecodeProblem, dtype, run, *, num_splits=None, conf
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
             raise CallError(f"num_splits must be an int from 1 to {MAX_SPLITS}, got {num_splits!r}")
+    return None
+
+
+def decode_config(kernel, p: DecodeProblem, dtype, run, *, num_splits=None, config=None) -> dict:
+    """The config of this call: pinned, or under the interpreter a fixed one, or tuned on
+    the GPU (timing up to TUNE_AT_MOST candidates on the call's own inputs) and cached on
+    disk beside the variant's other configs."""
+    from .settings import interpreting
+    config = check_pins(num_splits, config)
+    if config is not None:
+        return config
     if interpreting():
         splits = num_splits or max(1, min(INTERPRETER_SPLITS, -(-p.capacity // 16)))
         return dict(BLOCK_N=16, num_warps=4, num_stages=1, num_splits=splits)
@@ -322,30 +357,47 @@ def decode_config(kernel, p: DecodeProblem, dtype, run, *, num_splits=None, conf
 # ---------------------------------------------------------------------------- the call
 def decode(kernel, q, k_cache, v_cache, *, cache_seqlens=None, k_new=None, v_new=None,
            block_table=None, return_lse: bool = False, num_splits: int | None = None,
-           config: dict | None = None, **inputs):
-    """See Kernel.decode."""
+           config: dict | None = None, rows_before_start: bool = False, **inputs):
+    """See Kernel.decode. Checks the call here (what torch.compile traces: shapes, dtypes,
+    devices and ints, no tensor values), then runs the variant's decode op
+    (attncc/runtime/ops.py), which calls run_decode. rows_before_start is attncc.flash's:
+    see the generated module's decode."""
     for name in _NOT_DECODE_ARGUMENTS:  # no input has these names (checker.CALL_KEYWORDS)
         if name in inputs:
             raise CallError(f"decode takes no {name}=: {_NOT_DECODE_ARGUMENTS[name]}")
     if not isinstance(return_lse, bool):
         raise CallError(f"return_lse must be True or False, got {return_lse!r}")
-    p, seqlens = check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+    _, seqlens = check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                    block_table, inputs)
+    pinned = check_pins(num_splits, config)
+    values = [inputs[d.name] for d in kernel.variant.inputs]
+    out, lse = kernel._decode_op(
+        kernel._op_id, q, k_cache, v_cache, seqlens, k_new, v_new, block_table, values,
+        num_splits or 0, [pinned[key] for key in CONFIG_KEYS] if pinned else [],
+        rows_before_start)
+    return (out, lse) if return_lse else out
+
+
+def run_decode(kernel, q, k_cache, v_cache, seqlens, k_new, v_new, block_table, values: dict, *,
+               num_splits=None, config=None, rows_before_start=False):
+    """The decode op's implementation: the append, the config (pinned, fixed under the
+    interpreter, or tuned) and the launches, on a call `decode` has checked."""
     precompile.wait_for_triton()
     module = kernel.module
-    values = {d.name: inputs[d.name] for d in kernel.variant.inputs}
+    B, Hq, n_q, D = q.shape
     with torch.no_grad():  # inference only: nothing here builds an autograd graph
-        if p.n_q == 0:
-            if p.n_new:  # no query: only the append
+        if n_q == 0:
+            if k_new is not None and k_new.shape[2]:  # no query: only the append
                 module.decode_append_kv(k_new, v_new, k_cache, v_cache, seqlens, block_table)
-            out = q.new_zeros((p.batch, p.heads_q, 0, p.dim))
-            lse = torch.zeros((p.batch, p.heads_q, 0), device=q.device, dtype=torch.float32)
-            return (out, lse) if return_lse else out
+            out = q.new_zeros((B, Hq, 0, D))
+            lse = torch.zeros((B, Hq, 0), device=q.device, dtype=torch.float32)
+            return out, lse
+        p = decode_problem(q, k_cache, k_new, block_table)
         run = lambda cfg: module.decode(q, k_cache, v_cache, seqlens, values, k_new=k_new,
-                                        v_new=v_new, block_table=block_table, config=cfg)
+                                        v_new=v_new, block_table=block_table, config=cfg,
+                                        rows_before_start=rows_before_start)
         cfg = decode_config(kernel, p, q.dtype, run, num_splits=num_splits, config=config)
-        out, lse = run(cfg)
-    return (out, lse) if return_lse else out
+        return run(cfg)
 
 
 # ---------------------------------------------------------------------------- reference
@@ -353,9 +405,10 @@ def gather_cache(cache: torch.Tensor, block_table, b: int, length: int) -> torch
     """Row b's first `length` cached positions as (kv_heads, length, dim)."""
     if block_table is None:
         return cache[b, :, :length]
-    page_size = cache.shape[1]
+    num_pages, page_size = cache.shape[:2]
     pos = torch.arange(length, device=cache.device)
-    pages = block_table[b].long()[pos // page_size]
+    # An entry outside [0, num_pages) reads the page clamped into range, as the kernels do.
+    pages = block_table[b].long()[pos // page_size].clamp(0, num_pages - 1)
     return cache[pages, pos % page_size].transpose(0, 1)  # (length, kv_heads, dim) -> heads first
 
 
@@ -366,6 +419,9 @@ def decode_reference(variant: ir.Variant, q, k_cache, v_cache, *, cache_seqlens,
     sequence of L tokens; q fills the last n_q rows of an L-row query sequence (the others
     are zeros, and unused); attncc.reference gives the rows. Computes in q's dtype (use
     float64 for truth); never writes the cache. Dropout is left out, as decoding does.
+    Out-of-contract values read as the kernels read them: a tensor's lengths clamped to
+    [0, capacity] (new tokens past the capacity dropped), block-table entries clamped to
+    [0, num_pages); an int length outside the cache is refused, as kernel.decode refuses it.
 
     A variant that does not read len_q gets the same rows from attncc.reference with
     q_offset = L - n_q, which costs n_q x L per head instead of L x L (long caches)."""
@@ -374,10 +430,14 @@ def decode_reference(variant: ir.Variant, q, k_cache, v_cache, *, cache_seqlens,
     reads_len_q = any("len_q" in ir.free_vars(e) for e in (variant.mask, variant.score,
                                                               variant.layout) if e is not None)
     B, Hq, n_q, D = q.shape
-    lengths = ([int(cache_seqlens)] * B if isinstance(cache_seqlens, int)
-               else [int(x) for x in cache_seqlens.tolist()])
     capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
                 else k_cache.shape[2])
+    # An int is checked as kernel.decode checks it; a tensor's lengths are clamped to
+    # [0, capacity], as the kernels read them.
+    if isinstance(cache_seqlens, int):
+        _check_int_length(cache_seqlens, capacity, 0 if k_new is None else k_new.shape[2])
+    lengths = [min(max(int(x), 0), capacity) for x in
+               ([cache_seqlens] * B if isinstance(cache_seqlens, int) else cache_seqlens.tolist())]
     outs, lses = [], []
     for b in range(B):
         keys = [gather_cache(k_cache, block_table, b, lengths[b]).to(q.dtype)]

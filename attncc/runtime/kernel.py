@@ -48,8 +48,10 @@ class Kernel:
         self._tables_owner = self  # whose tile_tables(...) this kernel's calls accept
         self._shape_densities: dict = {}  # for the shipped winners' class (_tuning)
         self.input_names = [d.name for d in variant.inputs]  # the operator's input order
-        self._ops = ops.operators(self)  # torch.ops.attncc.<name>_<key>[_bwd]
+        self._ops = ops.operators(self)  # torch.ops.attncc.<name>_<key>_<revision>[_bwd]
         self._op_id = ops.register_kernel(self)  # how the operator finds this kernel
+        # kernel.decode's operator, defined now: torch.compile cannot trace its definition.
+        self._decode_op = ops.decode_operator(self)  # torch.ops.attncc.<name>_<key>_<revision>_decode
         # The same variant without dropout, for training=False: its module is generated on
         # first use, but the Kernel exists now, so that torch.compile can trace a call of
         # it (a kernel made at trace time would be file reads and writes, untraceable).
@@ -158,14 +160,15 @@ class Kernel:
         return chosen[:2]
 
     def backward_runner(self, kind, q, k, v, lse, delta, dout, values, problem, common,
-                        tune=(None, None, None), may_time=True, out=None):
+                        tune=(None, None, None), may_time=True, out=None, dlse=None):
         """(direction, run) of this call's dQ (kind "dq"; `out`, the forward's output: the
-        kernel computes delta from it) or dK/dV (kind "dkdv"), as forward_runner decides the
-        forward: the Gluon kernel where the backend takes the call and (auto) the tuner
-        measured it faster, else the portable one; `kernel.last_backward[kind]` says which
-        and why. With may_time=False, None where deciding would mean timing both (dK/dV
+        kernel computes delta from it, minus `dlse`, the returned LSE's gradient, where
+        given) or dK/dV (kind "dkdv"), as forward_runner decides the forward: the Gluon
+        kernel where the backend takes the call and (auto) the tuner measured it faster,
+        else the portable one; `kernel.last_backward[kind]` says which and why. With
+        may_time=False, None where deciding would mean timing both (dK/dV
         before dQ has written delta)."""
-        extra = dict(out=out) if kind == "dq" else {}
+        extra = dict(out=out, dlse=dlse) if kind == "dq" else {}
         portable = {"dq": self.module.backward_dq, "dkdv": self.module.backward_dkdv}[kind]
         run = lambda config: portable(q, k, v, lse, delta, dout, values, config=config,
                                       **extra, **common)
@@ -367,7 +370,11 @@ class Kernel:
         and len_q = len_k = L in the variant (so `q >= k` is causal). Input axes on
         positions and tiles span the capacity. Returns (B, Hq, n_q, D), and with
         return_lse the natural LSE (B, Hq, n_q) in float32; a row that attends to no key
-        gives 0 and LSE -inf. Inference only: no autograd graph, no dropout. num_splits
+        gives 0 and LSE -inf. An int cache_seqlens outside [0, capacity - n_new] is
+        refused; a tensor's lengths are clamped to [0, capacity] and block-table entries
+        to [0, num_pages) (not read on the host), as decode_reference reads them. An
+        operator of its own (torch.compile traces it whole). Inference only: no autograd
+        graph, no dropout. num_splits
         or config={"BLOCK_N", "num_warps", "num_stages", "num_splits"} pin what is
         otherwise tuned (attncc/runtime/decoding.py)."""
         from .decoding import decode

@@ -1,8 +1,8 @@
 """PyTorch operators for compiled variants: a torch.library custom op per variant.
 
 `Kernel.__call__` checks a call in Python and then calls the variant's forward op,
-`torch.ops.attncc.<name>_<key>`; its autograd kernel (an autograd.Function) calls the
-backward op, `torch.ops.attncc.<name>_<key>_bwd`. Each op has a real implementation (the
+`torch.ops.attncc.<name>_<key>_<revision>` (`op_name`); its autograd kernel (an
+autograd.Function) calls the backward op, `..._bwd`. Each op has a real implementation (the
 generated module's launches, tuning included) and a fake one (empty outputs of the right
 shapes and strides), so torch.compile traces a call as one opaque node, with symbolic
 sequence lengths, and never traces into Triton's launch path, the tuner or the table
@@ -13,6 +13,9 @@ What crosses the op boundary, and how:
   and a dropout_seed given by the caller as SymInts (dynamic under torch.compile, not
   baked in). A seed the call draws itself is a one-element CPU int64 tensor from torch's
   generator (`drawn_seed`), so that a compiled graph draws a fresh one on every run.
+- The backward takes the LSE's gradient as an optional tensor, `dlse`: None when no
+  loss reads the LSE (autograd's grads are not materialised), so that case reads no
+  tensor of zeros and launches what it did before the LSE was differentiable.
 - The Kernel and its kept TileTables as int ids into process-wide registries (weak: an
   id outlives nothing). Tables are not tensors to hand over: the generated module builds
   them lazily per tile size, and the tile size is picked inside the op by the tuner; the
@@ -29,6 +32,7 @@ import functools
 import itertools
 import warnings
 import weakref
+from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
@@ -36,6 +40,7 @@ import torch
 from . import precompile, tuning
 from ..arguments import Problem, check_seed
 from ..errors import CallError
+from ..version import __version__
 
 _KERNELS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _TABLES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
@@ -57,12 +62,26 @@ def register_tables(tables) -> int:
 
 
 def op_name(variant) -> str:
-    return f"{variant.name}_{variant.key()}"
+    return f"{variant.name}_{variant.key()}_{_revision()}"
+
+
+@functools.cache
+def _revision() -> str:
+    """A short hash of what a compiled graph assumes about the ops: their schemas and this
+    module's autograd and op code. torch.compile's caches (AOTAutograd's and Inductor's,
+    on disk, shared by every process of the user) store traced graphs that call the ops by
+    name; an attncc whose `_bwd` op took one argument more, under the same name, would be
+    called by a stale cached backward with the old argument list (seen when the LSE became
+    differentiable). Naming the revision makes such a graph miss the cache instead."""
+    import hashlib
+    text = "\n".join((FORWARD_SCHEMA, BACKWARD_SCHEMA, DECODE_SCHEMA, __version__,
+                      Path(__file__).read_text()))
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
 class Operators(NamedTuple):
-    forward: torch._ops.OpOverload  # torch.ops.attncc.<name>_<key>.default
-    backward: torch._ops.OpOverload  # torch.ops.attncc.<name>_<key>_bwd.default
+    forward: torch._ops.OpOverload  # torch.ops.attncc.<op_name>.default
+    backward: torch._ops.OpOverload  # torch.ops.attncc.<op_name>_bwd.default
     # The forward op's autograd kernel, for eager calls to enter directly: with the same
     # arguments and results as `forward`, one trip through the dispatcher fewer (~20 us
     # of host time on a slow CPU). Its forward calls the forward op, so the kernels run
@@ -126,7 +145,7 @@ _LIBRARY = torch.library.Library("attncc", "FRAGMENT")
 FORWARD_SCHEMA = ("(int kernel, Tensor q, Tensor k, Tensor v, Tensor[] inputs, SymInt q_offset, "
                   "SymInt k_offset, SymInt seed, Tensor? drawn_seed, int tables) -> (Tensor, Tensor)")
 BACKWARD_SCHEMA = ("(int kernel, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
-                   "Tensor[] inputs, SymInt q_offset, SymInt k_offset, SymInt seed, "
+                   "Tensor? dlse, Tensor[] inputs, SymInt q_offset, SymInt k_offset, SymInt seed, "
                    "Tensor? drawn_seed, int tables) -> (Tensor, Tensor, Tensor, Tensor[])")
 
 
@@ -145,7 +164,7 @@ def _define(name: str, variant):
         # The same allocations as the generated module's forward (strides included).
         return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
-    def backward_fake(kernel, q, k, v, out, lse, dout, inputs, q_offset, k_offset, seed,
+    def backward_fake(kernel, q, k, v, out, lse, dout, dlse, inputs, q_offset, k_offset, seed,
                       drawn_seed, tables):
         return (q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(k.shape),
                 [inputs[i].new_empty(inputs[i].shape) for i in learnable])
@@ -163,7 +182,10 @@ def _define(name: str, variant):
                 out, lse = forward(kernel, q, k, v, list(values), q_offset, k_offset, seed,
                                    drawn_seed, tables)
             ctx.save_for_backward(q, k, v, out, lse, *values)
-            ctx.mark_non_differentiable(lse)
+            # The LSE is differentiable, as the reference's: a gradient that does not flow
+            # comes as None (not a tensor of zeros), so a call whose LSE no loss reads
+            # runs the backward it ran before, with nothing more read.
+            ctx.set_materialize_grads(False)
             ctx.call = (kernel, q_offset, k_offset, seed, drawn_seed, tables)
             # The registries are weak: the graph keeps the kernel and tables it needs, as
             # in `attncc.compile(spec)(q, k, v).sum().backward()`.
@@ -172,11 +194,17 @@ def _define(name: str, variant):
 
         @staticmethod
         @torch.autograd.function.once_differentiable
-        def backward(ctx, dout, _dlse):
+        def backward(ctx, dout, dlse):
             q, k, v, out, lse, *values = ctx.saved_tensors
             kernel, q_offset, k_offset, seed, drawn_seed, tables = ctx.call
-            dq, dk, dv, dlearnable = backward(kernel, q, k, v, out, lse, dout, values, q_offset,
-                                              k_offset, seed, drawn_seed, tables)
+            if dout is None and dlse is None:
+                return (None,) * (9 + len(values))
+            if dout is None:  # a loss of the LSE alone
+                dout = torch.zeros_like(out)
+            if dlse is not None:
+                dlse = dlse.contiguous()  # the kernels read it as [B * H, len_q] rows
+            dq, dk, dv, dlearnable = backward(kernel, q, k, v, out, lse, dout, dlse, values,
+                                              q_offset, k_offset, seed, drawn_seed, tables)
             dinputs = [None] * len(values)
             for i, g in zip(learnable, dlearnable):
                 dinputs[i] = g
@@ -286,8 +314,11 @@ def _compile_backward_beside(kernel, p, q, k, v, values, common, tune, direction
     precompile.launch_together(launches)
 
 
-def _backward(kernel_id, q, k, v, out, lse, dout, inputs, q_offset, k_offset, seed, drawn_seed,
-              tables_id):
+def _backward(kernel_id, q, k, v, out, lse, dout, dlse, inputs, q_offset, k_offset, seed,
+              drawn_seed, tables_id):
+    """The gradients of the output and, with dlse (None when no loss reads the LSE), of
+    the LSE: folded into delta (delta - dlse, see the backward template), so the dQ and
+    dK/dV kernels run unchanged."""
     from .settings import backward_directions
     kernel = _kernel(kernel_id)
     seed = _seed(seed, drawn_seed)
@@ -295,7 +326,8 @@ def _backward(kernel_id, q, k, v, out, lse, dout, inputs, q_offset, k_offset, se
     values = dict(zip(kernel.input_names, inputs))
     p = _problem(q, k, v, q_offset, k_offset)
     if empty_problem(p):
-        # No query sees a key: the output is 0 whatever q, k, v and the inputs hold.
+        # No query sees a key: the output is 0 and the LSE -inf whatever q, k, v and the
+        # inputs hold, so every gradient is 0 (dlse included).
         return (q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape),
                 [values[d.name].new_zeros(values[d.name].shape)
                  for d in kernel.variant.learnable_inputs])
@@ -316,7 +348,7 @@ def _backward(kernel_id, q, k, v, out, lse, dout, inputs, q_offset, k_offset, se
                                         lambda: module.backward_one_launch(
                                             q, k, v, lse, scratch, dout, values, config=config,
                                             **common)])
-        delta = module.backward_delta(out, dout)
+        delta = module.backward_delta(out, dout, lse=lse, dlse=dlse)
         run = lambda config: module.backward_one_launch(q, k, v, lse, delta, dout, values,
                                                         config=config, **common)
         config = tuning.config_for(kernel, p, q.dtype, "bwd", run, *tune)
@@ -328,7 +360,8 @@ def _backward(kernel_id, q, k, v, out, lse, dout, inputs, q_offset, k_offset, se
         delta = module.new_delta(q)
         kernel._last_backward = {}
         runner = lambda kind, may_time: kernel.backward_runner(
-            kind, q, k, v, lse, delta, dout, values, p, common, tune, may_time=may_time, out=out)
+            kind, q, k, v, lse, delta, dout, values, p, common, tune, may_time=may_time, out=out,
+            dlse=dlse)
         # None where choosing the backend means timing: dK/dV's reads delta, which dQ writes.
         chosen_dq, chosen_dkdv = runner("dq", False), runner("dkdv", False)
         if chosen_dq is not None and chosen_dkdv is not None:
@@ -346,3 +379,52 @@ def _backward(kernel_id, q, k, v, out, lse, dout, inputs, q_offset, k_offset, se
         direction, run_dkdv = chosen_dkdv or runner("dkdv", True)
         dk, dv = run_dkdv(tuning.config_for(kernel, p, q.dtype, direction, run_dkdv, *tune))
     return dq, dk, dv, [dinputs[d.name] for d in kernel.variant.learnable_inputs]
+
+
+# ---------------------------------------------------------------------------- decoding
+# kernel.decode is an op of its own per variant, `torch.ops.attncc.<name>_<key>_<revision>_decode`,
+# so that a compiled generation loop traces a decode step as one node (Dynamo cannot
+# trace into Triton's launch path or the tuner). The call checks run before it, in
+# Python (at trace time on FakeTensors; they read no tensor values). It writes the new
+# tokens into the caches in place, as its schema says (a!, b!), so functionalization
+# keeps the write. Inference only: its Autograd kernel runs it below autograd, with no
+# graph. `config` is [] or the four CONFIG_KEYS values in order; `num_splits` 0 is unset.
+DECODE_SCHEMA = ("(int kernel, Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+                 "Tensor cache_seqlens, Tensor? k_new, Tensor? v_new, Tensor? block_table, "
+                 "Tensor[] inputs, int num_splits, int[] config, bool rows_before_start) "
+                 "-> (Tensor, Tensor)")
+_DECODE_OPS: dict = {}  # op name -> the decode OpOverload
+
+
+def decode_operator(kernel) -> torch._ops.OpOverload:
+    """The decode op of the kernel's variant, defined on first use."""
+    name = op_name(kernel.variant) + "_decode"
+    if name not in _DECODE_OPS:
+        _LIBRARY.define(name + DECODE_SCHEMA)
+        op = getattr(torch.ops.attncc, name).default
+        _LIBRARY.impl(name, _decode, "CompositeExplicitAutograd")
+
+        def decode_fake(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                        inputs, num_splits, config, rows_before_start):
+            # The generated module's allocations: dense, in q's dtype; LSE in float32.
+            return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+        def decode_autograd(*args):
+            with torch._C._AutoDispatchBelowAutograd():
+                return op(*args)
+
+        torch.library.register_fake(f"attncc::{name}", decode_fake, lib=_LIBRARY)
+        _LIBRARY.impl(name, decode_autograd, "Autograd")
+        _DECODE_OPS[name] = op
+    return _DECODE_OPS[name]
+
+
+def _decode(kernel_id, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, inputs,
+            num_splits, config, rows_before_start):
+    from .decoding import CONFIG_KEYS, run_decode
+    kernel = _kernel(kernel_id)
+    values = dict(zip(kernel.input_names, inputs))
+    return run_decode(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                      values, num_splits=num_splits or None,
+                      config=dict(zip(CONFIG_KEYS, config)) if config else None,
+                      rows_before_start=rows_before_start)
