@@ -168,3 +168,20 @@ def test_learnable_inputs_on_an_empty_axis_get_empty_gradients():
     assert vk.density(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
                       torch.tensor([0, 4], dtype=torch.int32, device=DEVICE),
                       torch.tensor([0, 0], dtype=torch.int32, device=DEVICE), 4, 0) == 0.0
+
+
+@pytest.mark.parametrize("case", ["no_key", "no_query", "no_batch_row"])
+def test_losses_on_the_lse_of_an_empty_call_give_zero_gradients(case):
+    """The LSE is differentiable (a merge of partial attentions reads it): an empty
+    call's backward takes its gradient too, and it moves nothing (the LSE is -inf
+    whatever the inputs)."""
+    q_shape, k_shape = SHAPES[case]
+    kernel = attncc.compile(SPEC)
+    q, k, v = leaves(q_shape, k_shape, k_shape)
+    (w,) = leaves((q_shape[1],), seed=4)
+    out, lse = kernel(q, k, v, w=w, return_lse=True)
+    check_empty_result(out, lse, q, q_shape[:3])
+    weights = torch.randn(lse.shape, device=DEVICE)
+    # A finite loss: exp(lse) is 0 where a row sees no key.
+    ((torch.exp(lse) * weights).sum() + out.sum()).backward()
+    check_grads([q, k, v, w])
