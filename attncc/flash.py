@@ -415,14 +415,15 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      softmax_scale=None, causal=False, window_size=(-1, -1),
                                      softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False, *,
-                                     dropout_seed: int | None = None):
+                                     dropout_seed: int | None = None, packing=None):
     """flash-attn's `flash_attn_varlen_qkvpacked_func`: `flash_attn_varlen_func` on qkv
-    (total, 3, nheads, headdim), one packing (cu_seqlens, max_seqlen) for q and k."""
+    (total, 3, nheads, headdim), one packing (cu_seqlens, max_seqlen) for q and k
+    (`packing`: attncc.varlen_packing(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen))."""
     q, k, v = _unpack("qkv", qkv, "(total, 3, nheads, headdim)", 4, 1, 3)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap,
                                   alibi_slopes, deterministic, return_attn_probs,
-                                  dropout_seed=dropout_seed)
+                                  dropout_seed=dropout_seed, packing=packing)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -430,14 +431,14 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False,
                                     return_attn_probs=False, *,
-                                    dropout_seed: int | None = None):
+                                    dropout_seed: int | None = None, packing=None):
     """flash-attn's `flash_attn_varlen_kvpacked_func`: `flash_attn_varlen_func` on q
     (total_q, nheads, headdim) and kv (total_k, 2, nheads_k, headdim)."""
     k, v = _unpack("kv", kv, "(total_k, 2, nheads_k, headdim)", 4, 1, 2)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
                                   softcap, alibi_slopes, deterministic, return_attn_probs,
-                                  dropout_seed=dropout_seed)
+                                  dropout_seed=dropout_seed, packing=packing)
 
 
 # ---------------------------------------------------------------- variable length

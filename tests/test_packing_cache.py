@@ -415,3 +415,23 @@ def test_a_packing_first_seen_under_inference_mode_serves_training_calls():
     ref.backward(dout.double().cpu())
     for got, want in zip(leaves, ref_leaves):
         torch.testing.assert_close(got.grad.double().cpu(), want.grad, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="writes through numpy views need host tensors")
+def test_the_packed_flash_forms_read_the_values_or_take_a_kept_packing():
+    from attncc.flash import flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func
+    q, k, v = qkv(15, 15, H=2, Hkv=2, seed=7)
+    cu = cpu_int32([0, 8, 15])
+    qkv_packed = torch.stack([q, k, v], dim=1)
+    out, lse, _ = flash_attn_varlen_qkvpacked_func(qkv_packed, cu, 15, causal=True,
+                                                   return_attn_probs=True)
+    assert_matches(out, lse, dense_packed(q, k, v, [0, 8, 15], [0, 8, 15], True))
+    cu.numpy()[1] = 2
+    out, lse, _ = flash_attn_varlen_qkvpacked_func(qkv_packed, cu, 15, causal=True,
+                                                   return_attn_probs=True)
+    assert_matches(out, lse, dense_packed(q, k, v, [0, 2, 15], [0, 2, 15], True))
+    kept = attncc.varlen_packing(cu, cu, 15, 15)
+    out, lse, _ = flash_attn_varlen_kvpacked_func(q, torch.stack([k, v], dim=1), cu, cu, 15, 15,
+                                                  causal=True, return_attn_probs=True,
+                                                  packing=kept)
+    assert_matches(out, lse, dense_packed(q, k, v, [0, 2, 15], [0, 2, 15], True))
