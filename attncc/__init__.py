@@ -6,8 +6,9 @@
 See README.md for the language and the Python decorator.
 """
 from . import flash  # attncc.flash.flash_attn_func, flash_attn_varlen_func
-from .errors import AttnccError, BackendError, CallError, NoGPUError, SpecError
-from .frontend.decorator import chance, exp, isin, log, maximum, minimum, sqrt, tanh, variant, where
+from .errors import AttnccError, BackendError, CallError, NoGPUError, SpecError, SpecWarning
+from .frontend.decorator import (ceil, chance, exp, floor, isin, log, maximum, minimum, sqrt, tanh,
+                                 trunc, variant, where)
 from .frontend.load import load
 from .frontend.parser import parse, parse_file
 from .ir import Variant
@@ -19,4 +20,5 @@ from .version import __version__
 
 __all__ = ["compile", "varlen", "varlen_packing", "load", "parse", "parse_file", "reference", "decode_reference",
            "variant", "Variant", "where", "isin", "chance", "minimum", "maximum", "exp", "log",
-           "tanh", "sqrt", "AttnccError", "SpecError", "CallError", "BackendError", "NoGPUError"]
+           "tanh", "sqrt", "floor", "ceil", "trunc", "AttnccError", "SpecError", "SpecWarning",
+           "CallError", "BackendError", "NoGPUError"]

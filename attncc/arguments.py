@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from . import ir
-from .errors import CallError
+from .errors import CallError, did_you_mean
 from .analysis.ranges import MAX_EXTENT
+from .frontend.checker import call_keywords
 
 TORCH_DTYPES = {
     "bool": torch.bool, "i8": torch.int8, "i16": torch.int16, "i32": torch.int32,
@@ -77,35 +78,63 @@ def refuse_positional(variant: ir.Variant, extra: tuple):
 
 
 def bind(variant: ir.Variant, q, k, v, inputs: dict, *, q_offset: int = 0,
-         k_offset: int = 0, exact_float_inputs: bool = True, layout: str = "bhsd") -> Problem:
+         k_offset: int = 0, exact_float_inputs: bool = True, layout: str | None = None) -> Problem:
     """Check a call and return its Problem; raises CallError naming what is wrong.
 
-    A call whose tensors fit the other layout (the declared heads, or an input on the
-    heads or position axes, tell them apart) is refused with a hint to pass it."""
-    check_layout(layout)
+    `layout=None` is a call that did not say: read as "bhsd", unless the tensors fit both
+    layouts and read as "bhsd" they would have more query heads than positions, where
+    "bshd" is the likely reading and the call is refused (the two readings give different
+    attention, and nothing in the call tells which was meant). A call that fits only the
+    other layout is refused with a hint to pass it, when that reading is a likely one."""
+    said = layout is not None
+    layout = check_layout("bhsd" if layout is None else layout)
     check_input_names(variant, inputs)  # wrong whatever the layout: said first
+    args = (variant, q, k, v, inputs, q_offset, k_offset, exact_float_inputs)
     # torch.compile traces this function. Dynamo in PyTorch 2.11 fails with an internal
     # error where a caught exception is raised again, with or without `from` (RESULTS.md
     # runs 89 and 91), so the message is kept and a new CallError raised outside the
     # except block.
-    message = None
+    problem, message = None, None
     try:
-        return _bind(variant, q, k, v, inputs, q_offset, k_offset, exact_float_inputs, layout)
+        problem = _bind(*args, layout)
     except CallError as err:
         message = err.args[0]  # str(err) is not traceable
     other = "bshd" if layout == "bhsd" else "bhsd"
-    if _binds(variant, q, k, v, inputs, q_offset, k_offset, exact_float_inputs, other):
+    if problem is not None:
+        if said or _likely(problem):
+            return problem
+        seen_other = _try_bind(*args, other)
+        if seen_other is None:
+            return problem
+        raise CallError(
+            f"q {_shape(q)}, k {_shape(k)} and v {_shape(v)} fit both layouts, and the call "
+            f"does not say which: read as {LAYOUTS['bhsd']} they have {problem.heads_q} query "
+            f"heads but only {max(problem.len_q, problem.len_k)} positions, read as "
+            f"{LAYOUTS['bshd']} {seen_other.heads_q} heads and {seen_other.len_q} queries; "
+            f"pass layout='bshd' for {LAYOUTS['bshd']} tensors (as flash-attn), or "
+            f"layout='bhsd' if they are {LAYOUTS['bhsd']}")
+    seen_other = _try_bind(*args, other)
+    if seen_other is not None and _likely(seen_other):
         message += f"; q, k and v look like {LAYOUTS[other]} tensors: pass layout='{other}'"
     raise CallError(message)
 
 
-def _binds(*args) -> bool:
-    """Whether the call binds in the given layout (_bind's arguments)."""
+def _likely(p: Problem) -> bool:
+    """Whether a reading of the tensors is a likely one: no more query heads than the
+    longer sequence has positions. Every ordinary call has far fewer heads than positions;
+    a reading with more is most often the other layout read by mistake. Two comparisons,
+    not max(): under torch.compile, max() of symbolic lengths would guard on which is
+    longer and recompile when that changes."""
+    return p.heads_q <= p.len_q or p.heads_q <= p.len_k
+
+
+def _try_bind(*args) -> Problem | None:
+    """The call's Problem in the given layout (_bind's arguments), or None where it does
+    not bind."""
     try:
-        _bind(*args)
+        return _bind(*args)
     except CallError:
-        return False
-    return True
+        return None
 
 
 def _bind(variant, q, k, v, inputs, q_offset, k_offset, exact_float_inputs, layout) -> Problem:
@@ -240,9 +269,15 @@ def check_input_names(variant: ir.Variant, inputs: dict):
             raise CallError(f"{name}= is an argument of scaled_dot_product_attention, not of an "
                             f"attncc call: {SDPA_KEYWORDS[name](inputs[name])}")
     if extra:
+        # A misspelt input or call keyword (`retrun_lse=`, `q_ofset=`) lands here too.
+        known = [*declared, *call_keywords()]
+        hints = "".join(did_you_mean(e, known) if len(extra) == 1 else
+                        did_you_mean(e, known).replace("; did you mean", f"; for '{e}', did you mean")
+                        for e in extra)
         raise CallError(f"unexpected input{'s' if len(extra) > 1 else ''} "
                         f"{', '.join(repr(e) for e in extra)}: the variant '{variant.name}' declares "
-                        + (", ".join(repr(d) for d in declared) if declared else "no inputs"))
+                        + (", ".join(repr(d) for d in declared) if declared else "no inputs")
+                        + hints)
     missing = [d for d in declared if d not in inputs]
     if missing:
         decl = declared[missing[0]]

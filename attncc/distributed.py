@@ -290,7 +290,7 @@ def make_schedule(kernel, sharding: Sharding, problem: Problem, inputs: dict, de
 
 
 # ------------------------------------------------------------------------ the call
-def context_parallel_attention(kernel, q, k, v, *, group=None, scheme: str = "zigzag",
+def context_parallel_attention(kernel, q, k, v, /, *, group=None, scheme: str = "zigzag",
                                return_lse: bool = False, dropout_seed: int | None = None,
                                training: bool = True, **inputs):
     """Attention of `kernel` over a sequence sharded across `group` (default: the world).
@@ -317,7 +317,7 @@ def context_parallel_attention(kernel, q, k, v, *, group=None, scheme: str = "zi
     sharding = Sharding.of(group, scheme)
     variant = kernel.variant
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
-        kernel.check_call(q, k, v, inputs, 0, 0)  # raises the kernel's own message
+        kernel.check_call(q, k, v, inputs, 0, 0, "bhsd")  # raises the kernel's own message
     if q.shape[2] != k.shape[2]:
         raise CallError(f"q has {q.shape[2]} positions on this rank but k has {k.shape[2]}; "
                         "context parallelism shards one sequence, so q, k and v have the same "
@@ -343,7 +343,7 @@ def context_parallel_attention(kernel, q, k, v, *, group=None, scheme: str = "zi
     # the dtype, device and head counts; inputs must be whole.
     whole = [t[:, :, :1].expand(t.shape[0], t.shape[1], seq_len, t.shape[3]) for t in (q, k, v)]
     try:
-        problem = kernel.check_call(*whole, inputs, 0, 0)
+        problem = kernel.check_call(*whole, inputs, 0, 0, "bhsd")
     except CallError as e:
         raise CallError(f"{e} (context_parallel_attention checks the call as the whole sequence "
                         f"of {seq_len} positions: inputs on position axes are passed whole, the "

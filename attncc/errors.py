@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import difflib
+import os
+import sys
+import warnings
 
 # Hostile input can make a message or a source line megabytes long; show a window of it.
 MAX_MESSAGE = 400
@@ -37,29 +40,64 @@ class SpecError(AttnccError):
         return self
 
     def __str__(self) -> str:
-        message = self.message
-        if len(message) > MAX_MESSAGE:
-            message = f"{message[:MAX_MESSAGE - 100]} ... {message[-80:]}"
-        if self.line is None:
-            where = f"{self.path}: " if self.path else ""
-            return f"{where}error: {message}"
-        head = f"{self.path or '<spec>'}:{self.line}:{self.column}: error: {message}"
-        if self.source_line is None:
-            return head
-        # Control characters (a NUL, a terminal escape) print as U+FFFD, one column each.
-        text = "".join(c if c.isprintable() else "\ufffd"
-                       for c in self.source_line.rstrip("\n").expandtabs(1))
-        width = min(self.width, max(1, len(text) - self.column + 1))
-        column = self.column
-        if len(text) > MAX_SHOWN_LINE:
-            # Show the part of the line around the caret, marked as cut with '...'.
-            start = max(0, column - 1 - MAX_SHOWN_LINE // 2)
-            end = start + MAX_SHOWN_LINE
-            shown = ("..." if start else "") + text[start:end] + ("..." if end < len(text) else "")
-            column = column - start + (3 if start else 0)
-            width = min(width, len(shown) - column + 1)
-            text = shown
-        return f"{head}\n    {text}\n    {' ' * (column - 1)}{'^' * width}"
+        return _located_text(self, "error")
+
+
+class SpecWarning(UserWarning):
+    """A variant that compiles but likely does not mean what it says (a read of a
+    fixed-size table that can leave it). A Python warning, so it can be filtered or made
+    an error: `warnings.simplefilter("error", attncc.SpecWarning)`. Printed located, as
+    SpecError is, with `warning:` instead of `error:`."""
+
+    def __init__(self, message: str, *, path: str | None = None, line: int | None = None,
+                 column: int | None = None, source_line: str | None = None, width: int = 1):
+        super().__init__(message)
+        self.message = message
+        self.path = path
+        self.line = line
+        self.column = column
+        self.source_line = source_line
+        self.width = max(1, width)
+
+    def __str__(self) -> str:
+        return _located_text(self, "warning")
+
+
+def warn(warning: Warning):
+    """Issue `warning` attributed to the first caller outside attncc (the user's parse,
+    compile or decorator line), as warnings.warn's stacklevel would if it were fixed."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 2  # stacklevel 2 is the frame that called warn()
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(warning, stacklevel=level)
+
+
+def _located_text(e, severity: str) -> str:
+    """`file:line:col: severity: sentence`, the source line, and a caret under the text."""
+    message = e.message
+    if len(message) > MAX_MESSAGE:
+        message = f"{message[:MAX_MESSAGE - 100]} ... {message[-80:]}"
+    if e.line is None:
+        where = f"{e.path}: " if e.path else ""
+        return f"{where}{severity}: {message}"
+    head = f"{e.path or '<spec>'}:{e.line}:{e.column}: {severity}: {message}"
+    if e.source_line is None:
+        return head
+    # Control characters (a NUL, a terminal escape) print as U+FFFD, one column each.
+    text = "".join(c if c.isprintable() else "\ufffd"
+                   for c in e.source_line.rstrip("\n").expandtabs(1))
+    width = min(e.width, max(1, len(text) - e.column + 1))
+    column = e.column
+    if len(text) > MAX_SHOWN_LINE:
+        # Show the part of the line around the caret, marked as cut with '...'.
+        start = max(0, column - 1 - MAX_SHOWN_LINE // 2)
+        end = start + MAX_SHOWN_LINE
+        shown = ("..." if start else "") + text[start:end] + ("..." if end < len(text) else "")
+        column = column - start + (3 if start else 0)
+        width = min(width, len(shown) - column + 1)
+        text = shown
+    return f"{head}\n    {text}\n    {' ' * (column - 1)}{'^' * width}"
 
 
 class CallError(AttnccError, ValueError):

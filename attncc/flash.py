@@ -367,7 +367,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     inputs = _alibi_inputs(alibi_slopes, q.shape[0], q.shape[2])
     # (batch, seqlen, heads, dim) read as (batch, heads, seqlen, dim) through strides.
     result = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                    return_lse=return_attn_probs, dropout_seed=dropout_seed, **inputs)
+                    return_lse=return_attn_probs, dropout_seed=dropout_seed, layout="bhsd",
+                    **inputs)
     if return_attn_probs:
         out, lse = result
         return out.transpose(1, 2), lse, None

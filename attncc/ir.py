@@ -53,6 +53,9 @@ FUNCTIONS = {  # name -> (number of arguments, description)
     "log": (1, "natural logarithm"),
     "tanh": (1, "hyperbolic tangent"),
     "sqrt": (1, "square root"),
+    "floor": (1, "the largest integer <= a number, as an integer"),
+    "ceil": (1, "the smallest integer >= a number, as an integer"),
+    "int": (1, "a number rounded toward zero, as an integer (Python's int(), torch's .long())"),
     "where": (3, "where(cond, a, b): a if cond else b"),
     "chance": (None, "chance(p, i, ...): true with probability p (a constant), drawn from a "
                      "hash of one to five integers i, as in chance(0.1, seed, h, qb, kb); "
@@ -60,6 +63,8 @@ FUNCTIONS = {  # name -> (number of arguments, description)
 }
 CHANCE_MAX_KEYS = 5  # seed, b, h, qb, kb
 FLOAT_FUNCTIONS = ("exp", "log", "tanh", "sqrt")
+# Number -> integer: the way a float becomes an index (T5's log-spaced position buckets).
+ROUNDING_FUNCTIONS = ("floor", "ceil", "int")
 
 ARITH_OPS = ("+", "-", "*", "/", "//", "%")
 CMP_OPS = ("<", "<=", ">", ">=", "==", "!=")

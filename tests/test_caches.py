@@ -6,6 +6,7 @@ whatever changes the code or the machine.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -376,3 +377,68 @@ def test_an_unknown_backward_schedule_is_refused_by_name():
                           capture_output=True, text=True)
     assert done.returncode != 0
     assert "ATTNCC_BACKWARD='streams': expected one of ('one-launch', 'sequential')" in done.stderr
+
+
+# ------------------------------------------------------------------ (d) what runs is what was hashed
+PLANT_SPEC = "attention planted { mask q >= k and q - k < 13 }"
+PLANTED_FLAG = "_attncc_planted_bytecode_ran"
+
+
+def _fresh_load(variant):
+    """cache.load_generated as a new process would: the module not imported yet."""
+    for name in [n for n in sys.modules if n.startswith("attncc_planted_")]:
+        del sys.modules[name]
+    return cache.load_generated(variant)
+
+
+def _plant_pyc(path: Path, source: str):
+    """A .pyc of `source` that Python's source loader would take for `path`'s: its header
+    carries the .py's mtime and size, the check the loader makes."""
+    from importlib._bootstrap_external import _code_to_timestamp_pyc
+    from importlib.util import cache_from_source
+    st = path.stat()
+    code = compile(source, str(path), "exec")
+    pyc = Path(cache_from_source(str(path)))
+    pyc.parent.mkdir(exist_ok=True)
+    pyc.write_bytes(_code_to_timestamp_pyc(code, int(st.st_mtime), st.st_size))
+    return pyc
+
+
+def test_a_planted_pyc_beside_a_verified_module_never_runs(tmp_path, monkeypatch):
+    import builtins
+    import importlib.util
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delattr(builtins, PLANTED_FLAG, raising=False)
+    variant = attncc.parse(PLANT_SPEC)
+    gen, module = _fresh_load(variant)
+    path = Path(module.__file__)
+    assert not (path.parent / "__pycache__").exists(), "importing wrote bytecode"
+    _plant_pyc(path, gen.source + f"\nimport builtins; builtins.{PLANTED_FLAG} = True\n")
+    # The plant is one Python's own loader takes: importing the file that way runs it.
+    spec = importlib.util.spec_from_file_location("probe_of_the_plant", path)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    assert getattr(builtins, PLANTED_FLAG, False), "the planted pyc is not a valid one"
+    delattr(builtins, PLANTED_FLAG)
+    # attncc's warm start verifies the .py (it is intact) and runs those bytes only.
+    gen2, module2 = _fresh_load(variant)
+    assert not hasattr(builtins, PLANTED_FLAG), "attncc ran the planted bytecode"
+    assert module2 is not module and module2.__file__ == str(path) and gen2.source == gen.source
+    # Kernels still get their source (triton.jit reads it through inspect) and code
+    # objects name the file, so tracebacks point at it.
+    fwd = module2.attn_fwd.fn
+    assert inspect.getsource(fwd) in path.read_text()
+    assert fwd.__code__.co_filename == str(path)
+
+
+def test_a_modified_module_is_refused_and_rewritten_not_run(tmp_path, monkeypatch):
+    import builtins
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delattr(builtins, PLANTED_FLAG, raising=False)
+    variant = attncc.parse(PLANT_SPEC)
+    gen, module = _fresh_load(variant)
+    path = Path(module.__file__)
+    path.write_text(gen.source + f"\nimport builtins; builtins.{PLANTED_FLAG} = True\n")
+    _plant_pyc(path, path.read_text())  # and a pyc to match the modified file
+    gen2, module2 = _fresh_load(variant)
+    assert not hasattr(builtins, PLANTED_FLAG), "attncc ran a modified module"
+    assert path.read_text() == gen.source == gen2.source, "the modified file was not rewritten"

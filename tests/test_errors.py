@@ -190,15 +190,36 @@ def test_hostile_file_through_the_command(name, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("name, message", [
-    ("sum_of_1500_terms", "levels deep"), ("and_of_500_terms", "levels deep"),
-    ("chain_of_1500_comparisons", "levels deep"), ("minus_3000_deep", "levels deep"),
-    ("not_3000_deep", "levels deep"), ("600_params_then_a_typo", "unknown name 'zz'"),
+    # A flat chain nests nothing the user wrote: it is named as a chain, with its length.
+    ("sum_of_1500_terms", r"an operator chain longer than 128 levels allow: \d+ `\+` or `-` in a row"),
+    ("and_of_500_terms", r"an operator chain longer than 128 levels allow: \d+ `and` in a row"),
+    ("chain_of_1500_comparisons", r"comparison chain is longer than 128 comparisons"),
+    ("minus_3000_deep", r"an operator chain longer than 128 levels allow: 3000 `-` in a row"),
+    ("not_3000_deep", r"an operator chain longer than 128 levels allow: 3000 `not` in a row"),
+    ("600_params_then_a_typo", "unknown name 'zz'"),
     ("1500_axes", "has 1501 axes"), ("1500_arguments", "not 1501"),
     ("20000_arguments", "tokens"), ("32000_arguments_unspaced", "tokens"),
 ])
 def test_hostile_spec_is_refused_by_the_check_it_aims_at(name, message):
     with pytest.raises(attncc.SpecError, match=message):
         parse_bytes(GENERATED[name], path=f"{name}.attn")
+
+
+@pytest.mark.parametrize("expr, message", [
+    (" * ".join(["s"] * 150), r"operator chain longer than 128 levels allow: 149 `\*`, `/`, `//` or `%`"),
+    ("tanh(" * 127 + "s" + ")" * 127, r"nested more than 128 levels deep"),
+    ("tanh(" * 70 + " + ".join(["s"] * 70) + ")" * 70, r"nested more than 128 levels deep"),
+], ids=["product_chain", "nested_calls", "nested_calls_around_a_sum"])
+def test_a_long_chain_is_named_a_chain_and_deep_nesting_nesting(expr, message):
+    with pytest.raises(attncc.SpecError, match=message):
+        attncc.parse(f"attention a {{ score {expr} }}")
+
+
+def test_a_long_chain_from_the_decorator_is_named_a_chain():
+    score = eval("lambda s: " + " - ".join(["s"] * 200))
+    with pytest.raises(attncc.SpecError, match=r"operator chain longer than 128 levels allow: "
+                                               r"199 `\+` or `-` in a row"):
+        attncc.variant(name="long", inputs={})(type("C", (), {"score": staticmethod(score)}))
 
 
 def test_spec_at_the_token_limit_parses_and_one_more_token_is_refused_there():
@@ -225,7 +246,8 @@ def test_decorator_cannot_build_an_endlessly_deep_expression():
     # Python loops can build IR as deep as they like; the checker refuses it before
     # any recursive pass would overflow the stack.
     deep = lambda q, k: reduce(lambda acc, _: acc & (q >= k), range(5000), q >= k)
-    with pytest.raises(attncc.SpecError, match=f"more than {checker.MAX_DEPTH} levels"):
+    with pytest.raises(attncc.SpecError, match=f"an operator chain longer than {checker.MAX_DEPTH} "
+                                               "levels allow: 5000 `and` in a row"):
         attncc.variant(deep, name="deep")
 
 

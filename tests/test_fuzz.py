@@ -9,7 +9,9 @@ dropout. And what an adversary tries (issue 17): constants and windows from 2**3
 hash-like masks with coefficients near 2**31, i64 document ids that agree in their low
 32 bits, scores constant over a tile (`0.0`, `x[h]`, `0.01 * q`), input and variant
 names that are Python keywords, builtins or names of the generated code, and calls
-placed near position 2**31 by q_offset/k_offset. Each is compiled and run on random
+placed near position 2**31 by q_offset/k_offset. And learnable inputs: a learned ALiBi
+slope drawn large and of either sign, a score that grows with distance (issue 30).
+Each is compiled and run on random
 shapes (len_q != len_k, lengths 1 to 70 that are not multiples of 16, head dims
 16/32/48/80), and the forward (out, lse) and backward (dq, dk, dv) are held to
 `attncc.tolerance`'s rule against `attncc.reference` in float64 (float32 under the
@@ -200,7 +202,7 @@ def variants(draw):
         inputs += [ir.InputDecl("doc_q", dtype, ("q",)), ir.InputDecl("doc_k", dtype, ("k",))]
 
     score_kind = draw(st.sampled_from(["none", "scale", "softcap", "alibi", "leaky", "constant",
-                                       "per_head", "per_row"]))
+                                       "per_head", "per_row", "learned_alibi"]))
     score = None
     if score_kind in ("scale", "softcap"):
         value = draw(st.sampled_from([0.5, 2.0, 3.0, -1.0] if score_kind == "scale"
@@ -214,6 +216,11 @@ def variants(draw):
                  else ir.BinOp("*", c, ir.Call("tanh", (ir.BinOp("/", S, c),))))
     elif score_kind == "alibi":
         inputs.append(ir.InputDecl("slope", "f32", ("h",)))
+        score = ir.BinOp("+", S, ir.BinOp("*", ir.Load("slope", (H,)), ir.BinOp("-", K, Q)))
+    elif score_kind == "learned_alibi":
+        # A learnable slope, drawn large and of either sign (random_inputs): negative, the
+        # score grows with distance, past the end of a tile's rows too (issue 30).
+        inputs.append(ir.InputDecl("slope", "f32", ("h",), learnable=True))
         score = ir.BinOp("+", S, ir.BinOp("*", ir.Load("slope", (H,)), ir.BinOp("-", K, Q)))
     elif score_kind == "leaky":
         score = ir.Where(ir.Cmp(">", S, c_int(0)), S, ir.BinOp("*", c_float(0.5), S))
@@ -319,7 +326,9 @@ def random_inputs(variant, shape, data):
     for decl in variant.inputs:
         n = {"q": shape["q_offset"] + shape["Lq"], "k": shape["k_offset"] + shape["Lk"],
              "h": shape["H"]}[decl.axes[0]]
-        if decl.type == ir.FLOAT:  # the slopes
+        if decl.type == ir.FLOAT and decl.learnable:  # learned slopes: large, either sign
+            out[decl.name] = (torch.rand(n, generator=gen) * 2 - 1) * 4.0
+        elif decl.type == ir.FLOAT:  # the slopes
             out[decl.name] = torch.rand(n, generator=gen) * 0.5
         else:
             docs = data.draw(st.integers(1, 4), label=f"{decl.name} documents")
@@ -445,6 +454,8 @@ def test_the_strategy_covers_what_it_promises():
         seen.update(["constant_score"] if v.score is not None
                     and not ({"s", "k"} & ir.free_vars(v.score)) else [])
         seen.update(["hostile_name"] if any(i.name in HOSTILE_NAMES for i in v.inputs) else [])
+        seen.update(["learnable_growing_score"] if any(i.learnable for i in v.inputs)
+                    and {"q", "k"} <= ir.free_vars(v.score) else [])
         seen.update(["long_name"] if len(v.name) > 100 else [])
 
     collect()
@@ -452,7 +463,8 @@ def test_the_strategy_covers_what_it_promises():
                 "op%", "op//", "op*", "op==", "op<", "op>=", "op!=",
                 "var_q", "var_k", "var_len_q", "var_len_k", "var_s", "var_h",
                 "layout", "fn_chance", "group1", "group2", "group4", "dropout", "params", "scale",
-                "int_past_32_bits", "i64_input", "constant_score", "hostile_name", "long_name"}
+                "int_past_32_bits", "i64_input", "constant_score", "hostile_name", "long_name",
+                "learnable_growing_score"}
     assert promised <= seen, sorted(promised - seen)
 
 

@@ -271,6 +271,12 @@ def segment_ranges(plan: bounds.LoopPlan, solve_for: str, p: Problem, bm: int, b
             full_end = torch.minimum(torch.maximum(fdiv(fhi_g - off + 1, B), full_start), end)
         else:
             full_start = full_end = end
+        # A tile of the other side that runs past its sequence has no full tiles: its
+        # rows (or columns) past the end must be masked too.
+        name, _, _, other_block = other
+        complete = env[f"{name}_hi"] - env[f"{name}_lo"] == other_block - 1
+        full_start = torch.where(complete, full_start, end)
+        full_end = torch.where(complete, full_end, end)
         out.append([start, end, full_start, full_end])
     if len(out) == 2:
         # Order by start; the second begins where the first ends.

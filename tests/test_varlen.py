@@ -41,8 +41,10 @@ def per_sequence(variant, q, k, v, cu_q, cu_k, inputs, axes):
             axis = axes[name]
             sliced[name] = (t[q0:q1] if axis == "q" else t[k0:k1] if axis == "k"
                             else t[i:i + 1] if axis == "b" else t)
+        # layout said: a one-token sequence has more heads than positions, and would be
+        # refused as fitting both layouts.
         out, lse = attncc.reference(variant, one(q, q0, q1), one(k, k0, k1), one(v, k0, k1),
-                                    return_lse=True, **sliced)
+                                    return_lse=True, layout="bhsd", **sliced)
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0])
     return torch.cat(outs), torch.cat(lses, dim=1)

@@ -10,7 +10,10 @@ know which, every integer node gets the interval of values it can take on any ca
     and the reference return early on empty calls);
   * `qb` and `kb` below ceil(E / block);
   * a read of an integer input anywhere in its dtype's range;
-  * constants and params exactly.
+  * constants and params exactly;
+  * floor(x), ceil(x) and int(x) from the interval of the number x (`_float_bounds`),
+    widened by the float32 rounding of the kernels. An x the analysis cannot bound (it
+    reads `s` or a float input) is refused: its integer could be anything.
 
 From these, a variant is refused with a SpecError (located by the parser) where
 
@@ -118,12 +121,91 @@ class _Analysis:
             a, b = kids
             f = min if e.fn == "min" else max
             return self._result(e, f(a.lo, b.lo), f(a.hi, b.hi), kids)
+        if isinstance(e, ir.Call) and e.fn in ir.ROUNDING_FUNCTIONS:
+            return self._rounded(e)
         if isinstance(e, ir.Where):
             _, a, b = kids
             if a is None or b is None:
                 return None
+            a = self._narrowed(e.cond, e.then, a, True)
+            b = self._narrowed(e.cond, e.other, b, False)
+            if a.lo > a.hi or b.lo > b.hi:  # a branch never taken: the other's range
+                a, b = (b, b) if a.lo > a.hi else (a, a)
             return self._result(e, min(a.lo, b.lo), max(a.hi, b.hi), [a, b])
         return None  # conditions, floats, chance, index lists
+
+    def _narrowed(self, cond, branch, r: Range, holds: bool) -> Range:
+        """`branch`'s range where `cond` holds (or fails): `where(x < 8, x, 8)` is below 8.
+        Narrows by a comparison of the branch itself with a bounded integer, the pattern
+        of a clamp written with where (T5's buckets); otherwise the range unchanged."""
+        if not isinstance(cond, ir.Cmp) or r.wrapped or cond.op in ("==", "!="):
+            return r
+        op = cond.op if holds else {"<": ">=", "<=": ">", ">": "<=", ">=": "<"}[cond.op]
+        if cond.lhs == branch:
+            other = self.ranges.get(id(cond.rhs))
+        elif cond.rhs == branch:
+            other = self.ranges.get(id(cond.lhs))
+            op = {"<": ">", "<=": ">=", ">": "<", ">=": "<="}[op]  # other op branch
+        else:
+            return r
+        if other is None or other.wrapped:
+            return r
+        if op == "<":
+            return Range(r.lo, min(r.hi, other.hi - 1), r.wide_data, r.wrapped)
+        if op == "<=":
+            return Range(r.lo, min(r.hi, other.hi), r.wide_data, r.wrapped)
+        if op == ">":
+            return Range(max(r.lo, other.lo + 1), r.hi, r.wide_data, r.wrapped)
+        return Range(max(r.lo, other.lo), r.hi, r.wide_data, r.wrapped)
+
+    def _rounded(self, e) -> Range:
+        """floor/ceil/int of a number: its bounds rounded, after widening them by what
+        float32 arithmetic can add (the kernels compute numbers in float32)."""
+        (x,) = e.args
+        bounds = self._float_bounds(x)
+        if bounds is None:
+            self._fail(e, f"{e.fn}() needs a number whose range is known, so that the integer "
+                          f"it gives is too, but `{ir.print_expr(x)}` can be anything (it reads "
+                          "the score s or a float input, divides by a value that can be 0, or takes "
+                          "log or sqrt of one that can be 0 or less); bound it with min and "
+                          f"max, as in {e.fn}(min(max(x, 0.0), 100.0))")
+            return Range(INT64_MIN, INT64_MAX)
+        lo, hi = bounds
+        # IEEE + - * / round monotonically, so a bound their exact values respect is
+        # respected by the float32 values up to a relative error. exp, log, tanh and sqrt
+        # on a GPU are approximations, off by an absolute amount near 0 as well.
+        near_zero = float(any(isinstance(n, ir.Call) and n.fn in ir.FLOAT_FUNCTIONS
+                              for n in ir.walk(x)))
+        lo, hi = lo - FLOAT_SLACK * (near_zero + abs(lo)), hi + FLOAT_SLACK * (near_zero + abs(hi))
+        rounding = {"floor": math.floor, "ceil": math.ceil, "int": math.trunc}[e.fn]
+        return self._result(e, rounding(lo), rounding(hi), [])
+
+    def _float_bounds(self, e):
+        """(lo, hi) of a number-valued node, finite, or None where unknown."""
+        if id(e) in self.ranges:  # an integer node, promoted
+            r = self.ranges[id(e)]
+            return None if r.wrapped else (float(r.lo), float(r.hi))
+        if isinstance(e, ir.Const) and e.type == ir.FLOAT:
+            return _finite(e.value, e.value)
+        if isinstance(e, ir.Param):
+            v = self.params[e.name]
+            return _finite(v, v) if isinstance(v, float) else None
+        kids = [self._float_bounds(c) for c in ir.children(e)]
+        if isinstance(e, ir.Where):
+            kids = kids[1:]  # the condition
+        if not kids or any(k is None for k in kids):
+            return None
+        if isinstance(e, ir.Neg):
+            (lo, hi), = kids
+            return -hi, -lo
+        if isinstance(e, ir.Where):
+            (alo, ahi), (blo, bhi) = kids
+            return min(alo, blo), max(ahi, bhi)
+        if isinstance(e, ir.BinOp):
+            return _float_binop(e.op, *kids)
+        if isinstance(e, ir.Call):
+            return _float_call(e.fn, kids)
+        return None
 
     def _binop(self, e, a, b):
         if e.op == "/" or (e.op in ("//", "%") and (a is None or b is None)):
@@ -172,6 +254,57 @@ class _Analysis:
             self._fail(e, f"this integer expression can reach {_big(extreme)}, beyond the 64-bit "
                           "integers that the kernels and the reference compute in")
         return Range(max(lo, INT64_MIN), min(hi, INT64_MAX), wide_data, True)
+
+
+# Relative widening of a number's bounds before rounding: float32 rounds each operation by
+# 2**-24 of its value, and a chain of a few operations (and GPU log/exp, a few ulp off)
+# stays far below 1e-4. Wider bounds are only less tight, never wrong.
+FLOAT_SLACK = 1e-4
+# Past this a float32 computation may have overflowed to inf.
+FLOAT_LIMIT = 1e30
+
+
+def _finite(lo: float, hi: float):
+    if math.isfinite(lo) and math.isfinite(hi) and -FLOAT_LIMIT < lo and hi < FLOAT_LIMIT:
+        return lo, hi
+    return None
+
+
+def _float_binop(op: str, a, b):
+    (alo, ahi), (blo, bhi) = a, b
+    if op == "+":
+        return _finite(alo + blo, ahi + bhi)
+    if op == "-":
+        return _finite(alo - bhi, ahi - blo)
+    if op == "*":
+        corners = [x * y for x in (alo, ahi) for y in (blo, bhi)]
+        return _finite(min(corners), max(corners))
+    if blo <= 0 <= bhi:
+        return None  # a divisor that can be 0
+    corners = [x / y for x in (alo, ahi) for y in (blo, bhi)]
+    if op == "/":
+        return _finite(min(corners), max(corners))
+    if op == "//":
+        return _finite(math.floor(min(corners)), math.floor(max(corners)))
+    return (0.0, bhi) if blo > 0 else (blo, 0.0)  # %: the sign of the divisor
+
+
+def _float_call(fn: str, kids):
+    (lo, hi) = kids[0]
+    if fn == "abs":
+        return (0.0 if lo <= 0 <= hi else min(abs(lo), abs(hi))), max(abs(lo), abs(hi))
+    if fn in ("min", "max"):
+        f = min if fn == "min" else max
+        return f(lo, kids[1][0]), f(hi, kids[1][1])
+    if fn == "exp":
+        return _finite(math.exp(lo), math.exp(hi)) if hi < 60 else None
+    if fn == "log":
+        return (math.log(lo), math.log(hi)) if lo > 0 else None
+    if fn == "sqrt":
+        return (math.sqrt(lo), math.sqrt(hi)) if lo >= 0 else None
+    if fn == "tanh":
+        return math.tanh(lo), math.tanh(hi)
+    return None
 
 
 def _is_zero_constant(e, params: dict) -> bool:

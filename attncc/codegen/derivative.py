@@ -67,6 +67,10 @@ class _ToSympy:
                             "which has no derivative; the backward cannot be generated")
         if isinstance(e, ir.Neg):
             return -self(e.operand)
+        if isinstance(e, ir.Call) and e.fn in ir.ROUNDING_FUNCTIONS:
+            # Piecewise constant: derivative 0 wherever it has one (as torch.floor's), so
+            # it stays an opaque value, printed as the forward computes it.
+            return self._symbol(e, self.opaque, "_C")
         if isinstance(e, ir.Call):
             args = [self(a) for a in e.args]
             return {"abs": lambda x: sympy.Abs(x), "min": sympy.Min, "max": sympy.Max,

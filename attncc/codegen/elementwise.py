@@ -145,6 +145,12 @@ class TritonEmitter:
             return f"tl.maximum({args[0]}, {args[1]})"
         if e.fn == "tanh":
             return f"_tanh(({args[0]}) * 1.0)"
+        if e.fn in ir.ROUNDING_FUNCTIONS:
+            # float -> int rounds toward zero (int()); floor and ceil round first. Straight
+            # to 64 bits where the expression may need them: an int32 cast would wrap.
+            x = f"(({args[0]}) * 1.0)"
+            rounded = x if e.fn == "int" else f"tl.{e.fn}({x})"
+            return f"{rounded}.to({'tl.int32' if self.wide is None else 'tl.int64'})"
         return f"tl.{e.fn}(({args[0]}) * 1.0)"
 
     def Where(self, e):

@@ -9,6 +9,7 @@ bytes: nothing here depends on the machine, the time or dict order.
 from __future__ import annotations
 
 import functools
+import math
 import re
 
 import jinja2
@@ -84,6 +85,9 @@ class TorchEmitter(TritonEmitter):
             return f"_h_{e.fn}({args[0]}, {args[1]})"
         if e.fn == "abs":
             return f"torch.abs(torch.as_tensor({args[0]}))"
+        if e.fn in ir.ROUNDING_FUNCTIONS:
+            rounding = {"floor": "floor", "ceil": "ceil", "int": "trunc"}[e.fn]
+            return f"torch.{rounding}(torch.as_tensor({args[0]}) * 1.0).long()"
         return f"torch.{e.fn}(torch.as_tensor({args[0]}) * 1.0)"
 
     def Where(self, e):
@@ -267,6 +271,9 @@ def template_context(variant: ir.Variant) -> dict:
         score_is_tile=variant.score is not None and (
             "s" in ir.free_vars(variant.score) or {"q", "k"} <= ir.free_vars(variant.score)),
         d_score=grads.d_ds,
+        # d score / d s at a masked pair may be inf or NaN (`s * sqrt(q - k)` past a
+        # causal mask) and multiplies a dS of 0 there: the backward zeroes those pairs.
+        d_score_finite=_is_constant(grads.d_ds),
         input_grads=_input_grads(variant, emit, grads),
         layout=variant.layout is not None,
         block=variant.block,
@@ -296,3 +303,11 @@ def template_context(variant: ir.Variant) -> dict:
 def _package_version() -> str:
     from ..version import __version__
     return __version__
+
+
+def _is_constant(code: str) -> bool:
+    """Whether generated code is a literal number (a derivative that cannot be inf)."""
+    try:
+        return math.isfinite(float(code))
+    except ValueError:
+        return False

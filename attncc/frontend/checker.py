@@ -6,12 +6,14 @@ knows where each node came from), the decorator reports the Python function inst
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import re
 
 from .. import ir
-from ..analysis import ranges
-from ..errors import SpecError, did_you_mean
+from ..analysis import ranges, reads
+from ..errors import SpecError, SpecWarning, did_you_mean, warn
 from ..semantics.random_blocks import probability
 
 # A name as the grammar's NAME token spells it; the decorator's names must match it too,
@@ -154,6 +156,12 @@ def type_of(node, child_types: list, scope: Scope) -> str:
             raise SpecError(f"{node.fn}() needs numbers, not a condition")
         if node.fn in ir.FLOAT_FUNCTIONS:
             return ir.FLOAT
+        if node.fn in ir.ROUNDING_FUNCTIONS:
+            if child_types[0] == ir.INT:
+                raise SpecError(f"{node.fn}() of an integer is that integer: its argument is "
+                                f"already one, so drop {node.fn}() (it rounds numbers, as in "
+                                f"{node.fn}(q / 8.0))")
+            return ir.INT
         return ir.INT if all(t == ir.INT for t in child_types) else ir.FLOAT
     if isinstance(node, ir.Where):
         ct, at, bt = child_types
@@ -212,13 +220,63 @@ def check_expr(e, scope: Scope, on_error=None) -> str:
 
 def check_depth(e):
     """Refuse an expression nested deeper than MAX_DEPTH, without recursing to find out."""
-    stack = [(e, 1)]
+    stack = [(e, 1, None)]
     while stack:
-        node, depth = stack.pop()
+        node, depth, path = stack.pop()
+        path = (node, path)
         if depth > MAX_DEPTH:
-            raise SpecError(f"this expression is nested more than {MAX_DEPTH} levels deep; "
-                            "a variant's expressions are a few operators long")
-        stack.extend((c, depth + 1) for c in ir.children(node))
+            raise SpecError(too_deep_message(_linked(path), _ir_operator, _ir_first))
+        stack.extend((c, depth + 1, path) for c in ir.children(node))
+
+
+def _linked(path) -> list:
+    """(node, (parent, (...))) as a list, root first."""
+    out = []
+    while path is not None:
+        node, path = path
+        out.append(node)
+    return out[::-1]
+
+
+ADDITIVE = ("+", "-")
+
+
+def _ir_operator(node):
+    """The operator that chains with itself on the left (`a + b - c`), or None."""
+    if isinstance(node, ir.BinOp):
+        return "+-" if node.op in ADDITIVE else "*/"
+    return {ir.And: "and", ir.Or: "or", ir.Not: "not", ir.Neg: "-"}.get(type(node))
+
+
+def _ir_first(node):
+    return node.lhs if isinstance(node, (ir.BinOp, ir.And, ir.Or)) else node.operand
+
+
+def too_deep_message(path, operator, first) -> str:
+    """Why the expression whose root-to-leaf `path` is deeper than MAX_DEPTH is refused.
+    A long run of one operator (`s + s + ... + s`) nests nothing the user wrote, so it
+    is named as a chain, with its length. `operator(node)` says what a node chains
+    with (or None), `first(node)` its left operand (the tree's own shape, IR or parse)."""
+    best, best_top, run = 0, None, 0
+    for i in range(1, len(path)):
+        above, node = path[i - 1], path[i]
+        kind = operator(above)
+        run = run + 1 if kind is not None and operator(node) == kind and first(above) is node else 0
+        if run > best:
+            best, best_top = run, path[i - run]
+    if best_top is not None and best >= MAX_DEPTH // 2:
+        kind, node, length = operator(best_top), best_top, 0
+        while operator(node) == kind:
+            length, node = length + 1, first(node)
+        return (f"this expression has an operator chain longer than {MAX_DEPTH} levels allow: "
+                f"{length} `{_chain_words(kind)}` in a row; a variant's expressions are a few "
+                "operators long")
+    return (f"this expression is nested more than {MAX_DEPTH} levels deep; a variant's "
+            "expressions are a few operators long")
+
+
+def _chain_words(kind: str) -> str:
+    return {"+-": "+` or `-", "*/": "*`, `/`, `//` or `%"}.get(kind, kind)
 
 
 def check_declared_type(decl: str, t: str):
@@ -250,19 +308,41 @@ def check_dropout(p):
         raise SpecError(f"dropout {p} is out of range: the probability must be in [0, 1)")
 
 
-# Keyword arguments of a kernel call, of kernel.decode (and of attncc.reference and
-# decode_reference): an input of one of these names could not be passed, since inputs are
-# keyword arguments too.
-DECODE_KEYWORDS = ("k_cache", "v_cache", "cache_seqlens", "k_new", "v_new", "block_table",
-                   "num_splits", "config")
-CALL_KEYWORDS = ("v", "return_lse", "dropout_seed", "training", "q_offset", "k_offset",
-                 "tables", "layout") + DECODE_KEYWORDS
+def calls_taking_inputs() -> tuple:
+    """(what the user calls, the function) for every public call that takes a variant's
+    inputs as keyword arguments (**inputs). Its other parameters that can be passed by
+    keyword are names no input may take: the input could never be passed."""
+    # Imported here: the runtime imports the front end.
+    from .. import distributed
+    from ..runtime import decoding, packed
+    from ..runtime.kernel import Kernel
+    from ..semantics import reference
+    return (("the kernel call", Kernel.__call__), ("kernel.decode", Kernel.decode),
+            ("kernel.tile_tables", Kernel.tile_tables), ("kernel.density", Kernel.density),
+            ("a varlen kernel's call", packed.VarlenKernel.__call__),
+            ("varlen_kernel.reference", packed.VarlenKernel.reference),
+            ("varlen_kernel.density", packed.VarlenKernel.density),
+            ("attncc.reference", reference.reference),
+            ("attncc.decode_reference", decoding.decode_reference),
+            ("attncc.context_parallel_attention", distributed.context_parallel_attention))
+
+
+@functools.cache
+def call_keywords() -> dict:
+    """{keyword: the first call in calls_taking_inputs() that takes it}, read from the
+    calls' signatures (never a list kept by hand, which a new keyword would outgrow)."""
+    taken = {}
+    for label, fn in calls_taking_inputs():
+        for param in inspect.signature(fn).parameters.values():
+            if param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+                taken.setdefault(param.name, label)
+    return taken
 
 
 def check_input(inp: ir.InputDecl):
-    if inp.name in CALL_KEYWORDS:
-        call = "kernel.decode" if inp.name in DECODE_KEYWORDS else "the kernel call"
-        raise SpecError(f"an input cannot be named '{inp.name}': {call} already takes "
+    taken_by = call_keywords().get(inp.name)
+    if taken_by is not None:
+        raise SpecError(f"an input cannot be named '{inp.name}': {taken_by} already takes "
                         f"{inp.name}= (inputs are passed as keyword arguments); choose another name")
     if inp.dtype not in ir.DTYPES:
         raise SpecError(f"unknown element type '{inp.dtype}': use one of {', '.join(ir.DTYPES)}"
@@ -355,6 +435,8 @@ def check_variant(v: ir.Variant) -> ir.Variant:
             check_declared_type(decl, check_expr(e, Scope(decl, params, inputs)))
     check_structure(v)
     ranges.check_variant(v)
+    for decl, read in reads.escaping_reads(v):
+        warn(SpecWarning(f"variant '{v.name}': {read.message(decl)}"))
     return v
 
 

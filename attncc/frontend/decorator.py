@@ -58,6 +58,17 @@ class Sym:
     def __abs__(self):
         return Sym(ir.Call("abs", (self.node,)))
 
+    # math.floor, math.ceil and math.trunc return what these return (int() must return
+    # an int, so the language's int(x) is math.trunc(x) or attncc.trunc(x) here).
+    def __floor__(self):
+        return Sym(ir.Call("floor", (self.node,)))
+
+    def __ceil__(self):
+        return Sym(ir.Call("ceil", (self.node,)))
+
+    def __trunc__(self):
+        return Sym(ir.Call("int", (self.node,)))
+
     def _cmp(self, op, other):
         return Sym(ir.Cmp(op, self.node, lift(other)))
 
@@ -106,15 +117,18 @@ class Sym:
 
 
 FUNCTIONS = ", ".join(f"attncc.{f}" for f in ("where", "minimum", "maximum", "exp", "log", "tanh",
-                                                "sqrt"))
+                                                "sqrt", "floor", "ceil", "trunc"))
 NOT_A_NUMBER = ("a traced value is not a number while the variant is being built: math.exp, "
                 "math.log, float() and int() cannot take it; use attncc's functions "
-                f"({FUNCTIONS}), which build the expression")
+                f"({FUNCTIONS}), which build the expression (math.floor, math.ceil and "
+                "math.trunc work too; the language's int(x) is attncc.trunc(x))")
 _ATTNCC_FOR_TORCH = {"where": "attncc.where(c, a, b)", "exp": "attncc.exp(x)",
                      "log": "attncc.log(x)", "tanh": "attncc.tanh(x)", "sqrt": "attncc.sqrt(x)",
                      "minimum": "attncc.minimum(a, b)", "min": "attncc.minimum(a, b)",
                      "maximum": "attncc.maximum(a, b)", "max": "attncc.maximum(a, b)",
-                     "abs": "abs(x)", "isin": "attncc.isin(tile, row)"}
+                     "abs": "abs(x)", "isin": "attncc.isin(tile, row)",
+                     "floor": "attncc.floor(x)", "ceil": "attncc.ceil(x)",
+                     "trunc": "attncc.trunc(x)"}
 
 
 def _torch_hint(func) -> str:
@@ -210,6 +224,19 @@ def tanh(x):
 
 def sqrt(x):
     return _call("sqrt", x)
+
+
+def floor(x):
+    return _call("floor", x)
+
+
+def ceil(x):
+    return _call("ceil", x)
+
+
+def trunc(x):
+    """The language's int(x): x rounded toward zero, as an integer."""
+    return _call("int", x)
 
 
 _INPUT_TYPE = re.compile(r"^\s*([a-z0-9]+)\s*\[\s*([^\]]*)\]\s*$")
@@ -354,7 +381,8 @@ def variant(_obj=None, *, name=None, heads=None, params=None, inputs=None, learn
             unknown = [a for a in vars(obj) if not a.startswith("_") and a not in parts]
             if unknown:
                 raise SpecError(f"variant class '{obj.__name__}' has {unknown}; it may define "
-                                "only mask, score, layout and scale")
+                                "only mask, score, layout and scale"
+                                f"{did_you_mean(unknown[0], parts)}")
         elif callable(obj):
             parts = {"mask": obj}
         else:

@@ -16,8 +16,8 @@ from lark import Token, Tree
 
 from . import checker
 from .. import ir
-from ..analysis import ranges
-from ..errors import SpecError, did_you_mean
+from ..analysis import ranges, reads
+from ..errors import SpecError, SpecWarning, did_you_mean, warn
 from ..resources import grammar_path
 
 # A variant is a few lines. The limits keep hostile input from taking long to parse
@@ -98,8 +98,8 @@ def parse(text: str, path: str = "<spec>") -> ir.Variant:
     builder = _Builder(lines, path)
     deepest = _too_deep(tree)
     if deepest is not None:
-        raise builder.fail(f"this expression is nested more than {MAX_DEPTH} levels deep; "
-                           "a variant's expressions are a few operators long", deepest)
+        raise builder.fail(checker.too_deep_message(deepest, _tree_operator, _tree_first),
+                           deepest[-1])
     return builder.variant(tree)
 
 
@@ -140,14 +140,30 @@ def _check_size(text, lines, path):
 
 
 def _too_deep(tree):
-    """The first expression node deeper than MAX_DEPTH, found without recursing."""
-    stack = [(tree, 0)]
+    """The path (root first) to the first expression node deeper than MAX_DEPTH, found
+    without recursing, or None."""
+    stack = [(tree, 0, None)]
     while stack:
-        node, depth = stack.pop()
+        node, depth, path = stack.pop()
+        path = (node, path)
         if depth > MAX_DEPTH:
-            return node
-        stack.extend((c, depth + 1) for c in node.children if isinstance(c, Tree))
+            return checker._linked(path)
+        stack.extend((c, depth + 1, path) for c in node.children if isinstance(c, Tree))
     return None
+
+
+_CHAINS = {"or_": "or", "and_": "and", "not_": "not", "neg": "-"}
+
+
+def _tree_operator(node):
+    """What a parse-tree node chains with on the left (checker.too_deep_message)."""
+    if node.data == "binop":
+        return "+-" if str(node.children[1]) in checker.ADDITIVE else "*/"
+    return _CHAINS.get(node.data)
+
+
+def _tree_first(node):
+    return node.children[0]
 
 
 # ------------------------------------------------------------------------ syntax errors
@@ -161,7 +177,7 @@ def _syntax_error(e, text, lines, path) -> SpecError:
         ch = text[e.pos_in_stream] if e.pos_in_stream < len(text) else ""
         return SpecError(_unexpected_character(ch), path=path, line=line, column=col,
                          source_line=src)
-    token = getattr(e, "token", None)
+    token = _whole_name(text, getattr(e, "token", None))
     glued = _glued_word(text, token)
     if glued:
         # `1.2.3` or `12ab` lex as two tokens; name the whole word instead of its tail.
@@ -193,6 +209,20 @@ def _unexpected_character(ch: str) -> str:
         label = unicodedata.name(ch, "a control character")
         return f"unexpected invisible character U+{ord(ch):04X} ({label})"
     return f"unexpected character {ch!r}"
+
+
+def _whole_name(text: str, token):
+    """The token, or the whole name when it is a keyword that begins one: where no name
+    may stand the lexer takes `in` out of `index` (or `inptu`, a misspelt `input`), and
+    the error should quote what was written."""
+    if token is None or not str(token).isalpha() or token.type == "NAME":
+        return token
+    end = token.end_pos
+    while end < len(text) and (text[end].isalnum() or text[end] == "_"):
+        end += 1
+    if end == token.end_pos:
+        return token
+    return lark.Token.new_borrow_pos("NAME", text[token.start_pos:end], token)
 
 
 def _glued_word(text: str, token):
@@ -232,7 +262,9 @@ def _expectation(expected, token) -> str:
     if decls & words and "'}'" in words:
         hint = "; expected a declaration (" + ", ".join(checker.DECL_NAMES) + ") or '}'"
         if token is not None and token.type == "NAME":
-            hint += " (is the previous declaration complete?)"
+            # A misspelt declaration (`maks`), or a name after an incomplete one.
+            hint += (did_you_mean(str(token), (*checker.DECL_NAMES, "learnable"))
+                     or " (is the previous declaration complete?)")
         return hint
     if not words:
         return ""
@@ -308,7 +340,18 @@ class _Builder:
             if "input" in err.message:
                 culprit = next((d for d in decls if d.data == "input_decl"), tree)
             raise self._locate(err, culprit)
+        self._warn_reads(v, seen)
         return v
+
+    def _warn_reads(self, v: ir.Variant, seen: dict):
+        """A SpecWarning, located at the read, for each fixed-size table read whose index
+        can leave the table (attncc/analysis/reads.py)."""
+        for decl, read in reads.escaping_reads(v):
+            where = self.trees.get(id(read.load), seen[decl])
+            located = self._locate(SpecError(read.message(decl)), where)
+            warn(SpecWarning(located.message, path=located.path, line=located.line,
+                             column=located.column, source_line=located.source_line,
+                             width=located.width))
 
     def _check_ranges(self, v: ir.Variant, seen: dict):
         """Divisions by zero and integers past 64 bits (attncc/analysis/ranges.py), located at the
@@ -386,7 +429,7 @@ class _Builder:
         try:
             checker.check_input(inp)
         except SpecError as err:
-            bad = name_tok if name in checker.CALL_KEYWORDS else (
+            bad = name_tok if name in checker.call_keywords() else (
                 dtype_tok if str(dtype_tok) not in ir.DTYPES else (
                     name_tok if "learnable" in err.message else axes_tree))
             raise self._locate(err, bad)
@@ -474,8 +517,13 @@ class _Builder:
         return ir.BinOp(str(op), a, b), (a, b)
 
     def x_compare(self, t):
-        operands = [self.expr(c) for c in t.children[0::2]]
         ops = [str(o) for o in t.children[1::2]]
+        if len(ops) > checker.MAX_DEPTH:
+            # `a < b < c ...` becomes a chain of `and`: say what was written.
+            raise self.fail(f"this comparison chain is longer than {checker.MAX_DEPTH} "
+                            f"comparisons ({len(ops)}); a variant's expressions are a few "
+                            "operators long", t.children[1 + 2 * checker.MAX_DEPTH])
+        operands = [self.expr(c) for c in t.children[0::2]]
         result = None
         for i, op in enumerate(ops):
             cmp = ir.Cmp(op, operands[i], operands[i + 1])

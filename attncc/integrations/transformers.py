@@ -212,7 +212,7 @@ class _Attention:
         # follows the module's training flag, as nn.Dropout does.
         training = bool(getattr(module, "training", True))
         out = kernel(query, key, value, q_offset=q_offset, k_offset=k_offset, training=training,
-                     **inputs)
+                     layout="bhsd", **inputs)
         return out.transpose(1, 2).contiguous(), None  # (batch, seq, heads, dim)
 
     def _user_inputs(self, module) -> dict:

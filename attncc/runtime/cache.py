@@ -2,18 +2,20 @@
 variant's module is found (by IR and generator digest), checked and imported.
 
 Nothing read from the cache is trusted: an index entry must name the variant's own
-module, by the name codegen gives it, inside the cache, with the digest of its bytes.
+module, by the name codegen gives it, inside the cache, with the digest of its bytes, and
+those bytes, read once, are what runs (never a .pyc beside them).
 """
 from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import json
+import linecache
 import os
 import re
 import secrets
 import sys
+import types
 from pathlib import Path
 
 from .. import ir
@@ -58,13 +60,29 @@ def _new_temp_file(path: Path):
             continue
 
 
-def _import_module(name: str, path: Path):
+def _import_module(name: str, path: Path, source: bytes):
+    """Run `source`, the very bytes whose digest was checked, as module `name` at `path`.
+
+    Never through Python's source loader: it would read the file again (a window for
+    another writer between the check and the import) and prefer a __pycache__ .pyc whose
+    header matches the file's mtime and size, which anyone who can write the cache could
+    plant. The bytes are compiled here and no bytecode is read or written. linecache
+    holds the same text under `path`, so triton.jit (which reads kernels' source through
+    inspect) and tracebacks see exactly what runs."""
     if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(path):
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # triton.jit reads the source through the module
-    spec.loader.exec_module(module)
+        return sys.modules[name]  # the name ends in the digest: the same bytes ran
+    text = source.decode()
+    # An entry without an mtime is one linecache.checkcache keeps (it never re-reads it).
+    linecache.cache[str(path)] = (len(text), None, text.splitlines(keepends=True), str(path))
+    code = compile(source, str(path), "exec", dont_inherit=True)
+    module = types.ModuleType(name)
+    module.__file__ = str(path)
+    sys.modules[name] = module  # triton.jit looks its functions' module up by name
+    try:
+        exec(code, module.__dict__)
+    except BaseException:
+        del sys.modules[name]
+        raise
     return module
 
 
@@ -112,7 +130,7 @@ def _load_indexed(variant: ir.Variant, backend: str = "triton"):
     if hashlib.sha256(data).hexdigest() != digest:
         return None
     gen = Generated(source=data.decode(), strategy=strategy, module_name=name.rsplit("_", 1)[0])
-    return gen, _import_module(name, path)
+    return gen, _import_module(name, path, data)
 
 
 def write_to_cache(path: Path, text: str) -> bool:
@@ -148,4 +166,4 @@ def load_generated(variant: ir.Variant, backend: str = "triton"):
     write_to_cache(path, gen.source)
     entry = {"module": name, "strategy": gen.strategy, "sha256": digest}
     write_to_cache(_index_path(variant, backend), json.dumps(entry, indent=1) + "\n")
-    return gen, _import_module(name, path)
+    return gen, _import_module(name, path, gen.source.encode())  # what was hashed, not the file

@@ -355,14 +355,14 @@ def decode_config(kernel, p: DecodeProblem, dtype, run, *, num_splits=None, conf
 
 
 # ---------------------------------------------------------------------------- the call
-def decode(kernel, q, k_cache, v_cache, *, cache_seqlens=None, k_new=None, v_new=None,
+def decode(kernel, q, k_cache, v_cache, /, *, cache_seqlens=None, k_new=None, v_new=None,
            block_table=None, return_lse: bool = False, num_splits: int | None = None,
            config: dict | None = None, rows_before_start: bool = False, **inputs):
     """See Kernel.decode. Checks the call here (what torch.compile traces: shapes, dtypes,
     devices and ints, no tensor values), then runs the variant's decode op
     (attncc/runtime/ops.py), which calls run_decode. rows_before_start is attncc.flash's:
     see the generated module's decode."""
-    for name in _NOT_DECODE_ARGUMENTS:  # no input has these names (checker.CALL_KEYWORDS)
+    for name in _NOT_DECODE_ARGUMENTS:  # no input has these names (checker.call_keywords)
         if name in inputs:
             raise CallError(f"decode takes no {name}=: {_NOT_DECODE_ARGUMENTS[name]}")
     if not isinstance(return_lse, bool):
@@ -412,7 +412,7 @@ def gather_cache(cache: torch.Tensor, block_table, b: int, length: int) -> torch
     return cache[pages, pos % page_size].transpose(0, 1)  # (length, kv_heads, dim) -> heads first
 
 
-def decode_reference(variant: ir.Variant, q, k_cache, v_cache, *, cache_seqlens, k_new=None,
+def decode_reference(variant: ir.Variant, q, /, k_cache, v_cache, *, cache_seqlens, k_new=None,
                      v_new=None, block_table=None, return_lse: bool = False, **inputs):
     """What `kernel.decode` computes, densely, one batch row at a time: the row's cache
     (gathered through block_table when paged) with k_new, v_new appended is the key
@@ -457,11 +457,12 @@ def decode_reference(variant: ir.Variant, q, k_cache, v_cache, *, cache_seqlens,
             if reads_len_q:
                 q_rows = q.new_zeros((1, Hq, L, D))
                 q_rows[:, :, L - seen:] = q[b:b + 1, :, n_q - seen:]
-                o, s = reference(variant, q_rows, k_row, v_row, return_lse=True, **row_inputs)
+                o, s = reference(variant, q_rows, k_row, v_row, return_lse=True,
+                                 layout="bhsd", **row_inputs)
                 o, s = o[:, :, L - seen:], s[:, :, L - seen:]
             else:
                 o, s = reference(variant, q[b:b + 1, :, n_q - seen:], k_row, v_row,
-                                 q_offset=L - seen, return_lse=True, **row_inputs)
+                                 q_offset=L - seen, return_lse=True, layout="bhsd", **row_inputs)
             out[:, :, n_q - seen:] = o
             lse[:, :, n_q - seen:] = s
         outs.append(out)

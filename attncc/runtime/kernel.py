@@ -15,7 +15,7 @@ import torch
 from .. import ir
 from ..codegen import gluon
 from ..codegen.generated import Generated
-from ..errors import CallError
+from ..errors import CallError, did_you_mean
 from ..frontend.load import load
 from ..semantics.evaluate import check_index_list
 from . import backends, configs, ops, precompile, tuning
@@ -226,7 +226,7 @@ class Kernel:
     def __repr__(self):
         return f"<attncc kernel '{self.variant.name}' ({self.backend} forward): {self.strategy}>"
 
-    def check_call(self, q, k, v, inputs, q_offset, k_offset, layout="bhsd", *,
+    def check_call(self, q, k, v, inputs, q_offset, k_offset, layout=None, *,
                    index_lists: bool = True):
         """The call's Problem, or a CallError naming what is wrong. Reads shapes, dtypes
         and devices only, so that torch.compile can run it on FakeTensors at trace time,
@@ -286,9 +286,9 @@ class Kernel:
         and tuned, on first use. Without dropout in the variant, the kernel itself."""
         return self._without_dropout if self.variant.dropout else self
 
-    def __call__(self, q, k, v, *positional, return_lse: bool = False,
+    def __call__(self, q, k, v, /, *positional, return_lse: bool = False,
                  dropout_seed: int | None = None, training: bool = True, q_offset: int = 0,
-                 k_offset: int = 0, tables: "TileTables | None" = None, layout: str = "bhsd",
+                 k_offset: int = 0, tables: "TileTables | None" = None, layout: str | None = None,
                  **inputs):
         # Everything up to the operator call is what torch.compile traces (attncc/runtime/ops.py):
         # Python on shapes, dtypes and devices, no tensor data read.
@@ -353,7 +353,7 @@ class Kernel:
             return self._shape_densities[key]
         return (self._tuning_context(p, inputs, device, tables),
                 tables.density if tables is not None else None, shape_density)
-    def decode(self, q, k_cache, v_cache, *, cache_seqlens=None, k_new=None, v_new=None,
+    def decode(self, q, /, k_cache, v_cache, *, cache_seqlens=None, k_new=None, v_new=None,
                block_table=None, return_lse: bool = False, num_splits: int | None = None,
                config: dict | None = None, **inputs):
         """Split-KV decoding: n_q new query tokens per batch row against a KV cache.
@@ -393,8 +393,8 @@ class Kernel:
         return lambda: (f"on a layout of tile density "
                         f"{tile_density(self.module, p, inputs, device, self.variant.block):.3f}")
 
-    def tile_tables(self, q, k, v, *, q_offset: int = 0, k_offset: int = 0,
-                    layout: str = "bhsd", **inputs) -> "TileTables":
+    def tile_tables(self, q, k, v, /, *, q_offset: int = 0, k_offset: int = 0,
+                    layout: str | None = None, **inputs) -> "TileTables":
         """Tile tables for calls shaped like this one, to keep and pass as `tables=`.
 
         Without them the kernel keeps the tables of its 32 latest calls, keyed by the
@@ -412,8 +412,8 @@ class Kernel:
                             "the kernel without tables=")
         return TileTables(self, p, inputs, q.device)
 
-    def density(self, q, k, v, *, block: int | None = None, q_offset: int = 0,
-                k_offset: int = 0, layout: str = "bhsd", **inputs) -> float:
+    def density(self, q, k, v, /, *, block: int | None = None, q_offset: int = 0,
+                k_offset: int = 0, layout: str | None = None, **inputs) -> float:
         """The fraction of block x block tiles (default: the layout's block, else 64) that
         the kernels visit for calls shaped like this one, averaged over batch and heads.
         Tiles are classified as the tables do, so this may count a tile the kernels'
@@ -546,4 +546,5 @@ def _compile_option_hint(name: str, value) -> str:
         return (f"attncc.compile() takes no {name}=: it is part of the variant; declare it in "
                 f"the spec (or in @attncc.variant)")
     return (f"attncc.compile() got an unexpected keyword argument '{name}'; it takes a spec "
-            f"(a path, spec text or Variant) and config={_CONFIG_EXAMPLE} to pin tiles")
+            f"(a path, spec text or Variant), backend= and config={_CONFIG_EXAMPLE} to pin tiles"
+            f"{did_you_mean(name, ('backend', 'config'))}")

@@ -557,7 +557,7 @@ class VarlenKernel:
         view = lambda t: t.unsqueeze(0).transpose(1, 2)  # (1, heads, total, dim), no copy
         return view(q), view(k), view(v), bound
 
-    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+    def __call__(self, /, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                  return_lse: bool = False, dropout_seed: int | None = None,
                  training: bool = True, packing: KeptPacking | None = None, **inputs):
         """Attention within each packed sequence: out (total_q, heads, dim) and, with
@@ -567,13 +567,13 @@ class VarlenKernel:
         q4, k4, v4, bound = self._bind(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, inputs, packing)
         result = self.kernel(q4, k4, v4, return_lse=return_lse, dropout_seed=dropout_seed,
-                             training=training, **bound)
+                             training=training, layout="bhsd", **bound)
         if return_lse:
             out, lse = result
             return out[0].transpose(0, 1), lse[0]
         return result[0].transpose(0, 1)
 
-    def reference(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+    def reference(self, /, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                   return_lse: bool = False, dropout_seed: int | None = None,
                   training: bool = True, packing: KeptPacking | None = None, **inputs):
         """The dense reference of the same packed call (attncc.reference of the derived
@@ -582,13 +582,14 @@ class VarlenKernel:
         q4, k4, v4, bound = self._bind(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, inputs, packing)
         result = reference(self.variant, q4, k4, v4, return_lse=return_lse,
-                           dropout_seed=dropout_seed, training=training, **bound)
+                           dropout_seed=dropout_seed, training=training, layout="bhsd",
+                           **bound)
         if return_lse:
             out, lse = result
             return out[0].transpose(0, 1), lse[0]
         return result[0].transpose(0, 1)
 
-    def density(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+    def density(self, /, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                 block: int = 64, **inputs) -> float:
         """The fraction of block x block tiles of the packed (total_q x total_k) matrix that
         the kernels visit (see Kernel.density)."""

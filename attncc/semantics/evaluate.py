@@ -121,6 +121,8 @@ class _Evaluator:
             a, b = self._promote(*args)
             return torch.minimum(a, b) if e.fn == "min" else torch.maximum(a, b)
         x = args[0].to(self.float_dtype)
+        if e.fn in ir.ROUNDING_FUNCTIONS:  # to int64, as the language's integers are
+            return {"floor": torch.floor, "ceil": torch.ceil, "int": torch.trunc}[e.fn](x).long()
         return {"exp": torch.exp, "log": torch.log, "tanh": torch.tanh, "sqrt": torch.sqrt}[e.fn](x)
 
     def Where(self, e):

@@ -66,9 +66,9 @@ def allowed_pairs(variant: ir.Variant, p: Problem, inputs: dict, device) -> torc
     return allowed
 
 
-def reference(variant: ir.Variant, q, k, v, *positional, return_lse: bool = False,
+def reference(variant: ir.Variant, q, k, v, /, *positional, return_lse: bool = False,
               dropout_seed: int | None = None, training: bool = True, q_offset: int = 0,
-              k_offset: int = 0, layout: str = "bhsd", **inputs):
+              k_offset: int = 0, layout: str | None = None, **inputs):
     """Attention of `variant` computed densely; differentiable in q, k, v and float inputs.
 
     Tensors are (batch, heads, seq, dim), or (batch, seq, heads, dim) with layout="bshd"

@@ -95,7 +95,7 @@ def bench_backends(variant, kernel, *, n: int, batch: int, heads: tuple, dim: in
             results[name] = {"skipped": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
 
     seed_kw = {"dropout_seed": 1} if variant.dropout else {}
-    record("attncc", lambda: kernel(q, k, v, **seed_kw, **inputs))
+    record("attncc", lambda: kernel(q, k, v, layout="bhsd", **seed_kw, **inputs))
 
     from ..semantics.reference import scale_value
     scale = scale_value(variant, dim)

@@ -15,7 +15,8 @@ from .. import ir, load
 from ..errors import AttnccError
 from ..arguments import Problem
 from .samples import default_heads, sample_inputs
-from .tolerance import gradient_scales, max_abs_error, slack, within_tolerance
+from .tolerance import (gradient_scales, input_gradient_scales, max_abs_error, slack,
+                        within_tolerance)
 
 CHECK_DROPOUT_SEED = 1234         # one seed for the kernel and both references
 
@@ -66,7 +67,7 @@ def _run_attention(fn, variant, q, k, v, inputs, dout):
     """(results {name: tensor}) of fn = kernel or reference: out, lse, dq, dk, dv, d<input>."""
     learn = [d.name for d in variant.learnable_inputs]
     kwargs = {"dropout_seed": CHECK_DROPOUT_SEED} if variant.dropout else {}
-    out, lse = fn(q, k, v, return_lse=True, **kwargs, **inputs)
+    out, lse = fn(q, k, v, return_lse=True, layout="bhsd", **kwargs, **inputs)
     wrt = [q, k, v] + [inputs[n] for n in learn]
     grads = torch.autograd.grad(out, wrt, dout, allow_unused=True)
     res = {"out": out, "lse": lse}
@@ -106,6 +107,7 @@ def check_shape(variant, kernel, *, batch, heads, len_q, len_k, dim, dtype, devi
     (eq, ek, ev), ein = case(dtype, None)
     eager = _run_attention(ref_fn, variant, eq, ek, ev, ein, dout)
     scales = gradient_scales(rq, rk, truth["out"], dout, scale_value(variant, dim), hq // hkv)
+    scales.update(input_gradient_scales(variant, rq, rk, rv, truth["out"], dout, rin))
     rows = []
     for name in truth:
         e_k = max_abs_error(got[name], truth[name])

@@ -39,9 +39,17 @@ def _unary(fn, name):
     return f
 
 
+def _rounding(fn, py):
+    def f(x):
+        return fn(_to_float(x)).long() if _is_tensor(x) else py(x)
+    return f
+
+
 _CALLS = {"abs": lambda x: x.abs() if _is_tensor(x) else abs(x), "min": _min, "max": _max,
           "exp": _unary(torch.exp, "exp"), "log": _unary(torch.log, "log"),
-          "tanh": _unary(torch.tanh, "tanh"), "sqrt": _unary(torch.sqrt, "sqrt")}
+          "tanh": _unary(torch.tanh, "tanh"), "sqrt": _unary(torch.sqrt, "sqrt"),
+          "floor": _rounding(torch.floor, math.floor), "ceil": _rounding(torch.ceil, math.ceil),
+          "int": _rounding(torch.trunc, math.trunc)}
 
 
 def lower(e, variant: ir.Variant, inputs: dict):

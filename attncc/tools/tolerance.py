@@ -13,7 +13,10 @@ For dq and dk the scale also covers what FlashAttention's backward cannot avoid:
 forms dS = P * (dP - delta) with delta = rowsum(dO * O) from the stored, rounded O, so
 where the exact dS is 0 (a row that attends to one key) the kernel keeps rounding
 noise of the size of |dO * O|, carried into dq by k * scale and into dk by q * scale
-(summed over a GQA group). `gradient_scales` gives those sizes.
+(summed over a GQA group). `gradient_scales` gives those sizes. A learnable input's
+gradient sums the same noise over every pair that reduces into one of its elements,
+times d score / d input there (a learned ALiBi slope: |k - q|, up to the length, over
+every row of its head): `input_gradient_scales` gives those.
 """
 from __future__ import annotations
 
@@ -62,6 +65,49 @@ def gradient_scales(q, k, out, dout, sm_scale: float, group: int) -> dict:
     noise = noise.max().item()
     return {"dq": noise * k.detach().abs().max().item() * sm_scale,
             "dk": noise * q.detach().abs().max().item() * sm_scale * group}
+
+
+def input_gradient_scales(variant, q, k, v, out, dout, inputs: dict, q_offset: int = 0,
+                          k_offset: int = 0) -> dict:
+    """{"d<name>": s} for each learnable input: the dS noise per row (|dO * O|, as for dq)
+    times max over keys of |d score / d element| at attending pairs, summed over the rows,
+    for the element where that is largest. The derivative is a central difference of the
+    float64 score (the score is smooth in its float inputs)."""
+    from ..arguments import bind
+    from ..semantics.evaluate import evaluate
+    from ..semantics.reference import allowed_pairs, index_env, scale_value
+    learnable = [d.name for d in variant.learnable_inputs]
+    if not learnable or variant.score is None:
+        return {}
+    q, k, v = (t.detach().double() for t in (q, k, v))
+    values = {n: (t.detach().double() if t.is_floating_point() else t) for n, t in inputs.items()}
+    p = bind(variant, q, k, v, values, q_offset=q_offset, k_offset=k_offset,
+             exact_float_inputs=False)
+    noise = (dout.detach().double() * out.detach().double()).norm(dim=-1)  # [B, H, Lq]
+    noise = torch.nan_to_num(noise, nan=0.0, posinf=0.0)
+    allowed = allowed_pairs(variant, p, values, q.device)
+    s = torch.matmul(q, k.repeat_interleave(p.group, dim=1).transpose(-1, -2)) * scale_value(
+        variant, p.dim)
+
+    def score(name, x):
+        env = index_env(variant, p, {**values, name: x}, q.device, torch.float64)
+        return torch.as_tensor(evaluate(variant.score, {**env, "s": s}), dtype=torch.float64)
+
+    scales = {}
+    for name in learnable:
+        x = values[name]
+        worst = 0.0
+        for i in range(x.numel()):
+            step = torch.zeros_like(x).view(-1)
+            step[i] = 1e-4 * max(1.0, abs(x.view(-1)[i].item()))
+            h = step[i].item()
+            step = step.view_as(x)
+            d = (score(name, x + step) - score(name, x - step)) / (2 * h)
+            d = torch.where(allowed, d.abs(), torch.zeros((), dtype=torch.float64))
+            d = torch.nan_to_num(d, nan=0.0, posinf=0.0).expand(*noise.shape, -1)
+            worst = max(worst, (noise * d.amax(dim=-1)).sum().item())
+        scales[f"d{name}"] = worst
+    return scales
 
 
 def within_tolerance(err_kernel: float, err_eager: float, dtype: torch.dtype,
