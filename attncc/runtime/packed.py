@@ -41,8 +41,6 @@ DERIVED = (("seq_q", "q"), ("seq_k", "k"), ("pos_q", "q"), ("pos_k", "k"),
 # Per-sequence quantities a linear term combines, in the order names list them.
 SEQUENCE_VALUES = ("start_q", "start_k", "len_q", "len_k")
 POSITIONS = ("q", "k", "len_q", "len_k")
-# Arguments of a packed call beyond a kernel call's: no input may take these names.
-CALL_KEYWORDS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "packing")
 FLIPPED = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "==", "!=": "!="}
 
 
@@ -245,10 +243,6 @@ def _rewrite_variant(variant: ir.Variant):
         raise CallError(f"variant '{variant.name}' declares {clash[0]!r}; names starting with "
                         f"'{PREFIX}' are the inputs varlen adds: rename it")
     for decl in variant.inputs:
-        if decl.name in CALL_KEYWORDS:
-            raise CallError(f"variant '{variant.name}' declares an input '{decl.name}', but a "
-                            f"packed call already takes {decl.name}= (inputs are keyword "
-                            "arguments too); rename the input")
         if "b" in decl.axes and any(a in ("q", "k", "qb", "kb") for a in decl.axes):
             raise CallError(
                 f"input '{decl.name}' has axes [{', '.join(map(str, decl.axes))}]: varlen "
