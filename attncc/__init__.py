@@ -13,11 +13,11 @@ from .frontend.parser import parse, parse_file
 from .ir import Variant
 from .runtime.decoding import decode_reference
 from .runtime.kernel import compile
-from .runtime.packed import varlen
+from .runtime.packed import varlen, varlen_packing
 from .semantics.reference import reference
 from .version import __version__
 
-__all__ = ["compile", "varlen", "load", "parse", "parse_file", "reference", "decode_reference",
+__all__ = ["compile", "varlen", "varlen_packing", "load", "parse", "parse_file", "reference", "decode_reference",
            "variant", "Variant", "where", "isin", "chance", "minimum", "maximum", "exp", "log",
            "tanh", "sqrt", "floor", "ceil", "trunc", "AttnccError", "SpecError", "SpecWarning",
            "CallError", "BackendError", "NoGPUError"]

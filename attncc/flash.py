@@ -423,14 +423,15 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      softmax_scale=None, causal=False, window_size=(-1, -1),
                                      softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False, *,
-                                     dropout_seed: int | None = None):
+                                     dropout_seed: int | None = None, packing=None):
     """flash-attn's `flash_attn_varlen_qkvpacked_func`: `flash_attn_varlen_func` on qkv
-    (total, 3, nheads, headdim), one packing (cu_seqlens, max_seqlen) for q and k."""
+    (total, 3, nheads, headdim), one packing (cu_seqlens, max_seqlen) for q and k
+    (`packing`: attncc.varlen_packing(cu_seqlens, cu_seqlens, max_seqlen, max_seqlen))."""
     q, k, v = _unpack("qkv", qkv, "(total, 3, nheads, headdim)", 4, 1, 3)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap,
                                   alibi_slopes, deterministic, return_attn_probs,
-                                  dropout_seed=dropout_seed)
+                                  dropout_seed=dropout_seed, packing=packing)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -438,14 +439,14 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False,
                                     return_attn_probs=False, *,
-                                    dropout_seed: int | None = None):
+                                    dropout_seed: int | None = None, packing=None):
     """flash-attn's `flash_attn_varlen_kvpacked_func`: `flash_attn_varlen_func` on q
     (total_q, nheads, headdim) and kv (total_k, 2, nheads_k, headdim)."""
     k, v = _unpack("kv", kv, "(total_k, 2, nheads_k, headdim)", 4, 1, 2)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
                                   softcap, alibi_slopes, deterministic, return_attn_probs,
-                                  dropout_seed=dropout_seed)
+                                  dropout_seed=dropout_seed, packing=packing)
 
 
 # ---------------------------------------------------------------- variable length
@@ -453,7 +454,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None, *,
-                           dropout_seed: int | None = None):
+                           dropout_seed: int | None = None, packing=None):
     """flash-attn's `flash_attn_varlen_func` on attncc kernels (attncc.varlen).
 
     q: (total_q, nheads, headdim), k, v: (total_k, nheads_k, headdim), packed by
@@ -461,7 +462,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     apply within each sequence, bottom-right aligned per sequence; a window side >=
     max_seqlen_k is unbounded. Returns out (total_q, nheads, headdim), or (out,
     softmax_lse (nheads, total_q), None). Dropout bits are drawn per (seed, head, packed
-    query, packed key) position. Paged KV (`block_table`) is not supported."""
+    query, packed key) position. Paged KV (`block_table`) is not supported. The
+    cu_seqlens values are read on every call (one host read), unless `packing` (attncc's,
+    keyword only: attncc.varlen_packing(...)) was built from them."""
     if block_table is not None:
         raise CallError("block_table (paged KV cache) is not supported by attncc's "
                         "flash_attn_varlen_func; pass k and v packed as (total_k, nheads_k, "
@@ -473,7 +476,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     batch = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else None
     inputs = _alibi_inputs(alibi_slopes, batch, q.shape[1])
     result = kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    return_lse=return_attn_probs, dropout_seed=dropout_seed, **inputs)
+                    return_lse=return_attn_probs, dropout_seed=dropout_seed, packing=packing,
+                    **inputs)
     if return_attn_probs:
         out, lse = result
         return out, lse, None

@@ -256,6 +256,13 @@ def speed(args, dev, dtype, smoke):
     ours = lambda: flash_attn_varlen_func(qp, kp, vp, cu, cu, max(lens), max(lens), causal=True)
     want = ours().detach().float()
     row["attncc"] = _time(bench, *fwd_bwd(ours, (qp, kp, vp), dop))
+    # The same call given a kept packing: no host read of cu_seqlens (the default call
+    # reads them, a synchronisation per call); the difference is that read's cost.
+    kept = attncc.varlen_packing(cu, cu, max(lens), max(lens))
+    ours_kept = lambda: flash_attn_varlen_func(qp, kp, vp, cu, cu, max(lens), max(lens),
+                                               causal=True, packing=kept)
+    row["attncc_kept_packing"] = _time(bench, *fwd_bwd(ours_kept, (qp, kp, vp), dop), want,
+                                       ours_kept)
     vk = attncc.flash.kernel_for(packed=True, causal=True)
     row["tile_density_128"] = vk.density(qp, kp, vp, cu, cu, max(lens), max(lens), block=128)
     doc = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.tensor(lens, device=dev))

@@ -251,8 +251,6 @@ class Kernel:
         if p.dim_v != p.dim:
             raise CallError(f"v has head dim {p.dim_v} but q and k have {p.dim}; the kernels need "
                             "them equal")
-        if p.batch == 0 or p.heads_q == 0:
-            raise CallError(f"q has shape {_shape(q)}: batch and heads must be at least 1")
         # Every launch is one grid axis of programs per tile and batch·head (at least
         # 16-row tiles), which CUDA caps at 2**31 - 1.
         tiles = -(-p.len_q // 16) + -(-p.len_k // 16)
@@ -314,15 +312,6 @@ class Kernel:
                 raise CallError(f"tables must come from kernel.tile_tables(...), got "
                                 f"{type(tables).__name__}")
             tables.check(self._tables_owner, p)
-        if p.len_q == 0 or p.len_k == 0:
-            # Nothing to compute, nothing read from the tables: under torch.compile, where
-            # tensors are fake at this point, their inputs go unchecked.
-            if tables is not None and not torch.compiler.is_compiling():
-                tables.check_reads(inputs)
-            out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
-            lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
-            out = as_bhsd(out, layout)
-            return (out, lse) if return_lse else out
         seed, drawn_seed = 0, None
         if self.variant.dropout:
             if dropout_seed is None:
@@ -443,6 +432,8 @@ def _tile_count(p, block: int) -> int:
 def tile_density(module, p, inputs: dict, device, block: int) -> float:
     if block < 1:
         raise CallError(f"block must be a positive number of positions, got {block}")
+    if ops.empty_problem(p):
+        return 0.0  # no tile at all, so none visited (and calls with it compute nothing)
     t = module.tile_tables(p.batch, p.heads_q, p.len_q, p.len_k, p.q_offset, p.k_offset, p.dim,
                            inputs, block, block, device)
     visited = (t["row_full_count"] + t["row_part_count"]).float().mean()

@@ -238,6 +238,10 @@ def _forward(kernel_id, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, t
     tables = _tables(tables_id)
     values = dict(zip(kernel.input_names, inputs))
     p = _problem(q, k, v, q_offset, k_offset)
+    if empty_problem(p):
+        if tables is not None:
+            tables.check_reads(values)
+        return _empty_forward(q)
     # The checks that read tensor data (see the module docstring).
     kernel._check_index_lists(p, values)
     if kernel.variant.dropout and q.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -254,6 +258,20 @@ def _forward(kernel_id, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, t
         _compile_backward_beside(kernel, p, q, k, v, values, common, tune, direction, run)
     config = tuning.config_for(kernel, p, q.dtype, direction, run, *tune)
     return run(config)
+
+
+def empty_problem(p: Problem) -> bool:
+    """Whether a call has nothing to compute: no batch row, no query or no key. It still
+    goes through the operators, so that its output is part of the autograd graph (an
+    empty micro-batch's backward runs, giving zero gradients), as SDPA's is."""
+    return p.batch == 0 or p.len_q == 0 or p.len_k == 0
+
+
+def _empty_forward(q):
+    """An empty call's output and LSE: rows that see no key give 0 and LSE -inf, allocated
+    as the generated forward allocates them (the fake implementation's shapes and strides)."""
+    return torch.zeros_like(q), torch.full(q.shape[:3], float("-inf"), device=q.device,
+                                           dtype=torch.float32)
 
 
 def _compile_backward_beside(kernel, p, q, k, v, values, common, tune, direction, run):
@@ -307,6 +325,12 @@ def _backward(kernel_id, q, k, v, out, lse, dout, dlse, inputs, q_offset, k_offs
     tables = _tables(tables_id)
     values = dict(zip(kernel.input_names, inputs))
     p = _problem(q, k, v, q_offset, k_offset)
+    if empty_problem(p):
+        # No query sees a key: the output is 0 and the LSE -inf whatever q, k, v and the
+        # inputs hold, so every gradient is 0 (dlse included).
+        return (q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape),
+                [values[d.name].new_zeros(values[d.name].shape)
+                 for d in kernel.variant.learnable_inputs])
     module = kernel.module
     common = dict(q_offset=q_offset, k_offset=k_offset, seed=seed,
                   tables=_table_store(tables))

@@ -28,6 +28,7 @@ import dataclasses
 import numbers
 from collections import OrderedDict
 
+import numpy
 import torch
 
 from .. import ir
@@ -268,13 +269,10 @@ def varlen_variant(variant: ir.Variant) -> ir.Variant:
 
 
 # ----------------------------------------------------------------- per-position inputs
-def _state(t: torch.Tensor) -> tuple:
-    return (t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype, str(t.device))
-
-
-def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, total_name: str, device,
-                     max_seqlen, max_name: str) -> list:
-    """Check one cu_seqlens tensor and its max length; its values as a list (one sync)."""
+def read_cu_seqlens(name: str, cu, device) -> bytes:
+    """One cu_seqlens tensor's values (int32 bytes: a cheap key, compared with memcmp),
+    after checking what needs no values: one host read, a synchronisation where it lives
+    on a GPU."""
     if not isinstance(cu, torch.Tensor):
         raise CallError(f"{name} must be a torch.Tensor of int32 sequence starts, "
                         f"got {type(cu).__name__}")
@@ -287,10 +285,33 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, total_name: str, d
     if cu.device != device:
         raise CallError(f"{name} is on {cu.device} but q is on {device}; move it with "
                         ".to(q.device)")
+    if cu.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise CallError(
+            f"{name} is read on the host to check it and to pick its packing, which a CUDA "
+            "graph cannot capture (a replay would run the packing of the captured call "
+            "whatever the buffer then holds); build the packing before capturing, "
+            "packing = attncc.varlen_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, "
+            "max_seqlen_k), and pass packing=packing: every replay runs that packing")
+    return cu.cpu().numpy().tobytes()
+
+
+def _values(data: bytes) -> list:
+    return numpy.frombuffer(data, dtype=numpy.int32).tolist()
+
+
+def check_max_seqlen(max_seqlen, max_name: str, longest: tuple):
+    """max_seqlen against the packing's longest sequence, (index, length)."""
     if (not isinstance(max_seqlen, numbers.Integral) or isinstance(max_seqlen, bool)
             or max_seqlen < 0):
         raise CallError(f"{max_name} must be a non-negative int, got {max_seqlen!r}")
-    values = cu.tolist()
+    i, length = longest
+    if length > max_seqlen:
+        raise CallError(f"{max_name}={max_seqlen} is smaller than the longest sequence "
+                        f"(sequence {i} has {length} tokens); pass at least {length}")
+
+
+def check_values(name: str, values: list, total: int, total_name: str) -> tuple:
+    """Check one cu_seqlens's values; its longest sequence, (index, length)."""
     if values[0] != 0:
         raise CallError(f"{name} must start at 0, got {values[0]}")
     for i in range(1, len(values)):
@@ -300,12 +321,9 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, total_name: str, d
     if values[-1] != total:
         raise CallError(f"{name} ends at {values[-1]}, but {total_name} has {total} tokens; "
                         f"its last entry must be the total")
-    longest = max((b - a for a, b in zip(values, values[1:])), default=0)
-    if longest > max_seqlen:
-        i = next(i for i, (a, b) in enumerate(zip(values, values[1:])) if b - a == longest)
-        raise CallError(f"{max_name}={max_seqlen} is smaller than the longest sequence "
-                        f"(sequence {i} has {longest} tokens); pass at least {longest}")
-    return values
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    longest = max(lengths, default=0)
+    return (lengths.index(longest) if lengths else 0), longest
 
 
 def _positions(cu: torch.Tensor, total: int) -> dict:
@@ -320,11 +338,24 @@ def _positions(cu: torch.Tensor, total: int) -> dict:
 
 
 class Packing:
-    """The checked packing of one call: per-position int32 tensors for both sides."""
+    """The checked packing of one pair of cu_seqlens values: per-position int32 tensors
+    for both sides, built from those values (not from the caller's tensors, which may be
+    written afterwards), and the longest sequence of each side."""
 
-    def __init__(self, cu_q, cu_k, total_q, total_k):
-        self.n_sequences = cu_q.numel() - 1
-        q_side, k_side = _positions(cu_q, total_q), _positions(cu_k, total_k)
+    def __init__(self, values_q: list, values_k: list, device, longest: dict):
+        self.values = (tuple(values_q), tuple(values_k))
+        self.totals = (values_q[-1], values_k[-1])
+        self.longest = longest  # "q" / "k" -> (index, length): max_seqlen is checked per call
+        self.n_sequences = len(values_q) - 1
+        # Normal tensors even in an inference_mode call: a later training call with the
+        # same values saves them for backward, and the tables' cache reads their versions.
+        with torch.inference_mode(False):
+            self._build(values_q, values_k, device)
+
+    def _build(self, values_q: list, values_k: list, device):
+        cu_q, cu_k = (torch.tensor(v, dtype=torch.int32, device=device)
+                      for v in (values_q, values_k))
+        q_side, k_side = _positions(cu_q, values_q[-1]), _positions(cu_k, values_k[-1])
         self.tensors = {}
         for name, axis in DERIVED:
             side = q_side if axis == "q" else k_side
@@ -338,46 +369,130 @@ class Packing:
     def term(self, term: Term) -> torch.Tensor:
         """A Term's values at each position of its side (computed once per packing)."""
         if term.name not in self.tensors:
-            total = sum(c * self._per_sequence[value] for value, c in term.coefs)
-            self.tensors[term.name] = total[self._seq[term.side]].to(torch.int32).contiguous()
+            with torch.inference_mode(False):
+                total = sum(c * self._per_sequence[value] for value, c in term.coefs)
+                self.tensors[term.name] = (total[self._seq[term.side]].to(torch.int32)
+                                           .contiguous())
         return self.tensors[term.name]
+
+    def check_call(self, total_q: int, total_k: int, max_q, max_k):
+        """A call's token counts and max_seqlen against this packing (no values read)."""
+        for side, total, name in (("q", total_q, "cu_seqlens_q"), ("k", total_k, "cu_seqlens_k")):
+            expected = self.totals[0 if side == "q" else 1]
+            if total != expected:
+                raise CallError(f"{name} ends at {expected}, but {side} has {total} tokens; "
+                                f"its last entry must be the total")
+        check_max_seqlen(max_q, "max_seqlen_q", self.longest["q"])
+        check_max_seqlen(max_k, "max_seqlen_k", self.longest["k"])
+
+
+def _checked_packing(values_q: list, values_k: list, total_q: int, total_k: int,
+                     device) -> Packing:
+    longest_q = check_values("cu_seqlens_q", values_q, total_q, "q")
+    longest_k = check_values("cu_seqlens_k", values_k, total_k, "k")
+    if len(values_q) != len(values_k):
+        raise CallError(f"cu_seqlens_q has {len(values_q)} entries and cu_seqlens_k "
+                        f"{len(values_k)}; both must hold one entry per sequence plus one")
+    return Packing(values_q, values_k, device, {"q": longest_q, "k": longest_k})
 
 
 class _PackingCache:
-    """Checked packings, keyed by the state of the cu_seqlens tensors: the layers of a
-    model share one packing per step, so its values are read (one sync) and its
-    per-position tensors built once, and the kernels' tile tables, keyed by those
-    tensors, are reused across layers. An entry holds its cu tensors, so their memory
-    cannot be reused by other tensors while it lives."""
+    """Checked packings, keyed by the values of cu_seqlens_q and cu_seqlens_k: every
+    call reads them (one host read of 2 x (batch + 1) int32 each: a synchronisation on
+    a GPU), so a call runs the packing its tensors hold at the call, however they were
+    written (in place through .numpy() or .data, by a kernel, a new tensor at a freed
+    tensor's address), never an older one. The layers of a model share one packing
+    per step: its per-position tensors are built once and the kernels' tile tables,
+    keyed by those tensors, are reused across layers and across steps with the same
+    lengths. Calls that must not synchronise (CUDA graph capture) pass a kept packing
+    (attncc.varlen_packing) instead."""
 
     SIZE = 16
 
     def __init__(self):
         self.entries: OrderedDict = OrderedDict()
 
+    # Host reads of tensor values: under torch.compile a graph break, run eagerly here.
+    @torch.compiler.disable
     def get(self, cu_q, cu_k, total_q, total_k, max_q, max_k, device) -> Packing:
-        key = None
-        if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor):
-            key = (_state(cu_q), _state(cu_k), total_q, total_k, max_q, max_k)
-            entry = self.entries.get(key)
-            if entry is not None:
-                self.entries.move_to_end(key)
-                return entry[0]
-        values_q = check_cu_seqlens("cu_seqlens_q", cu_q, total_q, "q", device, max_q,
-                                    "max_seqlen_q")
-        values_k = check_cu_seqlens("cu_seqlens_k", cu_k, total_k, "k", device, max_k,
-                                    "max_seqlen_k")
-        if len(values_q) != len(values_k):
-            raise CallError(f"cu_seqlens_q has {len(values_q)} entries and cu_seqlens_k "
-                            f"{len(values_k)}; both must hold one entry per sequence plus one")
-        packing = Packing(cu_q, cu_k, total_q, total_k)
-        self.entries[key] = (packing, cu_q, cu_k)
-        if len(self.entries) > self.SIZE:
-            self.entries.popitem(last=False)
+        key = (read_cu_seqlens("cu_seqlens_q", cu_q, device),
+               read_cu_seqlens("cu_seqlens_k", cu_k, device), str(device))
+        packing = self.entries.get(key)
+        if packing is None:
+            packing = _checked_packing(_values(key[0]), _values(key[1]), total_q, total_k,
+                                       device)
+            self.entries[key] = packing
+            if len(self.entries) > self.SIZE:
+                self.entries.popitem(last=False)
+        else:
+            self.entries.move_to_end(key)
+        packing.check_call(total_q, total_k, max_q, max_k)
         return packing
 
 
 _PACKINGS = _PackingCache()
+
+
+def _state(t: torch.Tensor) -> tuple:
+    # An inference tensor has no version counter (and is written in place only inside
+    # inference_mode): its address, shape and strides stand for it.
+    version = None if t.is_inference() else t._version
+    return (t.data_ptr(), version, tuple(t.shape), t.stride(), t.dtype, str(t.device))
+
+
+class KeptPacking:
+    """A packing checked once, for calls that read no cu_seqlens values: `packing=` of
+    a varlen kernel or of flash_attn_varlen_func. Built by `attncc.varlen_packing(...)`
+    (one host read). Calls given it must pass the same cu_seqlens tensors, unwritten
+    since as far as PyTorch sees (their version counters), and are refused otherwise;
+    keeping it is the caller's promise that no write PyTorch cannot see (.numpy(),
+    .data, a kernel, a CUDA graph replay refilling the buffer) changes their values while
+    it is used: such calls run the kept packing, whatever the tensors then hold."""
+
+    def __init__(self, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if not isinstance(cu, torch.Tensor):
+                raise CallError(f"{name} must be a torch.Tensor of int32 sequence starts, "
+                                f"got {type(cu).__name__}")
+        device = cu_seqlens_q.device
+        values_q = _values(read_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device))
+        values_k = _values(read_cu_seqlens("cu_seqlens_k", cu_seqlens_k, device))
+        self.packing = _checked_packing(values_q, values_k, values_q[-1], values_k[-1], device)
+        self.packing.check_call(values_q[-1], values_k[-1], max_seqlen_q, max_seqlen_k)
+        self.device = device
+        self._tensors = (cu_seqlens_q, cu_seqlens_k)  # held: their addresses stay theirs
+        self._states = (_state(cu_seqlens_q), _state(cu_seqlens_k))
+
+    @torch.compiler.disable  # reads data pointers and version counters: real tensors
+    def get(self, cu_q, cu_k, total_q, total_k, max_q, max_k, device) -> Packing:
+        """The kept packing for a call, after checks that read no values."""
+        if device != self.device:
+            raise CallError(f"this packing was built on {self.device}, but q is on {device}; "
+                            "build one from cu_seqlens on q's device")
+        for name, cu, kept, state in zip(("cu_seqlens_q", "cu_seqlens_k"), (cu_q, cu_k),
+                                         self._tensors, self._states):
+            if not isinstance(cu, torch.Tensor) or _state(cu) != state:
+                what = ("it was written in place since" if cu is kept
+                        else f"this call passes another {name}")
+                raise CallError(f"packing= was built from {name} as it was then, but {what}; "
+                                "build a new packing with attncc.varlen_packing(...) when "
+                                "the sequences change")
+        self.packing.check_call(total_q, total_k, max_q, max_k)
+        return self.packing
+
+    def __repr__(self):
+        lengths = [b - a for a, b in zip(self.packing.values[0], self.packing.values[0][1:])]
+        return (f"<attncc kept packing: {self.packing.n_sequences} sequences, "
+                f"{self.packing.totals[0]}/{self.packing.totals[1]} tokens, longest "
+                f"{max(lengths, default=0)} queries>")
+
+
+def varlen_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> KeptPacking:
+    """A packing to keep and pass as `packing=` to varlen kernels and
+    flash_attn_varlen_func: checked and built now (one host read), so that the calls
+    given it read no values (no synchronisation; CUDA graphs can capture them). See
+    KeptPacking for what keeping it promises."""
+    return KeptPacking(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
 def _check_packed(name: str, t, dims: str):
@@ -401,13 +516,17 @@ class VarlenKernel:
     def __repr__(self):
         return f"<attncc varlen kernel '{self.base.name}': {self.kernel.strategy}>"
 
-    def _bind(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs):
+    def _bind(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, inputs,
+              packing=None):
         """(q, k, v as (1, heads, total, dim) views, the derived variant's inputs)."""
         _check_packed("q", q, "(total_q, heads, dim)")
         _check_packed("k", k, "(total_k, heads_k, dim)")
         _check_packed("v", v, "(total_k, heads_k, dim)")
-        packing = _PACKINGS.get(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
-                                max_seqlen_q, max_seqlen_k, q.device)
+        if packing is not None and not isinstance(packing, KeptPacking):
+            raise CallError(f"packing must come from attncc.varlen_packing(...), got "
+                            f"{type(packing).__name__}")
+        packing = (packing or _PACKINGS).get(cu_seqlens_q, cu_seqlens_k, q.shape[0],
+                                             k.shape[0], max_seqlen_q, max_seqlen_k, q.device)
         bound = {}
         for decl in self.base.inputs:
             t = inputs.get(decl.name)
@@ -434,11 +553,13 @@ class VarlenKernel:
 
     def __call__(self, /, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                  return_lse: bool = False, dropout_seed: int | None = None,
-                 training: bool = True, **inputs):
+                 training: bool = True, packing: KeptPacking | None = None, **inputs):
         """Attention within each packed sequence: out (total_q, heads, dim) and, with
-        return_lse, the LSE (heads, total_q), as flash-attn's varlen functions return."""
+        return_lse, the LSE (heads, total_q), as flash-attn's varlen functions return.
+        The cu_seqlens values are read on every call (one host read), unless `packing`
+        (attncc.varlen_packing(...)) was built from them."""
         q4, k4, v4, bound = self._bind(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                       max_seqlen_k, inputs)
+                                       max_seqlen_k, inputs, packing)
         result = self.kernel(q4, k4, v4, return_lse=return_lse, dropout_seed=dropout_seed,
                              training=training, layout="bhsd", **bound)
         if return_lse:
@@ -448,12 +569,12 @@ class VarlenKernel:
 
     def reference(self, /, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                   return_lse: bool = False, dropout_seed: int | None = None,
-                  training: bool = True, **inputs):
+                  training: bool = True, packing: KeptPacking | None = None, **inputs):
         """The dense reference of the same packed call (attncc.reference of the derived
         variant: any dtype, float64 for truth, the same dropout bits as the kernel)."""
         from ..semantics.reference import reference
         q4, k4, v4, bound = self._bind(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                       max_seqlen_k, inputs)
+                                       max_seqlen_k, inputs, packing)
         result = reference(self.variant, q4, k4, v4, return_lse=return_lse,
                            dropout_seed=dropout_seed, training=training, layout="bhsd",
                            **bound)
