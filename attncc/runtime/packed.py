@@ -33,6 +33,7 @@ import torch
 
 from .. import ir
 from ..errors import CallError
+from .eager import run_eagerly
 
 PREFIX = "varlen_"
 # Per-position int32 inputs the rewrite may read, in declaration order: (name, axis).
@@ -413,7 +414,7 @@ class _PackingCache:
         self.entries: OrderedDict = OrderedDict()
 
     # Host reads of tensor values: under torch.compile a graph break, run eagerly here.
-    @torch.compiler.disable
+    @run_eagerly
     def get(self, cu_q, cu_k, total_q, total_k, max_q, max_k, device) -> Packing:
         key = (read_cu_seqlens("cu_seqlens_q", cu_q, device),
                read_cu_seqlens("cu_seqlens_k", cu_k, device), str(device))
@@ -463,7 +464,7 @@ class KeptPacking:
         self._tensors = (cu_seqlens_q, cu_seqlens_k)  # held: their addresses stay theirs
         self._states = (_state(cu_seqlens_q), _state(cu_seqlens_k))
 
-    @torch.compiler.disable  # reads data pointers and version counters: real tensors
+    @run_eagerly  # reads data pointers and version counters: real tensors
     def get(self, cu_q, cu_k, total_q, total_k, max_q, max_k, device) -> Packing:
         """The kept packing for a call, after checks that read no values."""
         if device != self.device:

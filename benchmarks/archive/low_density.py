@@ -84,9 +84,10 @@ FUSED_DELTA = [
      "              m_valid[:, None] & d_valid[None, :], MASKED, HEAD_DIM != HEAD_DIM_PAD)\n"
      "    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)\n"),
     ("        tl.store(DELTA + pid_bh.to(tl.int64) * len_q + offs_m, delta, mask=m_valid)\n", ""),
-    ("_dq_program(tile_q, pid_bh, Q, K, V, DO, DQ, LSE, DELTA, DO,",
-     "_dq_program(tile_q, pid_bh, Q, K, V, DO, DQ, LSE, DELTA, DELTA,"),
-    ("                    False)\n", "                    True)\n"),  # DELTA_FROM_O
+    ("_dq_program(tile_q, pid_bh, Q, K, V, DO, DQ, LSE, DELTA, DO, LSE,",
+     "_dq_program(tile_q, pid_bh, Q, K, V, DO, DQ, LSE, DELTA, DELTA, LSE,"),
+    # DELTA_FROM_O on, HAS_DLSE (a loss reading the LSE) off as in the one launch
+    ("                    False, False)\n", "                    True, False)\n"),
 ]
 
 
