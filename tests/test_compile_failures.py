@@ -26,7 +26,7 @@ DIMS = (16, 32, 48, 64, 80, 96, 128, 192, 256)
 
 # (direction, head dim, BLOCK_M, BLOCK_N, num_warps, num_stages) that ptxas crashed on
 # (SIGSEGV, "error code -11") compiling examples/causal.attn for sm_90 under Triton 3.6,
-# fp16 or bf16 (benchmarks/portable_compile.py --all-configs; RESULTS.md).
+# fp16 or bf16 (benchmarks/portable_compile.py --all-configs).
 CRASHED_ON_TRITON_3_6 = [
     ("dq", 16, 64, 64, 4, 2),
     ("dq", 32, 64, 64, 8, 2),

@@ -125,9 +125,9 @@ def keep(config: dict, variant: ir.Variant, head_dim: int, direction: str) -> bo
 def crashes_ptxas(config: dict, head_dim_pad: int, direction: str) -> bool:
     """Configs whose kernel crashed ptxas (SIGSEGV, "error code -11") compiling for
     sm_90 under Triton 3.6, the GPU machine's: the dQ kernel at head dims up to 32
-    with a two-stage pipeline and query tiles of 64 rows or more (one or two warpgroups
-    of wgmma on a K dimension of 16 or 32). Found by compiling every candidate at every
-    head dim (benchmarks/portable_compile.py --all-configs; RESULTS.md); Triton 3.9's
+    with a two-stage pipeline and query tiles of 64 rows or more (the fault is inside
+    ptxas: this is the pattern a sweep found, compiling every candidate at every head
+    dim: benchmarks/portable_compile.py --all-configs). Triton 3.9's
     ptxas compiles them, but they are left out whatever the version, since the GPU's
     Triton may be either; the other candidates (three stages, smaller tiles) remain."""
     return (direction == "dq" and head_dim_pad <= 32 and config["num_stages"] == 2
