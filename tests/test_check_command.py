@@ -205,3 +205,11 @@ def test_kernel_check_on_your_own_inputs(recwarn):
         kernel.check(q, k, v, bias=torch.randn(4))
     with pytest.raises(CallError, match="dout must be a tensor shaped like q"):
         kernel.check(q, k, v, dout=torch.randn(1, 2, 13, 8), bias=bias)
+
+
+def test_a_shape_too_large_to_evaluate_densely_gives_no_warning_rather_than_stalling():
+    variant = _window(100_000)
+    big = Problem(2, 8, 8, 2048, 4096, 16, 16)  # 8 x 2048 x 4096 pairs: over the cap
+    assert 8 * 2048 * 4096 > unexercised.MAX_SEARCH_ELEMENTS
+    assert unexercised.unexercised_params(variant, [(big, {})]) == []
+    assert unexercised.unexercised_params(variant, _checked(variant, (30, 30))) != []
