@@ -122,9 +122,12 @@ def compare(variant, kernel, q, k, v, dout, inputs, *, progress=None) -> list:
         return result
 
     ref_fn = lambda *a, **kw: reference(variant, *a, **kw)
-    (kq, kk, kv), kin = case(dtype, None)
-    with poisoned_allocations():
-        got = timed("kernel", lambda: _run_attention(kernel, variant, kq, kk, kv, kin, dout))
+    def run_kernel():
+        (kq, kk, kv), kin = case(dtype, None)
+        with poisoned_allocations():  # its first use imports much of torch: timed with it
+            return _run_attention(kernel, variant, kq, kk, kv, kin, dout)
+
+    got = timed("kernel", run_kernel)
     (rq, rk, rv), rin = case(torch.float64, torch.float64)
     truth = timed("float64 reference", lambda: _run_attention(ref_fn, variant, rq, rk, rv, rin,
                                                               dout.double()))
