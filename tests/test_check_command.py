@@ -13,7 +13,6 @@ import torch
 import attncc
 from attncc.arguments import Problem
 from attncc.errors import AttnccError, CallError
-from attncc.semantics.reference import allowed_pairs
 from attncc.tools import check_command, samples, unexercised
 from attncc.tools.cli import main
 
