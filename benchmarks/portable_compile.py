@@ -3,7 +3,7 @@
 The stand-in driver of benchmarks/gluon_compile.py tells Triton the target is an sm_90
 GPU; each launch becomes a compile, all the way through Triton's bundled ptxas. What
 this catches before any GPU time: a config the tuner may pick that the compiler cannot
-compile (ptxas crashed with SIGSEGV on some backward configs at head dims 16 and 32
+compile (ptxas crashed with SIGSEGV on some forward and dQ configs at head dims 16 and 32
 under Triton 3.6: runtime/configs.py, keep()). The candidates are those keep() lets
 through; the shipped winners pass the same check (configs.usable).
 

@@ -123,14 +123,16 @@ def keep(config: dict, variant: ir.Variant, head_dim: int, direction: str) -> bo
 
 
 def crashes_ptxas(config: dict, head_dim_pad: int, direction: str) -> bool:
-    """Configs whose kernel crashed ptxas (SIGSEGV, "error code -11") compiling for
-    sm_90 under Triton 3.6, the GPU machine's: the dQ kernel at head dims up to 32
-    with a two-stage pipeline and query tiles of 64 rows or more (the fault is inside
-    ptxas: this is the pattern a sweep found, compiling every candidate at every head
-    dim: benchmarks/portable_compile.py --all-configs). Triton 3.9's
-    ptxas compiles them, but they are left out whatever the version, since the GPU's
+    """Configs of the class whose kernels crashed ptxas (SIGSEGV, "error code -11")
+    compiling for sm_90 under Triton 3.6, the GPU machine's: the kernels that keep a
+    query tile and stream key tiles past it (the forward and dQ) at head dims up to 32,
+    with a two-stage pipeline and query tiles of 64 rows or more. What crashed: forward
+    64x32 w4 s2 at head dims 16 and 32; dQ 64x64 w4 s2 at 16, 64x64 w8 s2 and 128x64 w8
+    s2 at 32 (the fault is inside ptxas; the class is what a sweep of every candidate at
+    every head dim found: benchmarks/portable_compile.py --all-configs). Triton 3.9's
+    ptxas compiles them, but the class is left out whatever the version, since the GPU's
     Triton may be either; the other candidates (three stages, smaller tiles) remain."""
-    return (direction == "dq" and head_dim_pad <= 32 and config["num_stages"] == 2
+    return (direction in ("fwd", "dq") and head_dim_pad <= 32 and config["num_stages"] == 2
             and config["BLOCK_M"] >= 64)
 
 
