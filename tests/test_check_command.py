@@ -212,3 +212,18 @@ def test_a_shape_too_large_to_evaluate_densely_gives_no_warning_rather_than_stal
     assert 8 * 2048 * 4096 > unexercised.MAX_SEARCH_ELEMENTS
     assert unexercised.unexercised_params(variant, [(big, {})]) == []
     assert unexercised.unexercised_params(variant, _checked(variant, (30, 30), heads=(1, 1))) != []
+
+
+def test_each_unexercised_param_gets_its_own_warning():
+    variant = attncc.parse("attention two { param left: int = 40\n param right: int = 3\n"
+                           " param far: int = 90\n mask q - k < left and k - q < far and q >= right }")
+    warnings = unexercised.unexercised_params(variant, _checked(variant, (20, 20), heads=(1, 1)))
+    assert [w.split("'")[1] for w in warnings] == ["left", "far"]  # right = 3 shows at 20
+    # Independently: at the length named, the formula with the param one step away
+    # masks differently (q - k = 39 first occurs at 40; k - q = 89 with q >= 3 at 93).
+    def mask(n, left=40, far=90):
+        q, k = torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)
+        return (q - k < left) & (k - q < far) & (q >= 3)
+    left_at, far_at = (int(w.split("it matters at length ")[1].split(" ")[0]) for w in warnings)
+    assert left_at == 40 and not torch.equal(mask(40), mask(40, left=39))
+    assert far_at >= 93 and not torch.equal(mask(far_at), mask(far_at, far=89))

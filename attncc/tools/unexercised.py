@@ -111,10 +111,10 @@ def unexercised_params(variant: ir.Variant, checked: list) -> list:
             if _matters(variant, decl.name, p, sample_inputs(variant, p)):
                 shown_at = n
                 break
-        checked = ", ".join(sorted({f"{p.len_q}x{p.len_k}" for p in problems}))
+        shapes = ", ".join(sorted({f"{p.len_q}x{p.len_k}" for p in problems}))
         others = " or ".join(f"{v!r}" for v in nearby_values(decl))
         text = (f"param '{decl.name}' = {decl.value!r} never matters at the lengths checked "
-                f"(len_q x len_k {checked}): the mask, score and scale are the same with "
+                f"(len_q x len_k {shapes}): the mask, score and scale are the same with "
                 f"{decl.name} = {others}, so an error in how the kernel applies it cannot show; ")
         if shown_at is not None:
             text += f"it matters at length {shown_at} (check with --len {shown_at})"
