@@ -727,7 +727,8 @@ class _RingAttention:
     def _pair_call(self, hop, i, j, direction, fn, *args):
         """Run one piece pair's call with the tuned config of its direction."""
         problem, direction, run = self._pair_runner(hop, i, j, direction, fn, args)
-        return run(tuning.config_for(self.kernel, problem, args[0].dtype, direction, run))
+        config = tuning.config_for(self.kernel, problem, args[0].dtype, direction, run)
+        return tuning.launch(self.kernel, problem, args[0].dtype, direction, run, config)
 
     def _tune_before_transfers(self, calls_of):
         """Decide the configs of the calls `calls_of(q_piece, k_piece)` gives

@@ -117,6 +117,11 @@ class NoGPUError(AttnccError):
     """Something that needs a CUDA GPU was asked for on a machine without one."""
 
 
+class KernelCompileError(AttnccError, RuntimeError):
+    """Triton's compiler failed on a generated kernel at one tile config (ptxas crashed):
+    names the variant, the kernel, the head dim and dtype, the config, and the way out."""
+
+
 def did_you_mean(name: str, candidates) -> str:
     """A '; did you mean 'x'?' suffix when a close candidate exists, else ''."""
     close = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)

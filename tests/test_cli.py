@@ -167,6 +167,9 @@ def test_check_sets_the_interpreter_itself_without_a_gpu():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "CPU, Triton interpreter" in r.stdout
     assert re.search(r"^\s+dbias\s.*OK$", r.stdout, re.M)
+    # The bias was made up, and the output says so and how.
+    assert "inputs: invented (seed 0, plus the shape's index; pass your own with --inputs " \
+           "FILE.pt): bias: standard normal" in r.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="bfloat16 is allowed on a GPU")

@@ -117,7 +117,23 @@ def keep(config: dict, variant: ir.Variant, head_dim: int, direction: str) -> bo
             return False  # K and V stages of 256 columns: 3 stages of 64 rows need 256 KiB
     if pad >= 128 and backward and config["BLOCK_M"] * config["BLOCK_N"] > 64 * 128:
         return False
+    if crashes_ptxas(config, pad, direction):
+        return False
     return True
+
+
+def crashes_ptxas(config: dict, head_dim_pad: int, direction: str) -> bool:
+    """Configs of the class whose kernels crashed ptxas (SIGSEGV, "error code -11")
+    compiling for sm_90 under Triton 3.6, the GPU machine's: the kernels that keep a
+    query tile and stream key tiles past it (the forward and dQ) at head dims up to 32,
+    with a two-stage pipeline and query tiles of 64 rows or more. What crashed: forward
+    64x32 w4 s2 at head dims 16 and 32; dQ 64x64 w4 s2 at 16, 64x64 w8 s2 and 128x64 w8
+    s2 at 32 (the fault is inside ptxas; the class is what a sweep of every candidate at
+    every head dim found: benchmarks/portable_compile.py --all-configs). Triton 3.9's
+    ptxas compiles them, but the class is left out whatever the version, since the GPU's
+    Triton may be either; the other candidates (three stages, smaller tiles) remain."""
+    return (direction in ("fwd", "dq") and head_dim_pad <= 32 and config["num_stages"] == 2
+            and config["BLOCK_M"] >= 64)
 
 
 def candidates(direction: str) -> list:

@@ -331,6 +331,14 @@ class Kernel:
         out = as_bhsd(out, layout)
         return (out, lse) if return_lse else out
 
+    def check(self, q, k, v, *, dout=None, seed: int = 0, **inputs):
+        """This kernel against attncc.reference (float64) on your own q, k, v (batch,
+        heads, len, dim) and inputs, forward and backward, held to `attncc check`'s rule;
+        dO is drawn from `seed` unless given. Returns a CheckReport (.ok, .failed, .rows;
+        print it for the table) and warns about params these lengths never exercise."""
+        from ..tools.check_command import check_tensors
+        return check_tensors(self, q, k, v, inputs, dout=dout, seed=seed)
+
     def _tuning(self, p, inputs: dict, device, tables=None) -> tuple:
         """The tuner's (context, density, shape_density) for a call (tuning.config_for).
         Kept tables know their density (one sync, once), so their calls tune per density

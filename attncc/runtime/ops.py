@@ -257,7 +257,7 @@ def _forward(kernel_id, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, t
     if q.is_cuda and (q.requires_grad or k.requires_grad or v.requires_grad):
         _compile_backward_beside(kernel, p, q, k, v, values, common, tune, direction, run)
     config = tuning.config_for(kernel, p, q.dtype, direction, run, *tune)
-    return run(config)
+    return tuning.launch(kernel, p, q.dtype, direction, run, config)
 
 
 def empty_problem(p: Problem) -> bool:
@@ -352,7 +352,7 @@ def _backward(kernel_id, q, k, v, out, lse, dout, dlse, inputs, q_offset, k_offs
         run = lambda config: module.backward_one_launch(q, k, v, lse, delta, dout, values,
                                                         config=config, **common)
         config = tuning.config_for(kernel, p, q.dtype, "bwd", run, *tune)
-        dq, dk, dv, dinputs = run(config)
+        dq, dk, dv, dinputs = tuning.launch(kernel, p, q.dtype, "bwd", run, config)
     else:
         # dQ first, computing delta = rowsum(dO * O) on the way, then dK/dV, which
         # reads it. They are tuned apart: they want different tile shapes. Each runs the
@@ -375,9 +375,11 @@ def _backward(kernel_id, q, k, v, out, lse, dout, dlse, inputs, q_offset, k_offs
                                             lambda: chosen_dkdv[1](config_dkdv)])
         # dQ first: tuning it fills delta, which tuning dK/dV then reads.
         direction, run_dq = chosen_dq or runner("dq", True)
-        dq, dinputs = run_dq(tuning.config_for(kernel, p, q.dtype, direction, run_dq, *tune))
+        config = tuning.config_for(kernel, p, q.dtype, direction, run_dq, *tune)
+        dq, dinputs = tuning.launch(kernel, p, q.dtype, direction, run_dq, config)
         direction, run_dkdv = chosen_dkdv or runner("dkdv", True)
-        dk, dv = run_dkdv(tuning.config_for(kernel, p, q.dtype, direction, run_dkdv, *tune))
+        config = tuning.config_for(kernel, p, q.dtype, direction, run_dkdv, *tune)
+        dk, dv = tuning.launch(kernel, p, q.dtype, direction, run_dkdv, config)
     return dq, dk, dv, [dinputs[d.name] for d in kernel.variant.learnable_inputs]
 
 

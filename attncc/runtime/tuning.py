@@ -253,6 +253,46 @@ def faster_backend(kernel, problem, dtype, options: dict, density=None,
     return best
 
 
+# What each direction's kernel is called in messages.
+KERNEL_NAMES = {"fwd": "forward", "dq": "dQ", "dkdv": "dK/dV", "bwd": "backward",
+                "gluon-fwd": "Gluon forward", "gluon-dq": "Gluon dQ", "gluon-dkdv": "Gluon dK/dV"}
+
+
+def is_compile_failure(error: Exception) -> bool:
+    """Whether Triton's compiler failed on the kernel (ptxas crashing or refusing it, or
+    the front end), as opposed to a launch that does not fit or an error of the call."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import PTXASError
+    return isinstance(error, (PTXASError, CompilationError))
+
+
+def compile_failure_message(kernel, problem, dtype, direction: str, config: dict,
+                            error: Exception) -> str:
+    import triton
+    cause = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return (f"Triton {triton.__version__} could not compile the {KERNEL_NAMES.get(direction, direction)} "
+            f"kernel of '{kernel.variant.name}' at head dim {problem.dim} "
+            f"({str(dtype).replace('torch.', '')}) with the tile config {configs.describe(config)} "
+            f"({type(error).__name__}: {cause[:300]}). attncc keeps configs known to crash the "
+            "compiler out of its candidates (runtime/configs.py, keep()); to run now, pin another "
+            "config with ATTNCC_CONFIG='{\"BLOCK_M\": 64, \"BLOCK_N\": 64, \"num_warps\": 4, "
+            "\"num_stages\": 3}' (or attncc.compile(..., config=...)), or retune with "
+            "ATTNCC_TUNE=full, and please report the variant, head dim, dtype and config")
+
+
+def launch(kernel, problem, dtype, direction: str, run, config: dict):
+    """run(config), with a failure of Triton's compiler turned into a KernelCompileError
+    naming the kernel, head dim and config (a raw PTXASError names none of them)."""
+    try:
+        return run(config)
+    except Exception as e:
+        if not is_compile_failure(e):
+            raise
+        from ..errors import KernelCompileError
+        raise KernelCompileError(compile_failure_message(kernel, problem, dtype, direction,
+                                                         config, e)) from e
+
+
 def first_that_runs(kernel, problem, dtype, direction: str, kept, run) -> dict:
     """Untimed choice (ATTNCC_TUNE=0): the first candidate that compiles within the GPU's
     resources (a variant reading tensors in its score may need more shared memory than
@@ -269,10 +309,18 @@ def first_that_runs(kernel, problem, dtype, direction: str, kept, run) -> dict:
             log.info("%s %s: %s does not fit (%s); trying the next candidate",
                      kernel.variant.name, direction, configs.label(config), str(e).splitlines()[0][:100])
             continue
+        except Exception as e:
+            if not is_compile_failure(e):
+                raise
+            log.info("%s %s: %s failed to compile (%s: %s); trying the next candidate",
+                     kernel.variant.name, direction, configs.label(config), type(e).__name__,
+                     str(e).strip().splitlines()[0][:100] if str(e).strip() else "")
+            continue
         _MEMORY[mem_key] = config
         return config
-    raise RuntimeError(f"attncc: no tile config fits {kernel.variant.name} ({direction}, head dim "
-                       f"{problem.dim}); pin a smaller one with ATTNCC_CONFIG")
+    raise RuntimeError(f"attncc: no tile config fits or compiles for {kernel.variant.name} "
+                       f"({direction}, head dim {problem.dim}); pin a smaller one with "
+                       "ATTNCC_CONFIG")
 
 
 def tune(name: str, key: str, candidates: list, run, context: str = "") -> dict:

@@ -5,8 +5,11 @@ GPU or else under the Triton interpreter, held to FlexAttention's error rule
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
+import sys
+import time
 import warnings
 
 import torch
@@ -14,7 +17,7 @@ import torch
 from .. import ir, load
 from ..errors import AttnccError
 from ..arguments import Problem
-from .samples import default_heads, sample_inputs
+from .samples import default_heads, describe_invented, sample_inputs
 from .tolerance import (gradient_scales, input_gradient_scales, max_abs_error, slack,
                         within_tolerance)
 
@@ -81,16 +84,30 @@ def _leaf(t: torch.Tensor, dtype=None, grad=False) -> torch.Tensor:
     return t.requires_grad_(grad)
 
 
-def check_shape(variant, kernel, *, batch, heads, len_q, len_k, dim, dtype, device, seed) -> list:
-    """One comparison: rows (tensor, err_kernel, err_eager, ok) for every result tensor."""
-    from ..semantics.reference import reference, scale_value
+def check_shape(variant, kernel, *, batch, heads, len_q, len_k, dim, dtype, device, seed,
+                inputs=None, progress=None) -> list:
+    """One comparison on random q, k, v and dO (and the variant's inputs: `inputs`, else
+    invented by sample_inputs): rows (tensor, err_kernel, err_eager, ok) for every result
+    tensor. `progress(stage, seconds)` is told as each of the three runs ends."""
     hq, hkv = heads
     gen = torch.Generator().manual_seed(seed)
     randn = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
     q, k, v = randn(batch, hq, len_q, dim), randn(batch, hkv, len_k, dim), randn(batch, hkv, len_k, dim)
     dout = randn(batch, hq, len_q, dim)
-    p = Problem(batch, hq, hkv, len_q, len_k, dim, dim)
-    inputs = sample_inputs(variant, p, seed=seed, device=device)
+    if inputs is None:
+        inputs = sample_inputs(variant, Problem(batch, hq, hkv, len_q, len_k, dim, dim), seed=seed,
+                               device=device)
+    else:
+        inputs = {n: t.to(device) for n, t in inputs.items()}
+    return compare(variant, kernel, q, k, v, dout, inputs, progress=progress)
+
+
+def compare(variant, kernel, q, k, v, dout, inputs, *, progress=None) -> list:
+    """Rows (tensor, err_kernel, err_eager, ok) of the kernel's out, lse and gradients
+    against attncc.reference in float64, held to twice the error of the reference in
+    q's dtype (eager) plus slack. q, k, v: (batch, heads, len, dim)."""
+    from ..semantics.reference import reference, scale_value
+    dtype, dim = q.dtype, q.shape[-1]
     learnable = {d.name for d in variant.learnable_inputs}
 
     def case(qkv_dtype, input_cast):
@@ -98,15 +115,28 @@ def check_shape(variant, kernel, *, batch, heads, len_q, len_k, dim, dtype, devi
                for n, t in inputs.items()}
         return [_leaf(x, qkv_dtype, True) for x in (q, k, v)], ins
 
-    (kq, kk, kv), kin = case(dtype, None)
-    with poisoned_allocations():
-        got = _run_attention(kernel, variant, kq, kk, kv, kin, dout)
+    def timed(stage, run):
+        start = time.perf_counter()
+        result = run()
+        if progress:
+            progress(stage, time.perf_counter() - start)
+        return result
+
     ref_fn = lambda *a, **kw: reference(variant, *a, **kw)
+    def run_kernel():
+        (kq, kk, kv), kin = case(dtype, None)
+        with poisoned_allocations():  # its first use imports much of torch: timed with it
+            return _run_attention(kernel, variant, kq, kk, kv, kin, dout)
+
+    got = timed("kernel", run_kernel)
     (rq, rk, rv), rin = case(torch.float64, torch.float64)
-    truth = _run_attention(ref_fn, variant, rq, rk, rv, rin, dout.double())
+    truth = timed("float64 reference", lambda: _run_attention(ref_fn, variant, rq, rk, rv, rin,
+                                                              dout.double()))
     (eq, ek, ev), ein = case(dtype, None)
-    eager = _run_attention(ref_fn, variant, eq, ek, ev, ein, dout)
-    scales = gradient_scales(rq, rk, truth["out"], dout, scale_value(variant, dim), hq // hkv)
+    eager = timed(f"{_dtype_name(dtype)} reference",
+                  lambda: _run_attention(ref_fn, variant, eq, ek, ev, ein, dout))
+    scales = gradient_scales(rq, rk, truth["out"], dout, scale_value(variant, dim),
+                             q.shape[1] // k.shape[1])
     scales.update(input_gradient_scales(variant, rq, rk, rv, truth["out"], dout, rin))
     rows = []
     for name in truth:
@@ -115,6 +145,53 @@ def check_shape(variant, kernel, *, batch, heads, len_q, len_k, dim, dtype, devi
         rows.append((name, e_k, e_e, within_tolerance(e_k, e_e, dtype, truth[name],
                                                       scales.get(name, 1.0))))
     return rows
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclasses.dataclass
+class CheckReport:
+    """What `kernel.check(q, k, v, **inputs)` found. rows: (tensor, kernel err, eager err,
+    within tolerance) for out, lse and every gradient; warnings: params the check never
+    exercised (tools/unexercised.py). str() is `attncc check`'s table."""
+    rows: list
+    warnings: list
+
+    @property
+    def ok(self) -> bool:
+        return all(ok for *_, ok in self.rows)
+
+    @property
+    def failed(self) -> list:
+        """The names of the tensors out of tolerance."""
+        return [name for name, *_, ok in self.rows if not ok]
+
+    def __str__(self) -> str:
+        verdict = ("OK: every tensor within tolerance" if self.ok
+                   else f"FAIL: {', '.join(self.failed)} out of tolerance")
+        return "\n".join([*(f"warning: {w}" for w in self.warnings), format_table(self.rows),
+                          verdict])
+
+
+def check_tensors(kernel, q, k, v, inputs: dict, *, dout=None, seed: int = 0) -> CheckReport:
+    """kernel.check: the kernel against the float64 reference on the caller's q, k, v
+    (batch, heads, len, dim) and inputs, with dO drawn from `seed` unless given."""
+    from ..errors import CallError
+    from .unexercised import unexercised_params
+    p = kernel.check_call(q, k, v, inputs, 0, 0)
+    if dout is None:
+        gen = torch.Generator().manual_seed(seed)
+        dout = torch.randn(q.shape, generator=gen, dtype=torch.float64).to(q.dtype).to(q.device)
+    elif not isinstance(dout, torch.Tensor) or dout.shape != q.shape:
+        raise CallError(f"dout must be a tensor shaped like q {tuple(q.shape)}, got "
+                        f"{tuple(dout.shape) if isinstance(dout, torch.Tensor) else type(dout).__name__}")
+    rows = compare(kernel.variant, kernel, q, k, v, dout.to(q.dtype), inputs)
+    notes = unexercised_params(kernel.variant, [(p, {n: t.cpu() for n, t in inputs.items()})])
+    for note in notes:
+        warnings.warn(f"attncc check: {note}", stacklevel=3)
+    return CheckReport(rows, notes)
 
 
 def non_finite_score(variant: ir.Variant, p: Problem, inputs: dict, *, seed: int = 0):
@@ -179,6 +256,79 @@ def format_table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def check_lengths(args, on_gpu: bool) -> list:
+    """The (len_q, len_k) pairs to check: --len (square), or --len-q with --len-k paired
+    in order (a single value pairs with each of the other's), else the defaults."""
+    if args.len and (args.len_q or args.len_k):
+        raise AttnccError("--len gives square lengths; use either it or --len-q with --len-k")
+    if args.len:
+        return [(n, n) for n in args.len]
+    if args.len_q or args.len_k:
+        if not (args.len_q and args.len_k):
+            given, missing = ("--len-q", "--len-k") if args.len_q else ("--len-k", "--len-q")
+            raise AttnccError(f"{given} needs {missing} too (or use --len for square lengths)")
+        lq, lk = args.len_q, args.len_k
+        if len(lq) != len(lk) and 1 not in (len(lq), len(lk)):
+            raise AttnccError(f"--len-q gives {len(lq)} lengths and --len-k {len(lk)}; they "
+                              "pair in order, so give as many of each (or one of either)")
+        n = max(len(lq), len(lk))
+        return [(lq[i if len(lq) > 1 else 0], lk[i if len(lk) > 1 else 0]) for i in range(n)]
+    if on_gpu:
+        return [(37, 37), (20, 45), (256, 256), (1000, 1000), (300, 1029)]
+    return [(37, 37), (20, 45)]
+
+
+def load_inputs(path: str, variant) -> dict:
+    """--inputs FILE: a dict {input name: tensor} saved with torch.save. The names are
+    checked here; shapes and dtypes against each checked shape (check_inputs_fit)."""
+    how = "save them with torch.save({'name': tensor, ...}, FILE)"
+    if not variant.inputs:
+        raise AttnccError(f"--inputs {path}: the variant '{variant.name}' declares no inputs")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise AttnccError(f"--inputs {path}: no such file") from None
+    except Exception as e:  # a pickle of other objects, or not a torch file at all
+        raise AttnccError(f"--inputs {path}: cannot read it as a dict of tensors "
+                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); {how}") from None
+    if not isinstance(data, dict):
+        raise AttnccError(f"--inputs {path} holds a {type(data).__name__}, not a dict of "
+                          f"tensors; {how}")
+    declared = [d.name for d in variant.inputs]
+    for name, t in data.items():
+        if not isinstance(name, str) or name not in declared:
+            raise AttnccError(f"--inputs {path}: {name!r} is not an input of '{variant.name}', "
+                              f"which declares {', '.join(declared)}")
+        if not isinstance(t, torch.Tensor):
+            raise AttnccError(f"--inputs {path}: '{name}' is a {type(t).__name__}, not a tensor")
+    missing = [n for n in declared if n not in data]
+    if missing:
+        raise AttnccError(f"--inputs {path}: missing {', '.join(repr(n) for n in missing)}; the "
+                          f"variant declares {', '.join(declared)} (give them all)")
+    return data
+
+
+def check_inputs_fit(variant, inputs: dict, path: str, problem) -> None:
+    """The call's own checks (shapes, dtypes) of given inputs at one checked shape, before
+    any kernel runs: a mismatch is found in a second, not after minutes of checking."""
+    from ..arguments import bind
+    from ..errors import CallError
+    p = problem
+    fake = lambda h, n: torch.empty(p.batch, h, n, p.dim, device="meta")
+    try:
+        bind(variant, fake(p.heads_q, p.len_q), fake(p.heads_kv, p.len_k),
+             fake(p.heads_kv, p.len_k), {n: t.to("meta") for n, t in inputs.items()})
+    except CallError as e:
+        raise AttnccError(f"--inputs {path} at batch {p.batch}, heads {p.heads_q}/{p.heads_kv}, "
+                          f"len_q {p.len_q}, len_k {p.len_k}: {e}. Given inputs are used at every "
+                          "length checked: choose --len-q/--len-k (and --heads) to fit them") from None
+
+
+def _progress(text: str, end: str = "\n") -> None:
+    """Progress on stderr, so that stdout stays the report."""
+    print(f"attncc check: {text}", end=end, file=sys.stderr, flush=True)
+
+
 def check_command(args) -> int:
     device = _ensure_interpreter_if_cpu()
     import attncc
@@ -202,32 +352,49 @@ def check_command(args) -> int:
         raise AttnccError(f"--dim {args.dim}: the head dim must be a positive number (the "
                           "kernels take 16 to 256)")
     dim = args.dim if args.dim is not None else (64 if on_gpu else 32)
-    if args.len:
-        shapes = [(n, n) for n in args.len]
-    elif on_gpu:
-        shapes = [(37, 37), (20, 45), (256, 256), (1000, 1000), (300, 1029)]
-    else:
-        shapes = [(37, 37), (20, 45)]
+    shapes = check_lengths(args, on_gpu)
     batch = 2
+    problems = [Problem(batch, heads[0], heads[1], lq, lk, dim, dim) for lq, lk in shapes]
     kernel = attncc.compile(variant)
+    given = load_inputs(args.inputs, variant) if args.inputs else None
+    if given is not None:
+        for p in problems:
+            check_inputs_fit(variant, given, args.inputs, p)
+    # The inputs each shape runs on: the given ones, else invented per shape (its seed).
+    inputs = [given if given is not None else sample_inputs(variant, p, seed=args.seed + i)
+              for i, p in enumerate(problems)]
     if not on_gpu:
         _check_interpreted(kernel)
     where = "GPU" if on_gpu else "CPU, Triton interpreter"
     print(f"{variant.name}: {kernel.strategy}")
     print(f"rule: kernel err <= 2 * eager err + {slack(dtype):g} x scale (max abs error against float64 "
-          f"attncc.reference; eager = attncc.reference in {str(dtype).replace('torch.', '')})")
+          f"attncc.reference; eager = attncc.reference in {_dtype_name(dtype)})")
+    if given is not None:
+        print(f"inputs: {', '.join(given)} from {args.inputs}")
+    elif variant.inputs:
+        print(f"inputs: invented (seed {args.seed}, plus the shape's index; pass your own with "
+              f"--inputs FILE.pt): {'; '.join(describe_invented(variant))}")
+    from .unexercised import unexercised_params
+    for warning in unexercised_params(variant, list(zip(problems, inputs))):
+        print(f"warning: {warning}")
     failed, diagnosed = 0, False
-    for i, (len_q, len_k) in enumerate(shapes):
-        print(f"\nbatch {batch}, heads {heads[0]}/{heads[1]}, len_q {len_q}, len_k {len_k}, dim {dim}, "
-              f"{str(dtype).replace('torch.', '')} ({where})")
-        rows = check_shape(variant, kernel, batch=batch, heads=heads, len_q=len_q, len_k=len_k,
-                           dim=dim, dtype=dtype, device=device, seed=args.seed + i)
+    for i, p in enumerate(problems):
+        what = (f"batch {batch}, heads {heads[0]}/{heads[1]}, len_q {p.len_q}, len_k {p.len_k}, "
+                f"dim {dim}, {_dtype_name(dtype)} ({where})")
+        print(f"\n{what}", flush=True)
+        _progress(f"[{i + 1}/{len(problems)}] {what}: running the kernel and the references")
+        stages = []
+        start = time.perf_counter()
+        rows = check_shape(variant, kernel, batch=batch, heads=heads, len_q=p.len_q,
+                           len_k=p.len_k, dim=dim, dtype=dtype, device=device, seed=args.seed + i,
+                           inputs=inputs[i], progress=lambda stage, s: stages.append(f"{stage} {s:.1f} s"))
+        _progress(f"[{i + 1}/{len(problems)}] len_q {p.len_q}, len_k {p.len_k} done in "
+                  f"{time.perf_counter() - start:.1f} s ({', '.join(stages)})")
         print(format_table(rows))
         failed += sum(not ok for *_, ok in rows)
         if failed and not diagnosed:
             diagnosed = True
-            p = Problem(batch, heads[0], heads[1], len_q, len_k, dim, dim)
-            hint = non_finite_score(variant, p, sample_inputs(variant, p, seed=args.seed + i))
+            hint = non_finite_score(variant, p, inputs[i])
             if hint:
                 print(f"  cause: {hint}")
     if failed:

@@ -61,7 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="compare the kernels with the reference on random inputs")
     check.add_argument("spec", help=SPEC_HELP)
-    check.add_argument("--len", type=_lengths, default=None, help="sequence lengths (default: small awkward ones)")
+    check.add_argument("--len", type=_lengths, default=None, help="square sequence lengths "
+                       "(default: small awkward ones, some with len_q != len_k)")
+    check.add_argument("--len-q", type=_lengths, default=None, help="query lengths, paired in "
+                       "order with --len-k (one value pairs with each of the other's)")
+    check.add_argument("--len-k", type=_lengths, default=None, help="key lengths (see --len-q)")
+    check.add_argument("--inputs", metavar="FILE.pt", default=None, help="the variant's inputs: "
+                       "a dict {name: tensor} saved with torch.save, used at every length "
+                       "(default: invented from --seed; the output says how)")
     check.add_argument("--dim", type=int, default=None, help="head dim (default: 64 on a GPU, "
                        "32 under the interpreter)")
     check.add_argument("--heads", type=_heads, default=None, help=HEADS_HELP + "; default: the "

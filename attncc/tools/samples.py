@@ -36,23 +36,53 @@ def sample_inputs(variant: ir.Variant, p: Problem, *, seed: int = 0,
     for decl in variant.inputs:
         shape = tuple(axis_extent(a, variant, p) for a in decl.axes)
         dtype = TORCH_DTYPES[decl.dtype]
-        if decl.name in lists:
+        kind = _kind(decl, lists)
+        if kind == "index list":
             t = random_index_lists(shape, axis_extent(lists[decl.name], variant, p), gen)
-        elif decl.type == ir.BOOL:
+        elif kind == "layout":
             t = torch.rand(shape, generator=gen) < bool_density
-        elif decl.type == ir.INT:
-            pos = [i for i, a in enumerate(decl.axes) if a in ("q", "k")]
-            if len(pos) == 1:
-                axis = pos[0]
-                view = [1] * len(shape)
-                view[axis] = shape[axis]
-                t = docs[:shape[axis]].view(view).expand(shape)
-            else:
-                t = torch.randint(0, 8, shape, generator=gen)
+        elif kind == "documents":
+            axis = next(i for i, a in enumerate(decl.axes) if a in ("q", "k"))
+            view = [1] * len(shape)
+            view[axis] = shape[axis]
+            t = docs[:shape[axis]].view(view).expand(shape)
+        elif kind == "small ints":
+            t = torch.randint(0, 8, shape, generator=gen)
         else:
             t = torch.randn(shape, generator=gen, dtype=torch.float64)
         out[decl.name] = t.to(dtype).contiguous().to(device)
     return out
+
+
+def _kind(decl: ir.InputDecl, lists: dict) -> str:
+    """Which of sample_inputs' stand-ins an input gets (a key of HOW_INVENTED)."""
+    if decl.name in lists:
+        return "index list"
+    if decl.type == ir.BOOL:
+        return "layout"
+    if decl.type == ir.INT:
+        one_position_axis = sum(a in ("q", "k") for a in decl.axes) == 1
+        return "documents" if one_position_axis else "small ints"
+    return "normal"
+
+
+HOW_INVENTED = {
+    "index list": "distinct random tile indices, padded with -1",
+    "layout": f"true with probability {BOOL_DENSITY}",
+    "documents": "sorted random document ids, one numbering of positions",
+    "small ints": "random ints in [0, 8)",
+    "normal": "standard normal",
+}
+
+
+def describe_invented(variant: ir.Variant) -> list:
+    """How sample_inputs makes up each input, one "names: how" entry per kind of stand-in
+    ("doc_q, doc_k: sorted random document ids, ..."), for commands to say what they ran on."""
+    lists = ir.index_lists(variant.layout)
+    by_kind: dict = {}
+    for decl in variant.inputs:
+        by_kind.setdefault(_kind(decl, lists), []).append(decl.name)
+    return [f"{', '.join(names)}: {HOW_INVENTED[kind]}" for kind, names in by_kind.items()]
 
 
 def default_heads(variant: ir.Variant, fallback: int) -> tuple:

@@ -1,0 +1,92 @@
+"""Compile the portable kernels for sm_90 without a GPU, at the configs the runtime may pick.
+
+The stand-in driver of benchmarks/gluon_compile.py tells Triton the target is an sm_90
+GPU; each launch becomes a compile, all the way through Triton's bundled ptxas. What
+this catches before any GPU time: a config the tuner may pick that the compiler cannot
+compile (ptxas crashed with SIGSEGV on some forward and dQ configs at head dims 16 and 32
+under Triton 3.6: runtime/configs.py, keep()). The candidates are those keep() lets
+through; the shipped winners pass the same check (configs.usable).
+
+    python benchmarks/portable_compile.py [examples/causal.attn ...] [--dims 16,32,64]
+        [--dtypes float16,bfloat16] [--directions fwd,dq,dkdv] [--all-configs]
+
+Exits 1 if any compile failed. Runs with whichever Triton is importable.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import attncc  # noqa: E402
+from attncc.arguments import Problem  # noqa: E402
+from attncc.runtime import configs, tuning  # noqa: E402
+from attncc.tools.samples import sample_inputs  # noqa: E402
+from gluon_compile import Sm90Driver, _compile_only  # noqa: E402
+
+DIMS = "16,32,48,64,80,96,128,192,256"
+
+
+def launches(module, variant, dim: int, dtype) -> dict:
+    """{direction: run(config)} on CPU tensors of a small awkward shape (GQA 4/2, 300)."""
+    q = torch.randn(1, 4, 300, dim, dtype=dtype)
+    k, v = torch.randn(1, 2, 300, dim, dtype=dtype), torch.randn(1, 2, 300, dim, dtype=dtype)
+    dout = torch.randn_like(q)
+    inputs = sample_inputs(variant, Problem(1, 4, 2, 300, 300, dim, dim))
+    lse, delta = torch.randn(1, 4, 300), torch.randn(1, 4, 300)
+    runs = {"fwd": lambda c: module.forward(q, k, v, inputs, config=c),
+            "dq": lambda c: module.backward_dq(q, k, v, lse, delta, dout, inputs, config=c, out=dout),
+            "dkdv": lambda c: module.backward_dkdv(q, k, v, lse, delta, dout, inputs, config=c)}
+    if module.USES_TABLES:
+        runs["bwd"] = lambda c: module.backward_one_launch(q, k, v, lse, delta, dout, inputs, config=c)
+    return runs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("specs", nargs="*")
+    ap.add_argument("--dims", default=DIMS)
+    ap.add_argument("--dtypes", default="float16,bfloat16")
+    ap.add_argument("--directions", default="fwd,dq,dkdv,bwd")
+    ap.add_argument("--all-configs", action="store_true",
+                    help="every kept candidate, not only the ones the tuner times")
+    args = ap.parse_args()
+    root = Path(__file__).resolve().parent.parent
+    specs = args.specs or [str(root / "examples" / "causal.attn")]
+    triton.runtime.driver.set_active(Sm90Driver())
+    compiled: list = []
+    _compile_only(compiled)
+    failures = 0
+    print(f"triton {triton.__version__}", flush=True)
+    for spec in specs:
+        variant = attncc.load(spec)
+        module = attncc.compile(variant).module
+        for dim in (int(d) for d in args.dims.split(",")):
+            for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
+                for direction, run in launches(module, variant, dim, dtype).items():
+                    if direction not in args.directions.split(","):
+                        continue
+                    kept = configs.kept_candidates(variant, dim, direction)
+                    for config in kept if args.all_configs else kept[:tuning.TUNE_AT_MOST]:
+                        label = (f"{variant.name} {direction} d{dim} {str(dtype)[6:]} "
+                                 f"{configs.label(config)}")
+                        start = time.perf_counter()
+                        try:
+                            run(config)
+                            print(f"{label}: ok ({time.perf_counter() - start:.1f} s)", flush=True)
+                        except Exception as e:  # report and go on: the point is the whole list
+                            failures += 1
+                            lines = [x for x in str(e).strip().splitlines() if x.strip()]
+                            print(f"{label}: FAILED {type(e).__name__}: {lines[0][:200] if lines else ''}",
+                                  flush=True)
+    print(f"{failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
