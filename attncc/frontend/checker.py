@@ -322,6 +322,7 @@ def calls_taking_inputs() -> tuple:
             # the latter's rows_before_start: an input of that name could not pass.
             ("attncc.flash.flash_attn_with_kvcache", decoding.decode),
             ("kernel.tile_tables", Kernel.tile_tables), ("kernel.density", Kernel.density),
+            ("kernel.check", Kernel.check),
             ("a varlen kernel's call", packed.VarlenKernel.__call__),
             ("varlen_kernel.reference", packed.VarlenKernel.reference),
             ("varlen_kernel.density", packed.VarlenKernel.density),

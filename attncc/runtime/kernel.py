@@ -331,7 +331,7 @@ class Kernel:
         out = as_bhsd(out, layout)
         return (out, lse) if return_lse else out
 
-    def check(self, q, k, v, *, dout=None, seed: int = 0, **inputs):
+    def check(self, q, k, v, /, *, dout=None, seed: int = 0, **inputs):
         """This kernel against attncc.reference (float64) on your own q, k, v (batch,
         heads, len, dim) and inputs, forward and backward, held to `attncc check`'s rule;
         dO is drawn from `seed` unless given. Returns a CheckReport (.ok, .failed, .rows;
