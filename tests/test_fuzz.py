@@ -22,7 +22,8 @@ parsing the text gives the same IR, and so does building it with the decorator f
 Python functions that spell the same expressions.
 
 CI runs a seeded, bounded number of examples (derandomized: the same examples every
-run). Run far more with
+run): the first of the four kernel shards (20 examples), the others with `-m slow`.
+Run far more with
 
     ATTNCC_FUZZ_EXAMPLES=1000 python -m pytest -n 2 tests/test_fuzz.py
 
@@ -345,7 +346,10 @@ def check_kernel(variant, shape, inputs):
 
 
 # ------------------------------------------------------------------ kernels vs reference
-@pytest.mark.parametrize("shard", range(KERNEL_SHARDS))
+# The first shard runs by default; the rest behind `slow` (-m slow), to keep the default
+# suite within five minutes on two cores.
+@pytest.mark.parametrize("shard", [pytest.param(i, marks=[pytest.mark.slow] if i else [])
+                                   for i in range(KERNEL_SHARDS)])
 @kernel_settings
 @given(data=st.data())
 def test_random_variant_matches_reference(shard, data):
