@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 import attncc
+from test_rounding import t5_relative_position_bucket
 
 RECIPES = Path(__file__).resolve().parent.parent / "docs" / "recipes.md"
-TESTED = {"prefix_lm_per_sample", "natten_2d", "tree_verify", "diff_causal", "mla_causal"}
+TESTED = {"gpt_oss_sliding", "t5_bidirectional", "prefix_lm_per_sample", "natten_2d", "tree_verify", "diff_causal", "mla_causal"}
 
 
 def recipe_specs() -> dict[str, str]:
@@ -41,6 +42,59 @@ def assert_close(out, expected, atol=2e-5):
 
 def test_every_recipe_is_tested():
     assert set(recipe_specs()) == TESTED
+
+
+def gpt_oss_attention(q, k, v, sinks, window):
+    """gpt-oss's reference attention (its sdpa): scores, mask, a sink column per head,
+    softmax, the sink column dropped, times V. Written from the model's code, float64."""
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    pos_q, pos_k = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
+    allowed = (pos_q >= pos_k) & (pos_q - pos_k < window)
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    sink_column = sinks[None, :, None, None].expand(*scores.shape[:-1], 1)
+    weights = torch.softmax(torch.cat([scores, sink_column], -1), -1)[..., :-1]
+    return weights @ v
+
+
+def test_gpt_oss_sinks_through_the_lse():
+    torch.manual_seed(6)
+    kernel = recipe("gpt_oss_sliding")
+    b, h, n, d = 1, 3, 150, 16           # longer than the 128-token window
+    inputs = [torch.randn(b, h, n, d) for _ in range(3)]
+    sinks = torch.tensor([40.0, -40.0, 0.7])   # far above, far below the logits, between
+    leaves = [x.clone().requires_grad_() for x in inputs + [sinks]]
+    q, k, v, s = leaves
+    out, lse = kernel(q, k, v, return_lse=True)
+    out = out * torch.sigmoid(lse - s[None, :, None])[..., None]     # as on the page
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    leaves64 = [x.detach().double().requires_grad_() for x in inputs + [sinks]]
+    expected = gpt_oss_attention(*leaves64, window=128)
+    expected.backward(grad.double())
+    assert_close(out, expected)
+    for mine, theirs in zip(leaves, leaves64):
+        assert_close(mine.grad, theirs.grad, atol=1e-4)
+
+
+def test_t5_bias_table_matches_t5s_bucketing():
+    torch.manual_seed(7)
+    kernel = recipe("t5_bidirectional")
+    b, h, n_q, n_k, d = 1, 3, 37, 150, 16  # distances past T5's 128
+    q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for n in (n_q, n_k, n_k))
+    table = torch.randn(h, 32, requires_grad=True)
+    out = kernel(q, k, v, table=table)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v, table)]
+    q64, k64, v64, table64 = leaves
+    relative = torch.arange(n_k)[None, :] - torch.arange(n_q)[:, None]    # key - query
+    bias = table64[:, t5_relative_position_bucket(relative, bidirectional=True)]
+    expected = torch.softmax(q64 @ k64.transpose(-1, -2) + bias, -1) @ v64   # unscaled
+    expected.backward(grad.double())
+    assert_close(out, expected, atol=5e-5)
+    for mine, theirs in zip((q, k, v, table), leaves):
+        assert_close(mine.grad, theirs.grad, atol=2e-4)
 
 
 def test_prefix_lm_per_sample():
