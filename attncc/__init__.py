@@ -16,6 +16,7 @@ from .runtime.kernel import compile
 from .runtime.packed import varlen, varlen_packing
 from .semantics.reference import reference
 from .version import __version__
+from . import calls  # last: reads the calls' keywords into attncc.reserved (imports the runtime)
 
 __all__ = ["compile", "varlen", "varlen_packing", "load", "parse", "parse_file", "reference", "decode_reference",
            "variant", "Variant", "where", "isin", "chance", "minimum", "maximum", "exp", "log",

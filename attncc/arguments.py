@@ -15,7 +15,7 @@ import torch
 from . import ir
 from .errors import CallError, did_you_mean
 from .analysis.ranges import MAX_EXTENT
-from .frontend.checker import call_keywords
+from .reserved import call_keywords
 
 TORCH_DTYPES = {
     "bool": torch.bool, "i8": torch.int8, "i16": torch.int16, "i32": torch.int32,

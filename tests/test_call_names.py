@@ -1,7 +1,7 @@
 """Names an input may not take, and the names a call or a spec misspells.
 
 Inputs are keyword arguments of every call that takes them (**inputs): an input named
-like another keyword of one of those calls could never be passed. The checker derives
+like another keyword of one of those calls could never be passed. attncc/calls.py derives
 those keywords from the calls' signatures; this file finds the calls independently (every
 function in attncc with **inputs) so a keyword added later cannot be missed.
 """
@@ -16,7 +16,7 @@ import torch
 
 import attncc
 from attncc.errors import SpecError
-from attncc.frontend import checker
+from attncc.reserved import call_keywords
 
 
 def _functions_taking_inputs():
@@ -42,7 +42,7 @@ def _functions_taking_inputs():
 def test_every_call_that_takes_inputs_has_its_keywords_reserved():
     found = _functions_taking_inputs()
     assert len(found) >= 8, sorted(found)  # the finder itself works
-    reserved = checker.call_keywords()
+    reserved = call_keywords()
     for where, fn in found.items():
         for p in inspect.signature(fn).parameters.values():
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):

@@ -6,12 +6,11 @@ knows where each node came from), the decorator reports the Python function inst
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 import re
 
 from .. import ir
+from ..reserved import call_keywords
 from ..analysis import ranges, reads
 from ..errors import SpecError, SpecWarning, did_you_mean, warn
 from ..semantics.random_blocks import probability
@@ -306,41 +305,6 @@ def check_heads(hq: int, hkv: int):
 def check_dropout(p):
     if not (0 <= p < 1):
         raise SpecError(f"dropout {p} is out of range: the probability must be in [0, 1)")
-
-
-def calls_taking_inputs() -> tuple:
-    """(what the user calls, the function) for every public call that takes a variant's
-    inputs as keyword arguments (**inputs). Its other parameters that can be passed by
-    keyword are names no input may take: the input could never be passed."""
-    # Imported here: the runtime imports the front end.
-    from .. import distributed
-    from ..runtime import decoding, packed
-    from ..runtime.kernel import Kernel
-    from ..semantics import reference
-    return (("the kernel call", Kernel.__call__), ("kernel.decode", Kernel.decode),
-            # What Kernel.decode and attncc.flash's flash_attn_with_kvcache call, with
-            # the latter's rows_before_start: an input of that name could not pass.
-            ("attncc.flash.flash_attn_with_kvcache", decoding.decode),
-            ("kernel.tile_tables", Kernel.tile_tables), ("kernel.density", Kernel.density),
-            ("kernel.check", Kernel.check),
-            ("a varlen kernel's call", packed.VarlenKernel.__call__),
-            ("varlen_kernel.reference", packed.VarlenKernel.reference),
-            ("varlen_kernel.density", packed.VarlenKernel.density),
-            ("attncc.reference", reference.reference),
-            ("attncc.decode_reference", decoding.decode_reference),
-            ("attncc.context_parallel_attention", distributed.context_parallel_attention))
-
-
-@functools.cache
-def call_keywords() -> dict:
-    """{keyword: the first call in calls_taking_inputs() that takes it}, read from the
-    calls' signatures (never a list kept by hand, which a new keyword would outgrow)."""
-    taken = {}
-    for label, fn in calls_taking_inputs():
-        for param in inspect.signature(fn).parameters.values():
-            if param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
-                taken.setdefault(param.name, label)
-    return taken
 
 
 def check_input(inp: ir.InputDecl):

@@ -362,7 +362,7 @@ def decode(kernel, q, k_cache, v_cache, /, *, cache_seqlens=None, k_new=None, v_
     devices and ints, no tensor values), then runs the variant's decode op
     (attncc/runtime/ops.py), which calls run_decode. rows_before_start is attncc.flash's:
     see the generated module's decode."""
-    for name in _NOT_DECODE_ARGUMENTS:  # no input has these names (checker.call_keywords)
+    for name in _NOT_DECODE_ARGUMENTS:  # no input has these names (attncc/calls.py)
         if name in inputs:
             raise CallError(f"decode takes no {name}=: {_NOT_DECODE_ARGUMENTS[name]}")
     if not isinstance(return_lse, bool):
