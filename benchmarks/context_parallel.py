@@ -14,7 +14,7 @@ overlap.
 
 Correctness first, on every rank count: at --check-len tokens, causal, sliding window,
 document mask, a block layout and dropout, forward and gradients of the gathered
-result against the float64 reference with the tolerance rule (attncc/tools/tolerance.py); at
+result against the float64 reference with the tolerance rule (attncc/semantics/tolerance.py); at
 the timed length, the gathered causal result against the single-GPU kernel's.
 
 Configs: the tuner picks tiles per length bucket on first use (about 30 s at these
@@ -49,7 +49,7 @@ import attncc  # noqa: E402
 from attncc import distributed as cp
 from attncc.runtime import tuning
 from attncc.semantics.reference import scale_value
-from attncc.tools.tolerance import gradient_scales, max_abs_error, within_tolerance
+from attncc.semantics.tolerance import gradient_scales, max_abs_error, within_tolerance
 
 SPECS = {
     "causal": "attention causal { mask q >= k }",

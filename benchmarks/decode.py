@@ -42,7 +42,7 @@ import attncc  # noqa: E402
 from attncc.runtime import decoding, tuning
 from attncc.tools.decode_bench import bench_decode, decode_inputs, format_decode, paged_copy, peak_bandwidth, time_ms
 from attncc.runtime.decoding import DecodeProblem, candidates, decode_reference
-from attncc.tools.tolerance import max_abs_error, within_tolerance
+from attncc.semantics.tolerance import max_abs_error, within_tolerance
 
 HEADS, DIM = (32, 8), 128
 DEVICE, DTYPE = "cuda", torch.bfloat16

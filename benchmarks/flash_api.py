@@ -6,7 +6,7 @@
 1. Correctness. `flash_attn_func` and `flash_attn_varlen_func` in bf16 (and fp16 on one
    shape) against flash-attn's documented semantics computed densely in float64
    (`flash_semantics`, written from flash-attn's docstrings, as tests/test_flash.py
-   does), forward and backward, held to attncc/tools/tolerance.py's rule: error at most twice
+   does), forward and backward, held to attncc/semantics/tolerance.py's rule: error at most twice
    that of the same semantics computed eagerly in bf16, plus the dtype's slack. Shapes
    include seqlen_q != seqlen_k, GQA, head dim 80, a ragged varlen batch with a
    one-token and an empty sequence.
@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import attncc  # noqa: E402
 from attncc.flash import flash_attn_func, flash_attn_varlen_func
-from attncc.tools.tolerance import gradient_scales, max_abs_error, within_tolerance
+from attncc.semantics.tolerance import gradient_scales, max_abs_error, within_tolerance
 
 OUT = os.environ.get("OUT", "out")
 

@@ -8,7 +8,7 @@ Correctness: each example variant the Gluon backward takes, on awkward shapes (3
 tokens over two batches with GQA 4/2; len_q 200 != len_k 517; one query token; head dim
 64 too; fp16 too), the other configs on a few; dQ (computing delta itself), dK and dV of
 the Gluon kernels, fed the portable forward's output and LSE, held to
-attncc/tools/tolerance.py's rule against attncc.reference in float64. A watchdog names a
+attncc/semantics/tolerance.py's rule against attncc.reference in float64. A watchdog names a
 case that hangs.
 
 Speed: the ANCHORS shape (bf16, 16 heads, 16384 tokens, head dim --dim): each kernel's
@@ -33,8 +33,8 @@ import attncc  # noqa: E402
 from attncc.arguments import Problem  # noqa: E402
 from attncc.codegen import gluon  # noqa: E402
 from attncc.runtime import configs  # noqa: E402
-from attncc.tools.samples import sample_inputs  # noqa: E402
-from attncc.tools.tolerance import gradient_scales, max_abs_error, within_tolerance  # noqa: E402
+from attncc.semantics.samples import sample_inputs  # noqa: E402
+from attncc.semantics.tolerance import gradient_scales, max_abs_error, within_tolerance  # noqa: E402
 from gluon_check import Watchdog  # noqa: E402
 
 OUT = os.environ.get("OUT", "out")

@@ -8,7 +8,7 @@ Correctness: every example variant the Gluon backend takes, compiled with
 backend="gluon", in bf16 at head dim 128 on two shapes (len_q = len_k = 300 over two
 batches; len_q 200 != len_k 517), fp16 on a subset, head dims 64 and 256 on a subset,
 one query token, GQA, offsets, and the backward (portable, fed by the Gluon forward's
-output and LSE) on a few; each held to attncc/tools/tolerance.py's rule against
+output and LSE) on a few; each held to attncc/semantics/tolerance.py's rule against
 attncc.reference in float64, with the LSE's -inf rows matched exactly. A watchdog ends
 the process if a case hangs (a wrong mbarrier phase deadlocks), naming the case.
 
@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import attncc  # noqa: E402
 from attncc.codegen import gluon
 from attncc.arguments import Problem
-from attncc.tools.samples import sample_inputs
-from attncc.tools.tolerance import gradient_scales, max_abs_error, within_tolerance
+from attncc.semantics.samples import sample_inputs
+from attncc.semantics.tolerance import gradient_scales, max_abs_error, within_tolerance
 
 OUT = os.environ.get("OUT", "out")
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")

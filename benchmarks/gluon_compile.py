@@ -31,7 +31,7 @@ import attncc  # noqa: E402
 from attncc.codegen import gluon
 from attncc.arguments import Problem
 from attncc.runtime.cache import load_generated
-from attncc.tools.samples import sample_inputs
+from attncc.semantics.samples import sample_inputs
 
 
 class Sm90Driver:

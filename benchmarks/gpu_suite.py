@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import attncc  # noqa: E402
 from attncc.semantics.reference import allowed_pairs
 from attncc.arguments import Problem
-from attncc.tools.tolerance import gradient_scales, within_tolerance
+from attncc.semantics.tolerance import gradient_scales, within_tolerance
 
 OUT = os.environ.get("OUT", "out")
 

@@ -34,7 +34,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 import attncc  # noqa: E402
 from attncc.semantics.reference import scale_value
-from attncc.tools.tolerance import gradient_scales, max_abs_error, within_tolerance
+from attncc.semantics.tolerance import gradient_scales, max_abs_error, within_tolerance
 
 OUT = os.environ.get("OUT", "out")
 RESULTS: dict = {}

@@ -6,7 +6,7 @@ ptxas crashed at head dim 16: issue 31), fp16 and bf16, causal and not.
 
 Each case runs with the config the runtime picks (ATTNCC_TUNE decides: 0 takes the
 first candidate that compiles, the default the shipped winner or a tuning run) and is
-held to attncc/tools/tolerance.py's rule against float64 autograd of the same flash
+held to attncc/semantics/tolerance.py's rule against float64 autograd of the same flash
 semantics (attncc.reference of the variant flash_attn_func compiled). Full results go
 to $OUT/head_dims.json; a short table is printed last.
 """
@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import attncc  # noqa: E402
 from attncc import flash  # noqa: E402
-from attncc.tools.tolerance import gradient_scales, max_abs_error, within_tolerance  # noqa: E402
+from attncc.semantics.tolerance import gradient_scales, max_abs_error, within_tolerance  # noqa: E402
 
 OUT = os.environ.get("OUT", "out")
 

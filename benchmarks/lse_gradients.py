@@ -7,7 +7,7 @@ Each case runs `kernel(q, k, v, return_lse=True, **inputs)` in bf16 (fp16 on a f
 takes the loss sum(out * g) + sum(lse * h) (h = 0 on some cases, to check the path
 with no LSE gradient is unchanged), and compares dq, dk, dv and every learnable input's
 gradient with float64 autograd of attncc.reference on the same inputs, under
-attncc/tools/tolerance.py's rule (twice the eager same-dtype error plus slack; NaN never
+attncc/semantics/tolerance.py's rule (twice the eager same-dtype error plus slack; NaN never
 passes). The variants include a learned ALiBi whose slopes are negative (scores that
 grow with distance: exp2 overflows wherever a masked or out-of-sequence pair is not
 kept out) at lengths off the tile. `kernel.last_backward` says which kernels ran, so a
@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import attncc  # noqa: E402
 from attncc.arguments import Problem  # noqa: E402
 from attncc.semantics.reference import scale_value  # noqa: E402
-from attncc.tools.samples import sample_inputs  # noqa: E402
-from attncc.tools.tolerance import gradient_scales, max_abs_error, within_tolerance  # noqa: E402
+from attncc.semantics.samples import sample_inputs  # noqa: E402
+from attncc.semantics.tolerance import gradient_scales, max_abs_error, within_tolerance  # noqa: E402
 
 OUT = os.environ.get("OUT", "out")
 DEV = "cuda"  # --device cpu: a smoke run under the Triton interpreter, float32

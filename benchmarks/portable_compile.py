@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import attncc  # noqa: E402
 from attncc.arguments import Problem  # noqa: E402
 from attncc.runtime import configs, tuning  # noqa: E402
-from attncc.tools.samples import sample_inputs  # noqa: E402
+from attncc.semantics.samples import sample_inputs  # noqa: E402
 from gluon_compile import Sm90Driver, _compile_only  # noqa: E402
 
 DIMS = "16,32,48,64,80,96,128,192,256"

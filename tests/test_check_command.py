@@ -13,7 +13,8 @@ import torch
 import attncc
 from attncc.arguments import Problem
 from attncc.errors import AttnccError, CallError
-from attncc.tools import check_command, samples, unexercised
+from attncc.semantics import samples, unexercised
+from attncc.tools import check_command
 from attncc.tools.cli import main
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

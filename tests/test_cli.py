@@ -17,7 +17,9 @@ import pytest
 import torch
 
 import attncc
-from attncc.tools import bench_command, check_command, density, flex, samples, tolerance
+from attncc.runtime import checking
+from attncc.semantics import samples, tolerance
+from attncc.tools import bench_command, check_command, density, flex
 from attncc.arguments import Problem
 from attncc.tools.cli import main
 from attncc.codegen.portable import generate
@@ -201,7 +203,7 @@ def test_gradient_slack_covers_the_rounded_output_of_a_one_key_row():
     # delta from the stored bf16 O: dk keeps |dO * O| * u noise (GPU run 12 measured
     # 8.4e-3 against a unit-scale slack of 8e-3). The gradient scale covers that noise
     # in every draw, and an error of a real bug's size still fails.
-    from attncc.tools.tolerance import gradient_scales, within_tolerance
+    from attncc.semantics.tolerance import gradient_scales, within_tolerance
     gen = torch.Generator().manual_seed(0)
     worst = 0.0
     for _ in range(50):
@@ -253,7 +255,7 @@ def test_check_shape_flags_a_wrong_output(damage, ok):
 
 
 def test_poisoned_allocations_fill_empty_tensors_with_nan():
-    with check_command.poisoned_allocations():
+    with checking.poisoned_allocations():
         assert torch.isnan(torch.empty(4)).all()
     assert not torch.are_deterministic_algorithms_enabled()
 

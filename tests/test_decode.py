@@ -22,7 +22,7 @@ from attncc.runtime.decoding import DecodeProblem, candidates, check_decode_conf
 from attncc.errors import CallError
 from attncc.semantics.reference import allowed_pairs
 from attncc.arguments import Problem
-from attncc.tools.tolerance import max_abs_error, within_tolerance
+from attncc.semantics.tolerance import max_abs_error, within_tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TILE = 16  # the interpreter's BLOCK_N (attncc/runtime/decoding.py)

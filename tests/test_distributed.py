@@ -4,7 +4,7 @@ Real processes: one spawn per world size (2 and 4; 4 and 8 behind slow) runs eve
 gloo on localhost, each rank passing its shard; rank 0 saves the gathered results and
 the kernel launches and transfers every rank made. The tests here compare them with the
 single-process kernel on the whole sequence and with the float64 reference (the
-tolerance rule of attncc/tools/tolerance.py), and check that the pairs and hops the variant
+tolerance rule of attncc/semantics/tolerance.py), and check that the pairs and hops the variant
 rules out were neither computed nor communicated. The piece classification is checked
 against the dense mask without processes, on many masks.
 """
@@ -25,7 +25,7 @@ from attncc import distributed as cp
 from attncc.arguments import Problem
 from attncc.errors import CallError
 from attncc.semantics.reference import allowed_pairs, scale_value
-from attncc.tools.tolerance import gradient_scales, max_abs_error, slack, within_tolerance
+from attncc.semantics.tolerance import gradient_scales, max_abs_error, slack, within_tolerance
 
 D = 16
 SPECS = {

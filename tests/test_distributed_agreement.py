@@ -28,7 +28,7 @@ import attncc
 from attncc import distributed as cp
 from attncc.errors import CallError
 from attncc.semantics.reference import scale_value
-from attncc.tools.tolerance import gradient_scales, max_abs_error, within_tolerance
+from attncc.semantics.tolerance import gradient_scales, max_abs_error, within_tolerance
 
 D = 16
 SPECS = {

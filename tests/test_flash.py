@@ -21,7 +21,7 @@ from attncc.errors import CallError
 from attncc.flash import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                           flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
                           flash_attn_varlen_qkvpacked_func, variant_text)
-from attncc.tools.tolerance import gradient_scales, max_abs_error, within_tolerance
+from attncc.semantics.tolerance import gradient_scales, max_abs_error, within_tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -61,7 +61,7 @@ def flash_semantics(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0,
 
 
 def assert_close(got, ref, eager, tensors, do, *, scale=None):
-    """attncc/tools/tolerance.py's rule on out, lse, dq, dk, dv (q, k, v in any layout with the
+    """attncc/semantics/tolerance.py's rule on out, lse, dq, dk, dv (q, k, v in any layout with the
     head dim last)."""
     q, k, _ = tensors
     group = q.shape[-2] // k.shape[-2]

@@ -19,7 +19,7 @@ import torch
 
 from attncc.errors import CallError
 from attncc.flash import flash_attn_with_kvcache
-from attncc.tools.tolerance import max_abs_error, within_tolerance
+from attncc.semantics.tolerance import max_abs_error, within_tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -19,7 +19,7 @@ from attncc import ir
 from attncc.codegen.portable import generate
 from attncc.errors import CallError
 from attncc.semantics.reference import scale_value
-from attncc.tools.tolerance import (gradient_scales, input_gradient_scales, max_abs_error,
+from attncc.semantics.tolerance import (gradient_scales, input_gradient_scales, max_abs_error,
                                    within_tolerance)
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.attn"))

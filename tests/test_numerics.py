@@ -16,7 +16,7 @@ import torch
 import attncc
 from attncc.errors import CallError
 from attncc.semantics.reference import scale_value
-from attncc.tools.tolerance import max_abs_error, within_tolerance
+from attncc.semantics.tolerance import max_abs_error, within_tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -20,7 +20,7 @@ import attncc
 from attncc.errors import CallError
 from attncc.flash import flash_attn_varlen_func
 from attncc.runtime import packed
-from attncc.tools.tolerance import gradient_scales, max_abs_error, within_tolerance
+from attncc.semantics.tolerance import gradient_scales, max_abs_error, within_tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CAUSAL = "attention c { mask q + len_k - len_q >= k }"  # bottom-right, as flash-attn's
@@ -346,7 +346,7 @@ def fuzz_packings(seed: int, n_calls: int = 3):
 
 def check_gradients(q, k, v, values_q, values_k, causal, entry, cu_q, cu_k, seed):
     """dq, dk, dv of the packed call against the formula's in float64, with its fp32
-    gradients as the eager baseline (attncc/tools/tolerance.py's rule)."""
+    gradients as the eager baseline (attncc/semantics/tolerance.py's rule)."""
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     if entry == "varlen":

@@ -17,7 +17,7 @@ import attncc
 from attncc.errors import CallError
 from attncc.runtime.packed import varlen_variant
 from attncc.semantics.reference import scale_value
-from attncc.tools.tolerance import gradient_scales, max_abs_error, within_tolerance
+from attncc.semantics.tolerance import gradient_scales, max_abs_error, within_tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -52,7 +52,7 @@ def per_sequence(variant, q, k, v, cu_q, cu_k, inputs, axes):
 
 def check_packed(spec, lens_q, lens_k=None, *, H=2, Hkv=None, D=16, make_inputs=None, seed=0):
     """Kernel (fp32) against the float64 per-sequence reference, with the fp32 reference as
-    the eager baseline (attncc/tools/tolerance.py's rule), forward and backward."""
+    the eager baseline (attncc/semantics/tolerance.py's rule), forward and backward."""
     variant = attncc.parse(spec)
     lens_k = lens_q if lens_k is None else lens_k
     cu_q, cu_k = cu_of(lens_q), cu_of(lens_k)

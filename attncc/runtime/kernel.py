@@ -336,7 +336,7 @@ class Kernel:
         heads, len, dim) and inputs, forward and backward, held to `attncc check`'s rule;
         dO is drawn from `seed` unless given. Returns a CheckReport (.ok, .failed, .rows;
         print it for the table) and warns about params these lengths never exercise."""
-        from ..tools.check_command import check_tensors
+        from .checking import check_tensors
         return check_tensors(self, q, k, v, inputs, dout=dout, seed=seed)
 
     def _tuning(self, p, inputs: dict, device, tables=None) -> tuple:

@@ -13,7 +13,7 @@ from .. import ir, load
 from ..errors import AttnccError, NoGPUError
 from ..arguments import Problem
 from .density import dense_allowed
-from .samples import default_heads, sample_inputs
+from ..semantics.samples import default_heads, sample_inputs
 from .flex import flex_mods, sdpa_expressible, variant_uses
 
 MAX_BENCH_EXACT_LEN = 16384       # `bench`: exact pair counts up to this length, sampled beyond

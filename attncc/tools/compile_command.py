@@ -17,7 +17,7 @@ from ..runtime import configs
 from ..arguments import Problem
 from ..runtime.cache import write_if_changed
 from .density import dense_allowed, tile_visit_fraction
-from .samples import default_heads, sample_inputs
+from ..semantics.samples import default_heads, sample_inputs
 
 MAX_COMPILE_ESTIMATE_LEN = 8192   # `compile --len`: dense classification up to this length
 ASSUMED_HEAD_DIM = 128            # `compile` reports tiles for this head dim (and 256 if they differ)

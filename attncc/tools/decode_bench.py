@@ -20,7 +20,7 @@ from .. import ir
 from ..errors import AttnccError
 from ..arguments import Problem
 from .flex import flex_mods, variant_uses
-from .samples import sample_inputs
+from ..semantics.samples import sample_inputs
 
 # HBM bandwidth by device name (bytes/s), for the fraction of peak; None when unknown.
 PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}

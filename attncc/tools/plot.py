@@ -20,7 +20,7 @@ from ..errors import AttnccError
 from ..semantics.evaluate import evaluate
 from .extras import require_plotting
 from ..semantics.reference import index_env, layout_grid
-from .samples import sample_inputs
+from ..semantics.samples import sample_inputs
 
 MAX_LEN = 4096  # the drawn mask is len_q * len_k booleans per head
 MAX_HEADS_DRAWN = 4
