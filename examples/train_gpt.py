@@ -49,7 +49,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import attncc  # noqa: E402
-from attncc.tools.tolerance import max_abs_error, within_tolerance
+from attncc.semantics.tolerance import max_abs_error, within_tolerance
 
 BOS = 0
 BACKENDS = ("attncc", "reference", "flex", "sdpa")
