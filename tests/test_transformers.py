@@ -176,3 +176,22 @@ def test_unknown_and_reserved_names_are_clear_errors():
     with pytest.raises(CallError, match=r"no '/', ':' or '\|'"):
         hf.register("org/attncc")
     assert "attncc" in hf.registered()
+
+
+def test_packed_sequence_ids_are_not_reused_for_a_new_tensor_with_a_freed_ones_id():
+    """The ids found for one position_ids tensor are kept under (id, version). A new
+    tensor can get a freed tensor's id (CPython reuses them): its packing must be read
+    again. Here the kept entry is moved under the new tensor's key, the state an id
+    reused after a free leaves behind."""
+    # Causal, and no token of the second sequence sees the first (which starts at `first`).
+    separate = lambda b, h, q, kv: kv <= q and not (q >= first and kv < first)  # noqa: E731
+    first = 3
+    info = hf.MaskInfo(1, 8, 8, 0, 0, None, separate, None, False)
+    old = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])            # two sequences: 3 + 5 tokens
+    old_ids = hf._packed_sequence_ids(info, old, 1, 8, 8)
+    assert old_ids is not None and old_ids.tolist() == [[0, 0, 0, 1, 1, 1, 1, 1]]
+    new = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]])            # 5 + 3 tokens
+    info.sequence_ids[(id(new), new._version)] = info.sequence_ids.pop((id(old), old._version))
+    first = 5
+    new_ids = hf._packed_sequence_ids(info, new, 1, 8, 8)
+    assert new_ids.tolist() == [[0, 0, 0, 0, 0, 1, 1, 1]]

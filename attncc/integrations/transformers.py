@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections import OrderedDict
 from typing import Callable
 
@@ -79,7 +80,7 @@ class MaskInfo:
     attention_mask: torch.Tensor | None  # the 2D mask as transformers received it
     use_vmap: bool
     checked: set = dataclasses.field(default_factory=set)  # readings already compared
-    sequence_ids: dict = dataclasses.field(default_factory=dict)  # id(position_ids) -> ids
+    sequence_ids: dict = dataclasses.field(default_factory=dict)  # (id, version) -> (weakref, ids)
 
     # It stands where transformers would put its prepared 4D mask. `generate` with a
     # compileable (static) cache builds the mask before the forward and passes it back to
@@ -126,8 +127,13 @@ def _packed_sequence_ids(info: MaskInfo, position_ids, batch: int, q_len: int, k
     if (position_ids is None or info is None or info.mask_function is None or info.q_offset
             or info.kv_offset or q_len != kv_len or position_ids.shape[-1] != q_len):
         return None
-    key = (id(position_ids), position_ids._version)
-    if key not in info.sequence_ids:
+    # The id alone is not enough: a new position_ids tensor may get a freed one's id. The
+    # entry keeps a weak reference to the tensor it was computed from and is used only
+    # while that same tensor, unchanged, is the one passed.
+    given = position_ids
+    key = (id(given), given._version)
+    entry = info.sequence_ids.get(key)
+    if entry is None or entry[0]() is not given:
         position_ids = position_ids.expand(batch, -1)
         # A new sequence starts wherever the position does not follow the previous one.
         starts = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1
@@ -140,8 +146,9 @@ def _packed_sequence_ids(info: MaskInfo, position_ids, batch: int, q_len: int, k
             index = lambda i: torch.tensor(i, device=position_ids.device)
             separated = not bool(info.mask_function(index(b), index(0), index(first),
                                                     index(first - 1)))
-        info.sequence_ids[key] = ids.contiguous() if separated else None
-    return info.sequence_ids[key]
+        info.sequence_ids[key] = (weakref.ref(given),
+                                  ids.contiguous() if separated else None)
+    return info.sequence_ids[key][1]
 
 
 class _Attention:

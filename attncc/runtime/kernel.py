@@ -9,6 +9,7 @@ and runs the generated kernels, forward and backward.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 
@@ -44,7 +45,7 @@ class Kernel:
         self._last_backend = None  # (backend, reason) of the latest forward call
         self._last_backward = {}  # and of the latest backward's "dq" and "dkdv" kernels
         self._index_lists = ir.index_lists(variant.layout)  # {input: "qb" | "kb"}
-        self._checked_lists: dict = {}  # index-list states already validated
+        self._checked_lists: dict = {}  # index-list state -> weakref to the tensor checked
         self._tables_owner = self  # whose tile_tables(...) this kernel's calls accept
         self._shape_densities: dict = {}  # for the shipped winners' class (_tuning)
         self.input_names = [d.name for d in variant.inputs]  # the operator's input order
@@ -269,17 +270,22 @@ class Kernel:
 
     def _check_index_lists(self, p, inputs):
         """Index lists must hold distinct tile indices in range. Checking reads the values
-        (a host synchronisation), so each list is checked once while it is unchanged."""
+        (a host synchronisation), so each list is checked once while it is unchanged: the
+        same memory, version and shape, held by the same live tensor (the base of a view).
+        The address alone is not enough: a new tensor allocated where a checked one was
+        freed has the same address and version 0, and would skip its check."""
         for name, tile in self._index_lists.items():
             t = inputs[name]
+            owner = t if t._base is None else t._base
             n_tiles = axis_extent(tile, self.variant, p)
             key = (name, _state(t), n_tiles)
-            if key in self._checked_lists:
+            checked = self._checked_lists.get(key)
+            if checked is not None and checked() is owner:
                 continue
             check_index_list(name, t, n_tiles)
             if len(self._checked_lists) >= 64:
                 self._checked_lists.pop(next(iter(self._checked_lists)))
-            self._checked_lists[key] = True
+            self._checked_lists[key] = weakref.ref(owner)
 
     def evaluation_kernel(self) -> "Kernel":
         """This variant without its dropout (the kernel `training=False` runs): compiled,
