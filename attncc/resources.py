@@ -1,7 +1,9 @@
-"""Where the grammar and the kernel templates live, in a checkout and once installed.
+"""Where the grammar lives, in a checkout and once installed.
 
-In a source checkout they sit at the top of the repository beside attncc/; a wheel
-installs them inside the package as attncc/_data/ (see pyproject.toml).
+In a source checkout it sits at the top of the repository beside attncc/; a wheel
+installs it inside the package as attncc/_data/ (see pyproject.toml). The kernel
+templates are package data of their backends (attncc/backends/<name>/templates/,
+attncc/codegen/templates/ for the shared ones).
 """
 from __future__ import annotations
 
@@ -20,7 +22,3 @@ def _data_dir(name: str) -> Path:
 
 def grammar_path() -> Path:
     return _data_dir("grammar") / "attn.lark"
-
-
-def templates_dir() -> Path:
-    return _data_dir("templates")

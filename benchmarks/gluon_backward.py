@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import attncc  # noqa: E402
 from attncc.arguments import Problem  # noqa: E402
-from attncc.codegen import gluon  # noqa: E402
+from attncc.backends.gluon import codegen as gluon  # noqa: E402
 from attncc.runtime import configs  # noqa: E402
 from attncc.semantics.samples import sample_inputs  # noqa: E402
 from attncc.semantics.tolerance import gradient_scales, max_abs_error, within_tolerance  # noqa: E402

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import attncc  # noqa: E402
-from attncc.codegen import gluon
+from attncc.backends.gluon import codegen as gluon
 from attncc.arguments import Problem
 from attncc.semantics.samples import sample_inputs
 from attncc.semantics.tolerance import gradient_scales, max_abs_error, within_tolerance

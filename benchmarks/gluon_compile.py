@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import attncc  # noqa: E402
-from attncc.codegen import gluon
+from attncc.backends.gluon import codegen as gluon
 from attncc.arguments import Problem
 from attncc.runtime.cache import load_generated
 from attncc.semantics.samples import sample_inputs

@@ -22,7 +22,7 @@ import torch
 import attncc
 import attncc.version
 from attncc.runtime import cache, configs, settings, tuning
-from attncc.codegen.portable import generate
+from attncc.backends.portable.codegen import generate
 
 SPEC = "attention cached { mask q >= k and q - k < 21 }"
 CALL_AND_CHECK = """

@@ -22,7 +22,7 @@ from attncc.semantics import samples, tolerance
 from attncc.tools import bench_command, check_command, density, flex
 from attncc.arguments import Problem
 from attncc.tools.cli import main
-from attncc.codegen.portable import generate
+from attncc.backends.portable.codegen import generate
 from attncc.semantics.reference import allowed_pairs, reference, scale_value
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -482,7 +482,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import attncc
-from attncc.codegen.portable import generate
+from attncc.backends.portable.codegen import generate
 
 variant = attncc.parse(sys.argv[1])
 path = sys.argv[2]

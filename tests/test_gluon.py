@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import attncc
-from attncc.codegen import gluon
+from attncc.backends.gluon import codegen as gluon
 from attncc.runtime import backends, configs, tuning
 from attncc.tools.cli import main
-from attncc.codegen.portable import generate, template_context
+from attncc.backends.portable.codegen import generate, template_context
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

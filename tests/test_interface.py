@@ -31,7 +31,7 @@ def test_the_gluon_module_keeps_the_contract():
 def test_attncc_uses_only_the_contracts_names():
     # Every `module.NAME`, `kernel.module.NAME` and the Gluon template's `host.NAME`.
     used = set()
-    sources = list((ROOT / "attncc").rglob("*.py")) + list((ROOT / "templates").glob("*.jinja"))
+    sources = list((ROOT / "attncc").rglob("*.py")) + list((ROOT / "attncc").rglob("*.jinja"))
     for path in sources:
         used |= set(re.findall(r"\b(?:module|host)\.([A-Za-z_]\w*)", path.read_text()))
     allowed = set(interface.PORTABLE) | set(interface.PORTABLE_WITH_TABLES) | set(interface.GLUON)

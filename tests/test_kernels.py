@@ -16,7 +16,7 @@ import torch
 
 import attncc
 from attncc import ir
-from attncc.codegen.portable import generate
+from attncc.backends.portable.codegen import generate
 from attncc.errors import CallError
 from attncc.semantics.reference import scale_value
 from attncc.semantics.tolerance import (gradient_scales, input_gradient_scales, max_abs_error,
@@ -330,7 +330,7 @@ def test_learnable_bias_gets_gradients():
 
 
 def test_generated_source_is_deterministic_and_standalone():
-    from attncc.codegen.portable import generate
+    from attncc.backends.portable.codegen import generate
     for path in EXAMPLES:
         v = attncc.parse_file(path)
         a, b = generate(v).source, generate(attncc.parse_file(path)).source

@@ -1,6 +1,6 @@
 """A real install: `pip install .` into a fresh virtualenv, then attncc used from elsewhere.
 
-Editable installs read grammar/ and templates/ from the checkout, so they cannot show
+Editable installs read grammar/ and the templates from the checkout, so they cannot show
 that a wheel carries them. This test builds and installs a wheel (no editable mode),
 then runs from a directory outside the repository, where the checkout is not on the path.
 
@@ -70,21 +70,26 @@ def test_installed_package_carries_its_grammar_and_templates(venv):
         from attncc import resources
         site = Path(sysconfig.get_paths()["purelib"]).resolve()
         checkout = Path({str(ROOT)!r}).resolve()
-        for found in (Path(attncc.__file__), resources.grammar_path(), resources.templates_dir()):
+        from attncc.backends.portable import codegen as portable
+        from attncc.backends.gluon import codegen as gluon
+        from attncc.codegen import templating
+        for found in (Path(attncc.__file__), resources.grammar_path(), portable.TEMPLATES,
+                      gluon.TEMPLATES, templating.SHARED_TEMPLATES):
             found = found.resolve()
             assert found.is_relative_to(site), (found, site)
             assert not found.is_relative_to(checkout), found
         assert resources.grammar_path().is_file()
-        assert any(resources.templates_dir().glob("*.jinja"))
-        assert any(resources.templates_dir().glob("portable/*.jinja"))  # the template's parts
-        from attncc.codegen import portable  # rendering reaches every part the wheel ships
+        for templates in (portable.TEMPLATES, gluon.TEMPLATES, templating.SHARED_TEMPLATES):
+            assert any(templates.glob("*.jinja")), templates
+        # rendering reaches every part the wheel ships
         assert "def attn_fwd(" in portable.generate(attncc.parse("attention c {{ mask q >= k }}")).source
+        assert "@gluon.jit" in gluon.generate(attncc.parse("attention c {{ mask q >= k }}")).source
         v = attncc.parse_file({str(example)!r})
         assert v.name == "sliding_window" and v.param("window").value == 1024
         import attncc.flash, attncc.integrations.transformers
         # every stage of the pipeline is a subpackage the wheel must carry
         import attncc.frontend.parser, attncc.analysis.bounds, attncc.semantics.reference
-        import attncc.codegen.portable, attncc.runtime.kernel, attncc.runtime.packed, attncc.tools.cli
+        import attncc.backends.portable.codegen, attncc.runtime.kernel, attncc.runtime.packed, attncc.tools.cli
         assert Path(attncc.integrations.transformers.__file__).resolve().is_relative_to(site)
         from attncc.runtime import known_winners  # its table is package data
         assert known_winners.WINNERS_FILE.resolve().is_relative_to(site)

@@ -25,7 +25,7 @@ import torch
 
 import attncc
 from attncc.analysis import bounds, intervals
-from attncc.codegen import portable as codegen
+from attncc.backends.portable import codegen
 from attncc import ir
 from attncc.arguments import TORCH_DTYPES, Problem, axis_extent
 from attncc.semantics.reference import allowed_pairs

@@ -1,4 +1,4 @@
-"""The decoding part of a generated module: what templates/decode.py.jinja needs beyond
+"""The decoding part of a generated module: what backends/portable/templates/decode.py.jinja needs beyond
 the main kernels' context (codegen.generate adds it to the same module).
 
 The decode kernels reuse the variant's slots as the main kernels emit them (mask, score,

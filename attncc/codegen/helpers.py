@@ -1,12 +1,12 @@
 """Which helper functions a generated module needs, so that it defines no others.
 
-The templates define small helpers (templates/expressions.py.jinja on the device,
-templates/portable/tile_tables.jinja on the host) that the emitted mask, score, layout
+The templates define small helpers (codegen/templates/expressions.py.jinja on the device,
+backends/portable/templates/tile_tables.jinja on the host) that the emitted mask, score, layout
 and bound code calls: `_tanh` for a score with tanh, the `_chance_*` hash for chance(),
 `_h_tile_in` for an index list, and so on. Which ones a variant calls is read from the
 module itself: rendered once with every helper, its code outside the optional helpers'
 definitions names the ones it calls (and those call others: `_chance_start` calls
-`_fmix32`); codegen/portable.py then renders it again with only those. Reading the
+`_fmix32`); backends/portable/codegen.py then renders it again with only those. Reading the
 rendered code, rather than predicting it, cannot miss a call an emitter or a template
 makes.
 """

@@ -10,7 +10,7 @@ from __future__ import annotations
 # dQ; "col": key tiles' query tiles, for dK/dV): lists of full and partial tiles, their
 # counts, and the strides of their batch, head and row axes (tables are broadcast over
 # the batch and heads they do not depend on). They are the kernels' parameters of those
-# names (codegen/portable.py's common_params) and the keys of tile_tables()'s dict, which
+# names (backends/portable/codegen.py's common_params) and the keys of tile_tables()'s dict, which
 # the generated module builds in this order.
 def table_fields(side: str) -> list:
     return [f"{side}_full_count", f"{side}_full_list", f"{side}_part_count", f"{side}_part_list",
@@ -20,7 +20,7 @@ def table_fields(side: str) -> list:
 
 TABLE_FIELDS = table_fields("row") + table_fields("col")
 
-# The portable module (templates/attention.py.jinja, codegen/portable.py).
+# The portable module (backends/portable/templates/attention.py.jinja, backends/portable/codegen.py).
 PORTABLE = {
     # constants
     "USES_TABLES": "True when tiles come from tile tables (runtime/ops.py, settings.backward_directions)",
@@ -42,7 +42,7 @@ PORTABLE = {
     "decode": "decode(q, k_cache, v_cache, lens, inputs, *, ...) -> (out, lse)",
     "decode_append_kv": "writes k_new, v_new into the cache in place",
     "decode_reach_tiles": "the key tiles a decode step's rows can reach",
-    # what the Gluon module borrows (templates/attention_gluon.py.jinja's `host`)
+    # what the Gluon module borrows (backends/gluon/templates/attention_gluon.py.jinja's `host`)
     "_common_args": "_common_args(q, k, inputs, grads, *, ...) -> (COMMON_PARAMS values, wide)",
     "_grid": "_grid(n_tiles, n_heads) -> the one-axis launch grid",
 }
@@ -51,7 +51,7 @@ PORTABLE_WITH_TABLES = {
     "backward_one_launch": "backward_one_launch(q, k, v, lse, delta, dout, inputs, *, ...) "
                            "-> (dq, dk, dv, dinputs)",
 }
-# The Gluon module (templates/attention_gluon.py.jinja, codegen/gluon.py); `host` is the
+# The Gluon module (backends/gluon/templates/attention_gluon.py.jinja, backends/gluon/codegen.py); `host` is the
 # variant's portable module, which builds the tables and the argument values.
 GLUON = {
     "forward": "forward(q, k, v, inputs, *, host, q_offset, k_offset, seed, config, tables) "

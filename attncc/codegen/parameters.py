@@ -4,13 +4,13 @@ a generated module passes each of them only what its code uses.
 The step functions (`_fwd_step`, `_dq_step`, `_dkdv_step`, `_decode_allowed`,
 `_decode_step`) and the tile-run functions that call them (`_fwd_tiles`, ...) take their
 row and context arguments from name lists the templates spell once (`fwd_row`,
-`fwd_ctx`, ... in templates/portable/macros.jinja and templates/decode.py.jinja), so
+`fwd_ctx`, ... in backends/portable/templates/macros.jinja and backends/portable/templates/decode.py.jinja), so
 that every signature and every call site agree. Those lists hold every name a variant's
 mask, score, layout or dropout might read: the query tile's index and bounds, the head,
 the offsets, the seed. A variant reads a few of them. Which ones is read from the module
 itself, as codegen/helpers.py reads which helpers it calls: rendered once with the full
 lists, a name that no such function reads (other than by handing it on to another of
-them) is dropped from the lists, and codegen/portable.py renders again. Triton inlines
+them) is dropped from the lists, and backends/portable/codegen.py renders again. Triton inlines
 these functions, so the unread parameters cost nothing at run time; leaving them out is
 for the reader of the generated module.
 """

@@ -1,5 +1,5 @@
 """Which backend runs a call's forward, dQ and dK/dV: "triton" (the portable kernels,
-everywhere) or "gluon" (the Hopper kernels of codegen/gluon.py), and why, in a sentence
+everywhere) or "gluon" (the Hopper kernels of backends/gluon/codegen.py), and why, in a sentence
 the Kernel reports (`kernel.backend_reason`, `kernel.last_backend`, `kernel.last_backward`)
 or raises for an explicit backend="gluon" it cannot honour.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 
-from ..codegen.gluon import DTYPES, HEAD_DIMS
+from ..backends.gluon.codegen import DTYPES, HEAD_DIMS
 from ..errors import BackendError
 from .settings import interpreting
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from .. import ir
 from ..codegen.generated import Generated, module_name
 from ..errors import CacheError
-from ..resources import grammar_path, templates_dir
+from ..resources import grammar_path
 
 
 def cache_dir() -> Path:
@@ -92,10 +92,10 @@ def generator_digest() -> str:
     templates and the grammar. A module cached under another digest is never reused."""
     h = hashlib.sha256()
     package = Path(__file__).resolve().parent.parent  # attncc/, every subpackage included
-    templates = [p for p in templates_dir().iterdir() if p.is_file()]
-    sources = sorted(package.rglob("*.py"))
-    files = sources + sorted(templates) + [grammar_path()]
-    for path in files:
+    # Every backend's templates, in their folders (a template in a subfolder changes the
+    # code as much as one at the top).
+    sources = sorted(package.rglob("*.py")) + sorted(package.rglob("*.jinja"))
+    for path in sources + [grammar_path()]:
         name = path.relative_to(package).as_posix() if path in sources else path.name
         h.update(name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:16]
@@ -150,15 +150,15 @@ def load_generated(variant: ir.Variant, backend: str = "triton"):
     """(generated, module): import the variant's module from the cache, rendering it
     first when the cache does not hold it. A warm start skips the generator (and its
     sympy import, most of a second) by looking the module up by IR and generator hash.
-    `backend`: "triton" (the portable module) or "gluon" (codegen/gluon.py's)."""
+    `backend`: "triton" (the portable module) or "gluon" (backends/gluon/codegen.py's)."""
     found = _load_indexed(variant, backend)
     if found is not None:
         return found
     # The generators import sympy: only when there is code to generate.
     if backend == "gluon":
-        from ..codegen.gluon import generate
+        from ..backends.gluon.codegen import generate
     else:
-        from ..codegen.portable import generate
+        from ..backends.portable.codegen import generate
     gen = generate(variant)
     digest = hashlib.sha256(gen.source.encode()).hexdigest()
     name = f"{gen.module_name}_{digest[:12]}"

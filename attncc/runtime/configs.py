@@ -6,7 +6,7 @@ their checks (`check_config`; a pinned or cached one must also suit the variant:
 `check_pinned`, `usable`), the candidates per direction and the `keep()` rule, and how
 a config is written in progress lines (`label`, `describe`), and how calls are grouped
 to share one (`length_bucket`, `density_bucket`). runtime/tuning.py times them;
-codegen/gluon.py lists the Gluon forward's own.
+backends/gluon/codegen.py lists the Gluon forward's own.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def check_config(config: dict, where: str) -> dict:
         v = config[key]
         if not is_int(v) or v < 16 or v > 256 or v & (v - 1):
             raise ValueError(f"{where}: {key} must be a power of two from 16 to 256, got {v!r}")
-    # 9: the Gluon forward's warp-specialized kernel (codegen/gluon.py, WS_WARPS).
+    # 9: the Gluon forward's warp-specialized kernel (backends/gluon/codegen.py, WS_WARPS).
     if config["num_warps"] not in (1, 2, 4, 8, 9, 16) or not is_int(config["num_warps"]):
         raise ValueError(f"{where}: num_warps must be 1, 2, 4, 8 or 16 (or 9: the Gluon "
                          f"forward's warp-specialized kernel), got {config['num_warps']!r}")
@@ -90,8 +90,8 @@ def kept_candidates(variant: ir.Variant, head_dim: int, direction: str) -> list:
     covers several blocks, visits every tile any of them is on in, and evaluates the
     layout per element; it pays for layouts whose blocks cluster (bands), and on random
     layouts of 32-blocks it ran 3x slower than 32x32 tiles (RESULTS.md run 31)."""
-    if direction.startswith("gluon-"):  # the Gluon kernels' own lists (codegen/gluon.py)
-        from ..codegen import gluon
+    if direction.startswith("gluon-"):  # the Gluon kernels' own lists (backends/gluon/codegen.py)
+        from ..backends.gluon import codegen as gluon
         kept = gluon.CANDIDATES[direction](head_dim)
         if needs_tileswithin_block(variant):
             kept = [c for c in kept if within_block(c, variant)]
@@ -172,7 +172,7 @@ def usable(config: dict, variant: ir.Variant, head_dim: int, direction: str) -> 
     except ValueError:
         return False
     if direction.startswith("gluon-"):
-        from ..codegen import gluon
+        from ..backends.gluon import codegen as gluon
         return gluon.CHECKS[direction](config, head_dim) is None
     return config["num_warps"] != 9 and keep(config, variant, head_dim, direction)
 

@@ -7,7 +7,7 @@ query token i sits at position L - n_q + i, keys at 0 .. L - 1, and the variant'
 `len_q` and `len_k` are both L. So `q >= k` and the bottom-right spelling
 `q + len_k - len_q >= k` are both causal, and a decode call gives what
 kernel(q_full, k, v) gives for those rows. The kernels are the split-KV kernels of
-templates/decode.py.jinja, in the variant's generated module.
+backends/portable/templates/decode.py.jinja, in the variant's generated module.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import weakref
 import torch
 
 from .. import ir
-from ..codegen import gluon
+from ..backends.gluon import codegen as gluon
 from ..codegen.generated import Generated
 from ..errors import CallError, did_you_mean
 from ..frontend.load import load

@@ -7,8 +7,8 @@
 The evaluators of the IR on tensors or numbers (semantics/evaluate.py for the reference,
 tools/flex.py for FlexAttention) compute through `apply`. The emitters print calls of
 the helpers named in HELPERS, which the generated module defines with this meaning
-(templates/expressions.py.jinja for the kernels, the host section of
-templates/attention.py.jinja for the tile tables). analysis/ranges.py bounds them, and
+(codegen/templates/expressions.py.jinja for the kernels, the host section of
+backends/portable/templates/attention.py.jinja for the tile tables). analysis/ranges.py bounds them, and
 refuses a `//` or `%` whose divisor can be 0.
 """
 from __future__ import annotations

@@ -70,8 +70,8 @@ def _configs_text(chosen: dict) -> str:
 
 
 def compile_command(args) -> int:
-    from ..codegen.portable import generate
-    from ..codegen import gluon
+    from ..backends.portable.codegen import generate
+    from ..backends.gluon import codegen as gluon
     variant = load(args.spec)
     if args.len is not None and not 1 <= args.len <= MAX_COMPILE_ESTIMATE_LEN:
         raise AttnccError(f"--len {args.len}: the tile estimate evaluates the dense mask, so it "
@@ -135,7 +135,7 @@ def _write_gluon(variant: ir.Variant, out: Path, backend: str, why: str | None, 
     """--backend gluon|auto: the Gluon forward beside the portable module (which it needs:
     tile tables, argument values, the backward). Rendering needs no GPU. `why`: why the
     Gluon backend cannot take the variant (then auto says so and writes nothing more)."""
-    from ..codegen import gluon
+    from ..backends.gluon import codegen as gluon
     if why is not None:
         print(f"backend   auto: the portable kernels, since {why}")
         return

@@ -5,7 +5,7 @@
 
 Each experiment is a small, named edit of one kernel's section of the generated module
 (a text substitution that must match the stated number of times), so a change can be
-measured before it goes into templates/attention.py.jinja. Every (edit, config) pair
+measured before it goes into backends/portable/templates/attention.py.jinja. Every (edit, config) pair
 is checked against the unedited kernel at its first config in the same process and
 timed with triton.testing.do_bench (median), on the ANCHORS shapes: 16 heads, head
 dim 128 (or --dim), bf16, batch x seq = 16384 tokens. Prints a table last and writes JSON to

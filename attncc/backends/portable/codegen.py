@@ -1,4 +1,4 @@
-"""Kernel plan -> Triton module source: fills templates/attention.py.jinja for one variant.
+"""Kernel plan -> Triton module source: fills backends/portable/templates/attention.py.jinja for one variant.
 
 Everything the template needs is computed here from the checked IR: the mask, score
 and derivative code, the loop plans of both directions, the tile-classification code
@@ -8,23 +8,22 @@ bytes: nothing here depends on the machine, the time or dict order.
 """
 from __future__ import annotations
 
-import functools
 import math
 import re
+from pathlib import Path
 
 import jinja2
 
-from .. import ir
-from ..analysis import bounds, intervals, ranges
-from .derivative import score_gradients
-from ..ir import print_variant
-from ..resources import templates_dir
-from ..semantics import dropout, operators
-from . import helpers, interface, parameters
-from .decode import decode_context
-from .elementwise import (TritonEmitter, chance_threshold, element_offset, grad_arg_name,
+from ... import ir
+from ...analysis import bounds, intervals, ranges
+from ...codegen.derivative import score_gradients
+from ...ir import print_variant
+from ...semantics import dropout, operators
+from ...codegen import helpers, interface, parameters, templating
+from ...codegen.decode import decode_context
+from ...codegen.elementwise import (TritonEmitter, chance_threshold, element_offset, grad_arg_name,
                           input_arg_names, input_code)
-from .generated import Generated, module_name
+from ...codegen.generated import Generated, module_name
 
 BIG = str(1 << 62)  # "unbounded" inside loop-bound code, which runs in 64 bits
 # An expression whose integers fit 32 bits only below an extent this small is always
@@ -32,13 +31,11 @@ BIG = str(1 << 62)  # "unbounded" inside loop-bound code, which runs in 64 bits
 ALWAYS_WIDE_BELOW = 1 << 16
 
 
-@functools.lru_cache(maxsize=1)
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+
+
 def _environment() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
-                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-    env.filters["py"] = repr  # Python literals, readable (tojson would escape < and >)
-    env.filters["without"] = parameters.without
-    return env
+    return templating.environment(TEMPLATES)
 
 
 # --------------------------------------------------------------- PyTorch emission (host)
@@ -199,11 +196,6 @@ def generate(variant: ir.Variant) -> Generated:
     return Generated(source=source, strategy=context["strategy"], module_name=module_name(variant))
 
 
-def render(template: str, context: dict) -> str:
-    """Another template (the Gluon backend's) over the same context."""
-    return _environment().get_template(template).render(**context)
-
-
 def template_context(variant: ir.Variant) -> dict:
     """Everything the templates fill in for `variant`: the expressions, the loop plans,
     the tile-classification code and the kernel parameter list. Every backend's
@@ -301,7 +293,7 @@ def template_context(variant: ir.Variant) -> dict:
 
 
 def _package_version() -> str:
-    from ..version import __version__
+    from ...version import __version__
     return __version__
 
 

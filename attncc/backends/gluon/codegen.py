@@ -2,7 +2,7 @@
 tile configs (runtime/backends.py decides which backend runs a call).
 
 The Gluon backend lowers the same analysed IR as the portable one into Hopper (sm_90)
-kernels written in Gluon (templates/attention_gluon.py.jinja): TMA copies into an
+kernels written in Gluon (backends/gluon/templates/attention_gluon.py.jinja beside this file): TMA copies into an
 mbarrier-tracked ring, asynchronous wgmma. The forward runs the softmax of one key tile
 under the P.V product of the previous one (and, warp-specialized, two consumer
 warpgroups in ping-pong); the dK/dV kernel keeps a key tile's K, V, dK and dV on chip
@@ -15,10 +15,13 @@ kernels and says why.
 """
 from __future__ import annotations
 
-from .. import ir
+from pathlib import Path
+
+from ... import ir
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = ("float16", "bfloat16")
+TEMPLATES = Path(__file__).resolve().parent / "templates"
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper block may use
 # num_warps of the warp-specialized forward (two consumer warpgroups and a producer warp);
 # the generated module's WS_WARPS.
@@ -157,10 +160,11 @@ def check_config(config: dict, head_dim: int) -> str | None:
 
 def generate(variant: ir.Variant):
     """The Gluon module source for `variant` (no GPU needed: rendering only)."""
-    from .portable import render, template_context
-    from .generated import Generated, module_name
+    from ...codegen import templating
+    from ...codegen.generated import Generated, module_name
+    from ..portable.codegen import template_context
     context = template_context(variant)
-    source = render("attention_gluon.py.jinja", context)
+    source = templating.environment(TEMPLATES).get_template("attention_gluon.py.jinja").render(**context)
     return Generated(source=source, strategy=context["strategy"],
                      module_name=module_name(variant, "gluon"))
 

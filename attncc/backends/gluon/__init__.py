@@ -1,0 +1,1 @@
+"""The Gluon backend: Hopper (sm_90) kernels written in Gluon."""
