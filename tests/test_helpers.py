@@ -5,7 +5,8 @@ import re
 import pytest
 
 import attncc
-from attncc.codegen import helpers, portable
+from attncc.codegen import helpers
+from attncc.backends.portable import codegen as portable
 
 SPECS = {
     "causal": "attention a { mask q >= k }",

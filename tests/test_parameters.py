@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 import attncc
-from attncc.codegen import parameters, portable
+from attncc.codegen import parameters
+from attncc.backends.portable import codegen as portable
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.attn"))
 
