@@ -1,7 +1,7 @@
 """Generated kernels against the float64 reference: every example, awkward shapes, dtypes.
 
 On the CPU the kernels run under the Triton interpreter (tests/conftest.py) in float32
-and float16 (the interpreter mis-multiplies bfloat16: the README's "Testing" section); on a GPU the same
+and float16 (the interpreter mis-multiplies bfloat16: tests/README.md); on a GPU the same
 tests run natively. A result passes when its error against float64 is within twice
 the error of the same computation done eagerly in the same dtype, plus twice the
 dtype's resolution at the result's scale (`within_tolerance`).

@@ -1,4 +1,4 @@
-"""Block skipping is never less conservative than the dense mask (the README's "Kernels" section, skipping levels 1 and 2).
+"""Block skipping is never less conservative than the dense mask (docs/design.md, "Tiles and loop segments").
 
 For each skipping level, over many variants, shapes and tile sizes, against the dense
 truth of `reference.allowed_pairs`:

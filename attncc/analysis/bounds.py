@@ -1,6 +1,6 @@
 """Analytic loop bounds: which keys a query tile can see, solved symbolically from the mask.
 
-Skipping level 1 (the README's "Kernels" section). The mask is put in disjunctive normal form over its
+Skipping level 1 (docs/design.md, "Tiles and loop segments"). The mask is put in disjunctive normal form over its
 comparisons; each comparison that is affine in (q, k) with constant coefficients
 (causal, windows, prefix, offsets, bottom-right alignment) is solved with sympy for the
 solved-for position, giving

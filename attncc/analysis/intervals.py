@@ -1,6 +1,6 @@
 """Tile classification by interval arithmetic: may a tile attend, must all of it attend?
 
-Skipping level 2 (the README's "Kernels" section). Each sub-expression of the mask gets bounds over the
+Skipping level 2 (docs/design.md, "Tiles and loop segments"). Each sub-expression of the mask gets bounds over the
 tile — (lo, hi) for numbers, (may, must) for conditions — from the tile's position
 ranges and from per-block min/max summaries of the tensors it reads. `may` is false
 only when no pair in the tile can attend (skip the tile); `must` is true only when
