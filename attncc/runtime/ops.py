@@ -69,10 +69,11 @@ def op_name(variant) -> str:
 @functools.cache
 def _revision() -> str:
     """A short hash of what a compiled graph assumes about the ops: their schemas and the
-    code of this module (autograd, ops) and of the call records. torch.compile's caches (AOTAutograd's and Inductor's,
-    on disk, shared by every process of the user) store traced graphs that call the ops by
-    name; an attncc whose `_bwd` op took one argument more, under the same name, would be
-    called by a stale cached backward with the old argument list (seen when the LSE became
+    code of this module (autograd, ops) and of the call records (call_options.py).
+    torch.compile's caches (AOTAutograd's and Inductor's, on disk, shared by every
+    process of the user) store traced graphs that call the ops by name; an attncc whose
+    `_bwd` op took one argument more, under the same name, would be called by a stale
+    cached backward with the old argument list (seen when the LSE became
     differentiable). Naming the revision makes such a graph miss the cache instead."""
     import hashlib
     records = Path(__file__).with_name("call_options.py")
@@ -145,6 +146,9 @@ def forward_schema(record) -> str:
 
 
 def backward_schema(record) -> str:
+    """The backward op's schema: the forward's arguments, its results and their gradients
+    (dlse None where no loss reads the LSE) in; the gradients of q, k, v and of the
+    learnable inputs out."""
     return (f"(int kernel, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
             f"Tensor? dlse, Tensor[] inputs, {record.schema_arguments()}) "
             f"-> (Tensor, Tensor, Tensor, Tensor[])")
