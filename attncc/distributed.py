@@ -63,6 +63,7 @@ import torch.distributed as dist
 
 from . import ir
 from .runtime import tuning
+from .runtime.call_options import CallOptions
 from .arguments import Problem, check_seed
 from .errors import CallError
 
@@ -330,7 +331,8 @@ def context_parallel_attention(kernel, q, k, v, /, *, group=None, scheme: str = 
     variant = kernel.variant
     names = [d.name for d in variant.inputs]
     values = [inputs[n].contiguous() if variant.input(n).learnable else inputs[n] for n in names]
-    call = _RingAttention(kernel, schedule, group, int(dropout_seed or 0), names, problem)
+    call = _RingAttention(kernel, schedule, group, CallOptions(seed=int(dropout_seed or 0)),
+                          names, problem)
     out, lse = _ContextParallelAttention.apply(call, q, k, v, *values)
     return (out, lse) if return_lse else out
 
@@ -635,10 +637,11 @@ class _ContextParallelAttention(torch.autograd.Function):
 class _RingAttention:
     """One context-parallel call: the hops of its forward and of its backward."""
 
-    def __init__(self, kernel, schedule: Schedule, group, seed: int, input_names: list,
-                 problem: Problem):
+    def __init__(self, kernel, schedule: Schedule, group, options: CallOptions,
+                 input_names: list, problem: Problem):
         self.kernel, self.module, self.schedule = kernel, kernel.module, schedule
-        self.group, self.seed, self.input_names = group, seed, input_names
+        # The call's options; each piece pair's are these at the pair's offsets.
+        self.group, self.options, self.input_names = group, options, input_names
         self.problem = problem  # the whole sequence
         self.sharding = schedule.sharding
         self.c = schedule.piece_len
@@ -716,7 +719,8 @@ class _RingAttention:
         (`Kernel.forward_runner`: on Hopper the Gluon forward where it takes the call),
         and its direction says which."""
         q_offset, k_offset, tables = self._pair_offsets(hop, i, j)
-        common = dict(q_offset=q_offset, k_offset=k_offset, seed=self.seed, tables=tables)
+        options = dataclasses.replace(self.options, q_offset=q_offset, k_offset=k_offset)
+        common = options.launch_arguments(tables)
         problem = self._pair_problem(q_offset, k_offset)
         if direction == "fwd":
             direction, run = self.kernel.forward_runner(*args, problem, common)

@@ -22,6 +22,7 @@ import torch
 from .. import ir
 from . import precompile, tuning
 from ..arguments import Problem, check_input_names, check_inputs
+from .call_options import CallRecord, call_record, option
 from ..errors import CallError
 from ..analysis.ranges import MAX_EXTENT
 
@@ -355,6 +356,27 @@ def decode_config(kernel, p: DecodeProblem, dtype, run, *, num_splits=None, conf
 
 
 # ---------------------------------------------------------------------------- the call
+@call_record
+class DecodeOptions(CallRecord):
+    """The options of one kernel.decode call, as its op takes them (attncc/runtime/ops.py)."""
+    num_splits: int = option("int", 0)  # 0: tuned
+    config: tuple = option("int[]", ())  # CONFIG_KEYS' values in order; empty: tuned
+    rows_before_start: bool = option("bool", False)  # attncc.flash's (the module's decode)
+
+    @classmethod
+    def of(cls, num_splits: int | None, pinned: dict | None,
+           rows_before_start: bool) -> "DecodeOptions":
+        """The record of a checked call: num_splits and the pinned config, or None."""
+        return cls(num_splits or 0, tuple(pinned[key] for key in CONFIG_KEYS) if pinned else (),
+                   rows_before_start)
+
+    def run_arguments(self) -> dict:
+        """The keyword arguments of run_decode."""
+        return dict(num_splits=self.num_splits or None,
+                    config=dict(zip(CONFIG_KEYS, self.config)) if self.config else None,
+                    rows_before_start=self.rows_before_start)
+
+
 def decode(kernel, q, k_cache, v_cache, /, *, cache_seqlens=None, k_new=None, v_new=None,
            block_table=None, return_lse: bool = False, num_splits: int | None = None,
            config: dict | None = None, rows_before_start: bool = False, **inputs):
@@ -369,12 +391,10 @@ def decode(kernel, q, k_cache, v_cache, /, *, cache_seqlens=None, k_new=None, v_
         raise CallError(f"return_lse must be True or False, got {return_lse!r}")
     _, seqlens = check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                    block_table, inputs)
-    pinned = check_pins(num_splits, config)
+    options = DecodeOptions.of(num_splits, check_pins(num_splits, config), rows_before_start)
     values = [inputs[d.name] for d in kernel.variant.inputs]
-    out, lse = kernel._decode_op(
-        kernel._op_id, q, k_cache, v_cache, seqlens, k_new, v_new, block_table, values,
-        num_splits or 0, [pinned[key] for key in CONFIG_KEYS] if pinned else [],
-        rows_before_start)
+    out, lse = kernel._decode_op(kernel._op_id, q, k_cache, v_cache, seqlens, k_new, v_new,
+                                 block_table, values, *options.op_arguments())
     return (out, lse) if return_lse else out
 
 

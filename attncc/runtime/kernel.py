@@ -22,6 +22,7 @@ from ..semantics.evaluate import check_index_list
 from . import backends, configs, ops, precompile, tuning
 from ..arguments import _shape, as_bhsd, axis_extent, bind, check_seed, refuse_positional
 from .cache import load_generated
+from .call_options import NO_TABLES, CallOptions
 from .settings import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, interpreting
 
 
@@ -330,10 +331,12 @@ class Kernel:
         # Learnable inputs take gradients at their own strides: make them dense.
         values = [inputs[d.name].contiguous() if d.learnable else inputs[d.name]
                   for d in self.variant.inputs]
+        options = CallOptions(q_offset=q_offset, k_offset=k_offset, seed=seed,
+                              drawn_seed=drawn_seed,
+                              tables=NO_TABLES if tables is None else tables._op_id)
         # Under torch.compile, the op (a node of the graph); in eager, its autograd kernel.
-        call = self._ops.forward if torch.compiler.is_compiling() else self._ops.apply
-        out, lse = call(self._op_id, q, k, v, values, q_offset, k_offset, seed, drawn_seed,
-                        ops.NO_TABLES if tables is None else tables._op_id)
+        op = self._ops.forward if torch.compiler.is_compiling() else self._ops.apply
+        out, lse = op(self._op_id, q, k, v, values, *options.op_arguments())
         out = as_bhsd(out, layout)
         return (out, lse) if return_lse else out
 

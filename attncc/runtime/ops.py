@@ -9,18 +9,18 @@ sequence lengths, and never traces into Triton's launch path, the tuner or the t
 caches; and since the backward is an op too, AOTAutograd traces it the same way.
 
 What crosses the op boundary, and how:
-- q, k, v and the variant's inputs (a Tensor[] in declared order); q_offset, k_offset
-  and a dropout_seed given by the caller as SymInts (dynamic under torch.compile, not
-  baked in). A seed the call draws itself is a one-element CPU int64 tensor from torch's
-  generator (`drawn_seed`), so that a compiled graph draws a fresh one on every run.
+- q, k, v and the variant's inputs (a Tensor[] in declared order), then the call's
+  options: a `CallOptions` record (attncc/runtime/call_options.py) spelt out field by
+  field, each in the schema type its field declares. The schemas, the fake
+  implementations and the autograd formula's saved call are made from its fields, so a
+  new option is a new field there and nothing here.
 - The backward takes the LSE's gradient as an optional tensor, `dlse`: None when no
   loss reads the LSE (autograd's grads are not materialised), so that case reads no
   tensor of zeros and launches what it did before the LSE was differentiable.
-- The Kernel and its kept TileTables as int ids into process-wide registries (weak: an
-  id outlives nothing). Tables are not tensors to hand over: the generated module builds
-  them lazily per tile size, and the tile size is picked inside the op by the tuner; the
-  tensors they are built from already pass through. An id is a constant in a traced
-  graph, so another TileTables object is another graph (Dynamo guards on the object).
+- The Kernel and its kept TileTables (the record's `tables`) as int ids into
+  process-wide registries (weak: an id outlives nothing). The tensors tables are built
+  from already pass through as inputs. An id is a constant in a traced graph, so
+  another TileTables object is another graph (Dynamo guards on the object).
 - The checks that read tensor data (index-list values, the state of the tensors kept
   tables were built from) run in the real implementation, where tensors are real: under
   torch.compile the Python call checks run at trace time on FakeTensors, and these
@@ -38,7 +38,9 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import precompile, tuning
-from ..arguments import Problem, check_seed
+from ..arguments import Problem
+from .call_options import NO_TABLES, CallOptions
+from .decoding import DecodeOptions, run_decode
 from ..errors import CallError
 from ..version import __version__
 
@@ -46,7 +48,6 @@ _KERNELS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictiona
 _TABLES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _IDS = itertools.count(1)  # never reused, so a stale id finds nothing rather than another object
 _OPS: dict = {}  # op name -> Operators; defined once per process and variant
-NO_TABLES = 0
 
 
 def register_kernel(kernel) -> int:
@@ -67,15 +68,17 @@ def op_name(variant) -> str:
 
 @functools.cache
 def _revision() -> str:
-    """A short hash of what a compiled graph assumes about the ops: their schemas and this
-    module's autograd and op code. torch.compile's caches (AOTAutograd's and Inductor's,
-    on disk, shared by every process of the user) store traced graphs that call the ops by
-    name; an attncc whose `_bwd` op took one argument more, under the same name, would be
-    called by a stale cached backward with the old argument list (seen when the LSE became
+    """A short hash of what a compiled graph assumes about the ops: their schemas and the
+    code of this module (autograd, ops) and of the call records (call_options.py).
+    torch.compile's caches (AOTAutograd's and Inductor's, on disk, shared by every
+    process of the user) store traced graphs that call the ops by name; an attncc whose
+    `_bwd` op took one argument more, under the same name, would be called by a stale
+    cached backward with the old argument list (seen when the LSE became
     differentiable). Naming the revision makes such a graph miss the cache instead."""
     import hashlib
+    records = Path(__file__).with_name("call_options.py")
     text = "\n".join((FORWARD_SCHEMA, BACKWARD_SCHEMA, DECODE_SCHEMA, __version__,
-                      Path(__file__).read_text()))
+                      Path(__file__).read_text(), records.read_text()))
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
@@ -93,7 +96,8 @@ def operators(kernel) -> Operators:
     """The ops of the kernel's variant, defined on first use."""
     name = op_name(kernel.variant)
     if name not in _OPS:
-        _OPS[name] = _define(name, kernel.variant)
+        learnable = [i for i, d in enumerate(kernel.variant.inputs) if d.learnable]
+        _OPS[name] = _define(name, learnable, CallOptions, _forward, _backward)
     return _OPS[name]
 
 
@@ -116,13 +120,6 @@ def _tables(op_id: int):
     return tables
 
 
-def _seed(seed: int, drawn_seed) -> int:
-    # A seed drawn by the call (no dropout_seed given) is a CPU tensor, so that under
-    # torch.compile it is drawn on every run, in the graph; reading it syncs nothing. A
-    # given seed is checked here too: a traced call could not read its value.
-    return check_seed(seed) if drawn_seed is None else int(drawn_seed)
-
-
 def _problem(q, k, v, q_offset, k_offset) -> Problem:
     return _problem_of(q.shape, k.shape, v.shape[3], q_offset, k_offset)
 
@@ -142,30 +139,44 @@ def _problem_of(q_shape, k_shape, dim_v, q_offset, k_offset) -> Problem:
 # few microseconds over the autograd.Function that ran the kernels before.
 _LIBRARY = torch.library.Library("attncc", "FRAGMENT")
 
-FORWARD_SCHEMA = ("(int kernel, Tensor q, Tensor k, Tensor v, Tensor[] inputs, SymInt q_offset, "
-                  "SymInt k_offset, SymInt seed, Tensor? drawn_seed, int tables) -> (Tensor, Tensor)")
-BACKWARD_SCHEMA = ("(int kernel, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
-                   "Tensor? dlse, Tensor[] inputs, SymInt q_offset, SymInt k_offset, SymInt seed, "
-                   "Tensor? drawn_seed, int tables) -> (Tensor, Tensor, Tensor, Tensor[])")
+def forward_schema(record) -> str:
+    """The forward op's schema for calls whose options are the call record `record`."""
+    return (f"(int kernel, Tensor q, Tensor k, Tensor v, Tensor[] inputs, "
+            f"{record.schema_arguments()}) -> (Tensor, Tensor)")
 
 
-def _define(name: str, variant):
-    learnable = [i for i, d in enumerate(variant.inputs) if d.learnable]
-    _LIBRARY.define(name + FORWARD_SCHEMA)
-    _LIBRARY.define(name + "_bwd" + BACKWARD_SCHEMA)
+def backward_schema(record) -> str:
+    """The backward op's schema: the forward's arguments, its results and their gradients
+    (dlse None where no loss reads the LSE) in; the gradients of q, k, v and of the
+    learnable inputs out."""
+    return (f"(int kernel, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
+            f"Tensor? dlse, Tensor[] inputs, {record.schema_arguments()}) "
+            f"-> (Tensor, Tensor, Tensor, Tensor[])")
+
+
+FORWARD_SCHEMA = forward_schema(CallOptions)
+BACKWARD_SCHEMA = backward_schema(CallOptions)
+
+
+def _define(name: str, learnable: list, record, forward_impl, backward_impl) -> Operators:
+    """The ops `name` (forward) and `name`_bwd for calls whose options are the call record
+    `record` (CallOptions, or a test's record with a field more); the inputs at indices
+    `learnable` take gradients. `forward_impl` and `backward_impl` are the real
+    implementations: they take the record's fields last (`*options`)."""
+    _LIBRARY.define(name + forward_schema(record))
+    _LIBRARY.define(name + "_bwd" + backward_schema(record))
     forward = getattr(torch.ops.attncc, name).default
     backward = getattr(torch.ops.attncc, name + "_bwd").default
     # The real implementations serve every device (the kernels take CUDA tensors, and
     # CPU ones under the interpreter); the fake ones, FakeTensors (torch.compile).
-    _LIBRARY.impl(name, _forward, "CompositeExplicitAutograd")
-    _LIBRARY.impl(name + "_bwd", _backward, "CompositeExplicitAutograd")
+    _LIBRARY.impl(name, forward_impl, "CompositeExplicitAutograd")
+    _LIBRARY.impl(name + "_bwd", backward_impl, "CompositeExplicitAutograd")
 
-    def forward_fake(kernel, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, tables):
+    def forward_fake(kernel, q, k, v, inputs, *options):
         # The same allocations as the generated module's forward (strides included).
         return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
-    def backward_fake(kernel, q, k, v, out, lse, dout, dlse, inputs, q_offset, k_offset, seed,
-                      drawn_seed, tables):
+    def backward_fake(kernel, q, k, v, out, lse, dout, dlse, inputs, *options):
         return (q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(k.shape),
                 [inputs[i].new_empty(inputs[i].shape) for i in learnable])
 
@@ -174,48 +185,47 @@ def _define(name: str, variant):
 
     class Attention(torch.autograd.Function):
         """The autograd formula: the forward op below autograd, the backward op for the
-        gradients. Inputs are splatted (autograd tracks tensors, not lists of them)."""
+        gradients. Inputs are splatted (autograd tracks tensors, not lists of them); the
+        call's options come as their record, one argument whatever fields it has."""
 
         @staticmethod
-        def forward(ctx, kernel, q, k, v, q_offset, k_offset, seed, drawn_seed, tables, *values):
+        def forward(ctx, kernel, q, k, v, call, *values):
             with torch._C._AutoDispatchBelowAutograd():
-                out, lse = forward(kernel, q, k, v, list(values), q_offset, k_offset, seed,
-                                   drawn_seed, tables)
+                out, lse = forward(kernel, q, k, v, list(values), *call.op_arguments())
             ctx.save_for_backward(q, k, v, out, lse, *values)
             # The LSE is differentiable, as the reference's: a gradient that does not flow
             # comes as None (not a tensor of zeros), so a call whose LSE no loss reads
             # runs the backward it ran before, with nothing more read.
             ctx.set_materialize_grads(False)
-            ctx.call = (kernel, q_offset, k_offset, seed, drawn_seed, tables)
+            ctx.call = (kernel, call)
             # The registries are weak: the graph keeps the kernel and tables it needs, as
             # in `attncc.compile(spec)(q, k, v).sum().backward()`.
-            ctx.keep_alive = (_kernel(kernel), _tables(tables))
+            ctx.keep_alive = (_kernel(kernel), _tables(call.tables))
             return out, lse
 
         @staticmethod
         @torch.autograd.function.once_differentiable
         def backward(ctx, dout, dlse):
             q, k, v, out, lse, *values = ctx.saved_tensors
-            kernel, q_offset, k_offset, seed, drawn_seed, tables = ctx.call
+            kernel, call = ctx.call
             if dout is None and dlse is None:
-                return (None,) * (9 + len(values))
+                return (None,) * (5 + len(values))
             if dout is None:  # a loss of the LSE alone
                 dout = torch.zeros_like(out)
             if dlse is not None:
                 dlse = dlse.contiguous()  # the kernels read it as [B * H, len_q] rows
             dq, dk, dv, dlearnable = backward(kernel, q, k, v, out, lse, dout, dlse, values,
-                                              q_offset, k_offset, seed, drawn_seed, tables)
+                                              *call.op_arguments())
             dinputs = [None] * len(values)
             for i, g in zip(learnable, dlearnable):
                 dinputs[i] = g
-            return None, dq, dk, dv, None, None, None, None, None, *dinputs
+            return None, dq, dk, dv, None, *dinputs
 
-    def autograd_kernel(kernel, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, tables):
+    def autograd_kernel(kernel, q, k, v, inputs, *options):
         if torch.is_grad_enabled() and torch._C._any_requires_grad(q, k, v, *inputs):
-            return Attention.apply(kernel, q, k, v, q_offset, k_offset, seed, drawn_seed,
-                                   tables, *inputs)
+            return Attention.apply(kernel, q, k, v, record(*options), *inputs)
         with torch._C._AutoDispatchBelowAutograd():
-            return forward(kernel, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, tables)
+            return forward(kernel, q, k, v, inputs, *options)
 
     _LIBRARY.impl(name, autograd_kernel, "Autograd")
     return Operators(forward, backward, autograd_kernel)
@@ -231,13 +241,13 @@ def _table_store(tables):
     return None if TABLE_CACHE == "1" else {}
 
 
-def _forward(kernel_id, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, tables_id):
+def _forward(kernel_id, q, k, v, inputs, *options):
     precompile.wait_for_triton()
     kernel = _kernel(kernel_id)
-    seed = _seed(seed, drawn_seed)
-    tables = _tables(tables_id)
+    call = CallOptions.received(options)
+    tables = _tables(call.tables)
     values = dict(zip(kernel.input_names, inputs))
-    p = _problem(q, k, v, q_offset, k_offset)
+    p = _problem(q, k, v, call.q_offset, call.k_offset)
     if empty_problem(p):
         if tables is not None:
             tables.check_reads(values)
@@ -250,8 +260,7 @@ def _forward(kernel_id, q, k, v, inputs, q_offset, k_offset, seed, drawn_seed, t
                       "every replay drops the same elements", stacklevel=2)
     if tables is not None:
         tables.check_reads(values)
-    common = dict(q_offset=q_offset, k_offset=k_offset, seed=seed,
-                  tables=_table_store(tables))
+    common = call.launch_arguments(_table_store(tables))
     tune = kernel._tuning(p, values, q.device, tables)
     direction, run = kernel.forward_runner(q, k, v, values, p, common, tune)
     if q.is_cuda and (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -314,17 +323,16 @@ def _compile_backward_beside(kernel, p, q, k, v, values, common, tune, direction
     precompile.launch_together(launches)
 
 
-def _backward(kernel_id, q, k, v, out, lse, dout, dlse, inputs, q_offset, k_offset, seed,
-              drawn_seed, tables_id):
+def _backward(kernel_id, q, k, v, out, lse, dout, dlse, inputs, *options):
     """The gradients of the output and, with dlse (None when no loss reads the LSE), of
     the LSE: folded into delta (delta - dlse, see the backward template), so the dQ and
     dK/dV kernels run unchanged."""
     from .settings import backward_directions
     kernel = _kernel(kernel_id)
-    seed = _seed(seed, drawn_seed)
-    tables = _tables(tables_id)
+    call = CallOptions.received(options)
+    tables = _tables(call.tables)
     values = dict(zip(kernel.input_names, inputs))
-    p = _problem(q, k, v, q_offset, k_offset)
+    p = _problem(q, k, v, call.q_offset, call.k_offset)
     if empty_problem(p):
         # No query sees a key: the output is 0 and the LSE -inf whatever q, k, v and the
         # inputs hold, so every gradient is 0 (dlse included).
@@ -332,8 +340,7 @@ def _backward(kernel_id, q, k, v, out, lse, dout, dlse, inputs, q_offset, k_offs
                 [values[d.name].new_zeros(values[d.name].shape)
                  for d in kernel.variant.learnable_inputs])
     module = kernel.module
-    common = dict(q_offset=q_offset, k_offset=k_offset, seed=seed,
-                  tables=_table_store(tables))
+    common = call.launch_arguments(_table_store(tables))
     tune = kernel._tuning(p, values, q.device, tables)
     if backward_directions(module.USES_TABLES) == ("bwd",):
         # dK/dV and dQ as two roles of one grid, one config, both reading delta.
@@ -390,11 +397,11 @@ def _backward(kernel_id, q, k, v, out, lse, dout, dlse, inputs, q_offset, k_offs
 # Python (at trace time on FakeTensors; they read no tensor values). It writes the new
 # tokens into the caches in place, as its schema says (a!, b!), so functionalization
 # keeps the write. Inference only: its Autograd kernel runs it below autograd, with no
-# graph. `config` is [] or the four CONFIG_KEYS values in order; `num_splits` 0 is unset.
+# graph. Its options are a DecodeOptions record (attncc/runtime/decoding.py), spelt
+# field by field after the tensors, as the attention ops spell their CallOptions.
 DECODE_SCHEMA = ("(int kernel, Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, "
                  "Tensor cache_seqlens, Tensor? k_new, Tensor? v_new, Tensor? block_table, "
-                 "Tensor[] inputs, int num_splits, int[] config, bool rows_before_start) "
-                 "-> (Tensor, Tensor)")
+                 f"Tensor[] inputs, {DecodeOptions.schema_arguments()}) -> (Tensor, Tensor)")
 _DECODE_OPS: dict = {}  # op name -> the decode OpOverload
 
 
@@ -407,7 +414,7 @@ def decode_operator(kernel) -> torch._ops.OpOverload:
         _LIBRARY.impl(name, _decode, "CompositeExplicitAutograd")
 
         def decode_fake(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-                        inputs, num_splits, config, rows_before_start):
+                        inputs, *options):
             # The generated module's allocations: dense, in q's dtype; LSE in float32.
             return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
@@ -422,11 +429,8 @@ def decode_operator(kernel) -> torch._ops.OpOverload:
 
 
 def _decode(kernel_id, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, inputs,
-            num_splits, config, rows_before_start):
-    from .decoding import CONFIG_KEYS, run_decode
+            *options):
     kernel = _kernel(kernel_id)
     values = dict(zip(kernel.input_names, inputs))
     return run_decode(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-                      values, num_splits=num_splits or None,
-                      config=dict(zip(CONFIG_KEYS, config)) if config else None,
-                      rows_before_start=rows_before_start)
+                      values, **DecodeOptions(*options).run_arguments())
