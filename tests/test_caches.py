@@ -180,7 +180,8 @@ def test_a_damaged_tuning_file_is_ignored_and_rebuilt(tmp_path, damage):
 
 def test_tuning_entries_accumulate_and_a_missing_file_is_created(tmp_path):
     path = tmp_path / "deep" / "dir" / "v.json"
-    other = lambda **change: tuning.Choice("triton", TileConfig.from_dict(dict(CONFIG, **change), "t"))
+    other = lambda **change: tuning.Choice("triton",
+                                           TileConfig.from_dict(dict(CONFIG, **change), "t"))
     assert tuning._load(path) == {}
     tuning._store(path, {"a": CHOICE.to_json()})
     tuning._store(path, {"b": other(BLOCK_M=128).to_json()})

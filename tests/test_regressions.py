@@ -243,9 +243,10 @@ def test_a_tuning_entry_with_tiles_past_an_index_list_block_is_not_used():
 
 def test_one_bad_tuning_entry_does_not_hide_or_drop_the_others(tmp_path):
     path = tmp_path / "v.json"
-    good = {"backend": "triton", "config": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
-    path.write_text(json.dumps({"fwd-a": good, "fwd-b": dict(good, config=dict(good["config"], BLOCK_M=48)),
-                                "fwd-c": 7, "fwd-d": dict(good, config=dict(good["config"], num_warps=0)),
+    config = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    good = {"backend": "triton", "config": config}
+    path.write_text(json.dumps({"fwd-a": good, "fwd-b": dict(good, config=dict(config, BLOCK_M=48)),
+                                "fwd-c": 7, "fwd-d": dict(good, config=dict(config, num_warps=0)),
                                 "fwd-e": dict(good, backend="cuda")}))
     assert tuning._load(path) == {"fwd-a": tuning.Choice.from_json(good, "t")}
     tuning._store(path, {"dq-e": good})

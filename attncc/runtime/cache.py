@@ -158,7 +158,8 @@ def load_generated(variant: ir.Variant, backend: str | None = None):
     found = _load_indexed(variant, backend)
     if found is not None:
         return found
-    gen = backends.named(backend).render(variant)  # imports sympy: only when there is code to generate
+    # The generators import sympy: only when there is code to generate.
+    gen = backends.named(backend).render(variant)
     digest = hashlib.sha256(gen.source.encode()).hexdigest()
     name = f"{gen.module_name}_{digest[:12]}"
     path = cache_dir() / "modules" / f"{name}.py"

@@ -6,7 +6,7 @@ Everything here goes through the registry (attncc/backends/__init__.py) and the 
 protocol: no backend is named. A compiled kernel keeps the backends that can run its
 variant on this machine (`kernel_backends`); each call narrows them to those that take its
 tensors and role (`role_backends`); where several remain, the tuner picks one with its
-tile config (runtime/tuning.py), and `reason` says why that one ran.
+tile config (runtime/tuning.py), and `tuner_reason` says why that one ran.
 """
 from __future__ import annotations
 
@@ -37,11 +37,12 @@ def refuse(backend, reason: str):
                        f"or backend='{portable.name}'")
 
 
-def kernel_backends(variant, requested: str, pinned: bool) -> tuple:
+def kernel_backends(variant, requested: str, pinned: Callable) -> tuple:
     """(backends, reason): the backends that may run a kernel of `variant` on this
     machine, in order of preference, as far as it is decided before a call, and why the
-    first one. `pinned`: a config is pinned (config= or ATTNCC_CONFIG); under auto it is
-    the portable kernels'. A backend asked for by name that cannot run is refused."""
+    first one. `pinned()`: whether a config is pinned (config= or ATTNCC_CONFIG), asked
+    only where another backend could run; under auto a pin is the portable kernels'. A
+    backend asked for by name that cannot run is refused."""
     portable = backends.portable()
     if requested == portable.name:
         return (portable,), f"backend='{portable.name}' was asked for"
@@ -50,7 +51,7 @@ def kernel_backends(variant, requested: str, pinned: bool) -> tuple:
         if requested not in (AUTO, backend.name):
             continue
         why = backend.supports(variant) or backend.environment_unsupported()
-        if why is None and pinned and requested == AUTO:
+        if why is None and requested == AUTO and pinned():
             why = (f"a pinned config (config= or ATTNCC_CONFIG) is the portable kernel's; pass "
                    f"backend='{backend.name}' with config= to pin a {backend.title} one")
         if why is not None:
@@ -71,7 +72,7 @@ class Role:
     """One kernel role of one call ("fwd", "dq", "dkdv" or "bwd") and how each backend that
     may run it launches it: `runs` {backend name: run(TileConfig)}, in order of
     preference. `reason`: why these backends alone where one is left, else None (the
-    tuner decides, and `reason()` below says why)."""
+    tuner decides, and `tuner_reason` says why)."""
     direction: str
     runs: dict
     reason: str | None
@@ -112,11 +113,9 @@ def make_role(kernel, kind: str, q, k, v, run_of: Callable) -> Role:
     return Role(kind, {backend.name: run_of(backend) for backend in able}, why)
 
 
-def reason(role: Role, backend: str, untimed: str | None) -> str:
-    """Why `backend` runs the role: the role's own reason where one backend was left, else
-    the tuner's choice (`untimed`: why nothing was timed, tuning.untimed_reason's)."""
-    if role.reason is not None:
-        return role.reason
+def tuner_reason(role: Role, backend: str, untimed: str | None) -> str:
+    """Why `backend` runs a role several backends could run: the tuner chose it
+    (`untimed`: why nothing was timed, tuning.untimed_reason's)."""
     title, what = backends.named(backend).title, KERNEL_NAMES[role.direction]
     if untimed is not None:
         return f"{untimed}, so the {title} {what}, which runs everywhere"

@@ -38,13 +38,14 @@ class Kernel:
         portable = backends.portable().name
         self.requested_backend = dispatch.check_backend(backend)
         # A TileConfig; config= pins the portable kernels unless another backend is named.
-        self.pinned_config = (configs.pin(config, variant, "config",
-                                          portable=self.requested_backend in (dispatch.AUTO, portable))
+        pins_portable = self.requested_backend in (dispatch.AUTO, portable)
+        self.pinned_config = (configs.pin(config, variant, "config", portable=pins_portable)
                               if config else None)
         # The backends that may run this variant here, in order of preference; the first
         # is kernel.backend (runtime/dispatch.py).
         self.backends, self.backend_reason = dispatch.kernel_backends(
-            variant, self.requested_backend, bool(self.pinned_config or configs.env_config()))
+            variant, self.requested_backend,
+            lambda: bool(self.pinned_config or configs.env_config()))
         self.backend = self.backends[0].name
         self._modules = {}  # backend name -> (Generated, module), each imported on first use
         if load:
@@ -134,7 +135,10 @@ class Kernel:
         chose (runtime/tuning.py; `tune`, tuning_inputs' hints). kernel.last_backend, or
         last_backward of the role, says which backend and why."""
         choice = tuning.choose(self, problem, dtype, role.direction, role.runs, *tune)
-        ran = (choice.backend, dispatch.reason(role, choice.backend, tuning.untimed_reason()))
+        why = role.reason
+        if why is None:
+            why = dispatch.tuner_reason(role, choice.backend, tuning.untimed_reason())
+        ran = (choice.backend, why)
         if role.direction == "fwd":
             self._last_backend = ran
         else:
