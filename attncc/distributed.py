@@ -5,7 +5,7 @@ order `Sharding` gives them. Keys and values visit the other ranks; every (query
 key piece) pair that may hold an allowed (q, k) pair is one call of the compiled
 kernel at the two pieces' absolute offsets (the kernels take absolute positions), and
 the partial outputs merge exactly through their log-sum-exps. Each pair's forward is the
-one a single-device call of that pair would run (`Kernel.forward_runner`: on Hopper the
+one a single-device call of that pair would run (`Kernel.forward_role`: on Hopper the
 Gluon forward where it takes the call); the pieces' backward is portable (the Gluon dK/dV
 and dQ kernels run single-device backwards only, so far). The backward sends the
 keys and values again; each rank adds dQ for its own queries, and sends the dK/dV it
@@ -712,26 +712,27 @@ class _RingAttention:
             tables = self.tables.setdefault((q_offset, k_offset), {})
         return q_offset, k_offset, tables
 
-    def _pair_runner(self, hop, i, j, direction, fn, args) -> tuple:
-        """(problem, direction, run) of `fn` (a module entry point) on local query piece i
-        and visiting key piece j at their absolute offsets; `run(config)` launches it. The
-        forward ("fwd") is the one a single-device call of the pair would run
-        (`Kernel.forward_runner`: on Hopper the Gluon forward where it takes the call),
-        and its direction says which."""
+    def _pair_launch(self, hop, i, j, direction, fn, args) -> tuple:
+        """(problem, run, config) of `fn` (a module entry point) on local query piece i and
+        visiting key piece j at their absolute offsets, with the tuned config of its
+        direction; `run(config)` launches it. The forward ("fwd") is the one a
+        single-device call of the pair would run (`Kernel.forward_role`: on Hopper the
+        Gluon forward where it takes the call and was measured faster)."""
         q_offset, k_offset, tables = self._pair_offsets(hop, i, j)
         options = dataclasses.replace(self.options, q_offset=q_offset, k_offset=k_offset)
         common = options.launch_arguments(tables)
         problem = self._pair_problem(q_offset, k_offset)
         if direction == "fwd":
-            direction, run = self.kernel.forward_runner(*args, problem, common)
+            role = self.kernel.forward_role(*args, common)
+            run, config = self.kernel.choose(role, problem, args[0].dtype)
         else:
-            run = lambda config: fn(*args, config=config, **common)
-        return problem, direction, run
+            run = tuning.launcher(fn, *args, **common)
+            config = tuning.config_for(self.kernel, problem, args[0].dtype, direction, run)
+        return problem, run, config
 
     def _pair_call(self, hop, i, j, direction, fn, *args):
         """Run one piece pair's call with the tuned config of its direction."""
-        problem, direction, run = self._pair_runner(hop, i, j, direction, fn, args)
-        config = tuning.config_for(self.kernel, problem, args[0].dtype, direction, run)
+        problem, run, config = self._pair_launch(hop, i, j, direction, fn, args)
         return tuning.launch(self.kernel, problem, args[0].dtype, direction, run, config)
 
     def _tune_before_transfers(self, calls_of):
@@ -752,8 +753,7 @@ class _RingAttention:
                  if self.schedule.wholly_attended[sharding.pieces[i]][sharding.pieces[j]]]
         i, j = (whole or own)[0]
         for direction, fn, args in calls_of(i, j):
-            problem, direction, run = self._pair_runner(0, i, j, direction, fn, args)
-            tuning.config_for(self.kernel, problem, args[0].dtype, direction, run)
+            self._pair_launch(0, i, j, direction, fn, args)
 
     # ---------------------------------------------------------------- forward
     def forward(self, q, k, v, inputs):

@@ -42,7 +42,8 @@ def profile(name):
         torch.cuda.synchronize()
     kernels = [(e.key, e.device_time_total / 1e3) for e in prof.key_averages()
                if e.device_time_total > 0]
-    chosen = {key: cfg for (kkey, key), cfg in tuning._MEMORY.items() if kkey == kern.key}
+    chosen = {key[1]: choice.to_json() for key, choice in tuning._MEMORY.items()
+              if key[0] == kern.key and isinstance(choice, tuning.Choice)}
     if HOST:  # the host side of 20 steps, by own time
         import cProfile
         import io

@@ -92,7 +92,7 @@ def child(row: str, against: dict | None, tune_too: bool = False) -> dict:
     phases["first backward"] = clock() - t
     first_result = sum(phases[p] for p in ("import attncc", "attncc.compile", "first forward",
                                            "first backward"))
-    chosen = {key: config for (_, key), config in tuning._MEMORY.items()}
+    chosen = _chosen(tuning)
 
     import triton
 
@@ -103,9 +103,10 @@ def child(row: str, against: dict | None, tune_too: bool = False) -> dict:
         q.grad = k.grad = v.grad = None
         kernel(q, k, v, **inputs).backward(do)
 
-    def time_with(configs: dict) -> dict:
+    def time_with(choices: dict) -> dict:
         tuning._MEMORY.clear()
-        tuning._MEMORY.update({(kernel.key, key): c for key, c in configs.items()})
+        tuning._MEMORY.update({(kernel.key, key): tuning.Choice.from_json(c, "run file")
+                               for key, c in choices.items()})
         return {"fwd": triton.testing.do_bench(fwd, warmup=100, rep=400, return_mode="median"),
                 "fwd+bwd": triton.testing.do_bench(fwd_bwd, warmup=100, rep=400,
                                                    return_mode="median")}
@@ -120,7 +121,7 @@ def child(row: str, against: dict | None, tune_too: bool = False) -> dict:
         fwd_bwd()
         torch.cuda.synchronize()
         tune_s = clock() - t
-        theirs = {key: config for (_, key), config in tuning._MEMORY.items()}
+        theirs = _chosen(tuning)
     for _ in range(3 if theirs else 1):  # alternate, so clock drift hits both alike
         steady["own"].append(time_with(chosen))
         if theirs:
@@ -131,6 +132,12 @@ def child(row: str, against: dict | None, tune_too: bool = False) -> dict:
                 tuned=theirs, tune_s=tune_s,
                 steady={w: {p: median(runs, p) for p in ("fwd", "fwd+bwd")}
                         for w, runs in steady.items() if runs})
+
+
+def _chosen(tuning) -> dict:
+    """The tuner's choices in this process: {tuning key: {"backend", "config"}}."""
+    return {key[1]: choice.to_json() for key, choice in tuning._MEMORY.items()
+            if isinstance(choice, tuning.Choice)}
 
 
 def row_class(row: str, device: str) -> str:
@@ -164,19 +171,26 @@ def write_winners(run_file: str, device: str):
         if "failed" in r:
             continue
         vclass = row_class(r["row"], device)
-        for key, winner in r["chosen"].items():
-            m = re.match(r"(.+)-d(\d+)-(\w+)-g\d+-q(\d+)-k(\d+)$", key)
+        for key, choice in r["chosen"].items():
+            m = re.match(r"(.+)-d(\d+)-(\w+)-g\d+-q(\d+)-k(\d+)-on-([\w+]+)$", key)
             if not m:
-                continue  # untuned or density-keyed entries are not shipped
-            direction, dim, dtype, lq, lk = m.groups()
-            entry = known_winners.entry_key(direction, int(dim), dtype, vclass, int(lq), int(lk))
-            if entry in entries and entries[entry] != winner:
-                print(f"{entry}: {sources[entry]} chose {entries[entry]}, {r['row']} {winner}; "
-                      "left out")
-                entries[entry] = None
-                continue
-            entries.setdefault(entry, winner)
-            sources.setdefault(entry, r["row"])
+                continue  # density-keyed entries are not shipped
+            direction, dim, dtype, lq, lk, options = m.groups()
+            entry = lambda what: known_winners.entry_key(what, int(dim), dtype, vclass, int(lq),
+                                                         int(lk))
+            # Its backend's config; and where backends competed, which one won.
+            found = {entry(known_winners.config_entry(choice["backend"], direction)):
+                     choice["config"]}
+            if "+" in options:
+                found[entry(known_winners.choice_entry(direction))] = choice["backend"]
+            for name, winner in found.items():
+                if name in entries and entries[name] != winner:
+                    print(f"{name}: {sources[name]} chose {entries[name]}, {r['row']} {winner}; "
+                          "left out")
+                    entries[name] = None
+                    continue
+                entries.setdefault(name, winner)
+                sources.setdefault(name, r["row"])
     data = json.loads(known_winners.WINNERS_FILE.read_text())
     data["winners"][run["gpu"]] = {k: w for k, w in sorted(entries.items()) if w is not None}
     known_winners.WINNERS_FILE.write_text(format_winners(data))

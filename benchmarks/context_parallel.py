@@ -131,6 +131,14 @@ def check(name, sharding, scheme, S, H, D, dtype, device):
     return dict(variant=name, passed=ok, **results)
 
 
+def _as_json(chosen):
+    """A tuner's choice (tuning._MEMORY's value: a Choice, a TileConfig, or a decode
+    config's dict) as JSON."""
+    if isinstance(chosen, tuning.Choice):
+        return chosen.to_json()
+    return chosen.as_dict() if hasattr(chosen, "as_dict") else chosen
+
+
 def timed(fn, iters, device, world_group=True):
     """Median seconds of fn() over iters, each started together on every rank (barrier)
     and ended when the slowest rank ends."""
@@ -272,7 +280,8 @@ def main():
         transfer["dkdv"] = timed(lambda: exchange(dkdv), args.iters, device)
 
     # The tuner's choices in this process (empty when ATTNCC_CONFIG pins one).
-    result["configs"] = {"-".join(map(str, key[1:])): config for key, config in tuning._MEMORY.items()}
+    result["configs"] = {"-".join(map(str, key[1:])): _as_json(choice)
+                         for key, choice in tuning._MEMORY.items()}
     result["single_gpu_s"] = {n: dict(median=m, all=t) for n, (m, t) in single.items()}
     result["context_parallel_s"] = {n: dict(median=m, all=t) for n, (m, t) in parallel.items()}
     result["one_hop_transfer_s"] = {n: dict(median=m, all=t) for n, (m, t) in transfer.items()}

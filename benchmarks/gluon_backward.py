@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import attncc  # noqa: E402
 from attncc.arguments import Problem  # noqa: E402
-from attncc.backends.gluon import codegen as gluon  # noqa: E402
-from attncc.runtime import configs  # noqa: E402
+from attncc import backends  # noqa: E402
+from attncc.backends.gluon import kernel_unsupported, tiles  # noqa: E402
 from attncc.semantics.samples import sample_inputs  # noqa: E402
 from attncc.semantics.tolerance import gradient_scales, max_abs_error, within_tolerance  # noqa: E402
 from gluon_check import Watchdog  # noqa: E402
@@ -48,6 +48,26 @@ def _write():
     # One file per part: a speed-only call must not overwrite a correctness call's results.
     with open(os.path.join(OUT, f"gluon_backward-{PART}.json"), "w") as f:
         json.dump(RESULTS, f, indent=1)
+
+
+GLUON, PORTABLE = backends.named("gluon"), backends.portable()
+
+
+def _dicts(configs):
+    """Tile configs as the dicts a generated module's config= takes."""
+    return [c.as_dict() for c in configs]
+
+
+def portable_candidates(variant, D, direction):
+    return _dicts(PORTABLE.candidates(direction, D, variant))
+
+
+def backward_candidates(D):
+    return _dicts(tiles.backward_candidates(D))
+
+
+def dq_candidates(D):
+    return _dicts(tiles.dq_candidates(D))
 
 
 def _label(c):
@@ -67,9 +87,9 @@ def check_dkdv(variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, config, dq_config, seed
     q, k, v = (torch.randn(B, h, n, D, device=dev, dtype=torch.float64).to(dtype)
                for h, n in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk)))
     kernel = attncc.compile(variant, backend="gluon")
-    host, glu = kernel.module, kernel.gluon_module
+    host, glu = kernel.module, kernel.module_of("gluon")
     offsets = dict(q_offset=q_offset, k_offset=k_offset)
-    fwd_config = configs.kept_candidates(variant, D, "fwd")[0]
+    fwd_config = portable_candidates(variant, D, "fwd")[0]
     out, lse = host.forward(q, k, v, inputs, config=fwd_config, **offsets)
     dout = torch.randn_like(out)
     delta = host.backward_delta(out, dout)
@@ -98,13 +118,13 @@ def check_dkdv(variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, config, dq_config, seed
 def correctness(args, dog):
     names = sorted(f[:-5] for f in os.listdir(EXAMPLES) if f.endswith(".attn"))
     variants = {n: attncc.parse_file(os.path.join(EXAMPLES, n + ".attn")) for n in names}
-    taken = {n: v for n, v in variants.items() if gluon.variant_unsupported(v) is None
-             and gluon.backward_unsupported(v, "dq", 128) is None}
+    taken = {n: v for n, v in variants.items() if GLUON.supports(v) is None
+             and kernel_unsupported(v, "dq", 128) is None}
     if args.sweep:
         taken = {n: v for n, v in taken.items() if n in args.sweep.split(",")}
     bf, fp = torch.bfloat16, torch.float16
-    first = gluon.backward_candidates(128)[0]
-    first_dq = {d: gluon.dq_candidates(d)[0] for d in (64, 128)}
+    first = backward_candidates(128)[0]
+    first_dq = {d: dq_candidates(d)[0] for d in (64, 128)}
     cases = []  # (variant name, shape, dtype, dK/dV config, dQ config)
     for n in taken:
         cases.append((n, dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128), bf, first, first_dq[128]))
@@ -114,14 +134,14 @@ def correctness(args, dog):
     for n in ("full", "causal", "document", "gqa_causal"):
         if n in taken:
             cases.append((n, dict(B=1, Hq=4, Hkv=1, Lq=257, Lk=257, D=64), bf,
-                          gluon.backward_candidates(64)[0], first_dq[64]))
+                          backward_candidates(64)[0], first_dq[64]))
     for n in ("causal", "softcap", "alibi"):
         if n in taken:
             cases.append((n, dict(B=1, Hq=4, Hkv=4, Lq=333, Lk=333, D=128), fp, first, first_dq[128]))
     for n in ("full", "causal_bottom_right"):
         if n in taken:
             cases.append((n, dict(B=2, Hq=2, Hkv=2, Lq=1, Lk=300, D=128), bf, first, first_dq[128]))
-    others = zip(gluon.backward_candidates(128)[1:], gluon.dq_candidates(128)[1:])
+    others = zip(backward_candidates(128)[1:], dq_candidates(128)[1:])
     for config, dq_config in others:
         for n in ("full", "causal", "document"):
             if n in taken:
@@ -165,13 +185,13 @@ def speed(args, dog):
         pairs = pairs_per_head(variant, p, inputs, "cuda")[0]
         flops = 4 * 2 * q.shape[0] * q.shape[1] * D * pairs  # four products of 2*D per pair
         kernel = attncc.compile(variant, backend="gluon")
-        host, glu = kernel.module, kernel.gluon_module
-        out, lse = host.forward(q, k, v, inputs, config=configs.kept_candidates(variant, D, "fwd")[0])
+        host, glu = kernel.module, kernel.module_of("gluon")
+        out, lse = host.forward(q, k, v, inputs, config=portable_candidates(variant, D, "fwd")[0])
         dout = torch.randn_like(out)
         delta = host.backward_delta(out, dout)
         entry = dict(variant=name, dim=D, tflop=flops / 1e12, times={}, diffs={})
         ref_dk = None
-        for config in configs.kept_candidates(variant, D, "dkdv")[:4]:
+        for config in portable_candidates(variant, D, "dkdv")[:4]:
             run = lambda c=config: host.backward_dkdv(q, k, v, lse, delta, dout, inputs, config=c)
             try:
                 dk, dv = run()
@@ -180,7 +200,7 @@ def speed(args, dog):
             except Exception as e:
                 entry["times"][f"portable dK/dV {_label(config)}"] = f"{type(e).__name__}: {str(e)[:200]}"
         scratch = host.new_delta(q)
-        for config in configs.kept_candidates(variant, D, "dq")[:4]:
+        for config in portable_candidates(variant, D, "dq")[:4]:
             run = lambda c=config: host.backward_dq(q, k, v, lse, scratch, dout, inputs, config=c,
                                                     out=out)
             try:
@@ -188,7 +208,7 @@ def speed(args, dog):
                 entry["times"][f"portable dQ {_label(config)}"] = _median_ms(run)
             except Exception as e:
                 entry["times"][f"portable dQ {_label(config)}"] = f"{type(e).__name__}: {str(e)[:200]}"
-        for config in gluon.dq_candidates(D):
+        for config in dq_candidates(D):
             run = lambda c=config: glu.backward_dq(q, k, v, lse, scratch, dout, inputs, host=host,
                                                    config=c, out=out)
             try:
@@ -196,7 +216,7 @@ def speed(args, dog):
                 entry["times"][f"gluon dQ {_label(config)}"] = _median_ms(run)
             except Exception as e:
                 entry["times"][f"gluon dQ {_label(config)}"] = f"{type(e).__name__}: {str(e)[:200]}"
-        for config in gluon.backward_candidates(D):
+        for config in backward_candidates(D):
             run = lambda c=config: glu.backward_dkdv(q, k, v, lse, delta, dout, inputs, host=host,
                                                      config=c)
             try:

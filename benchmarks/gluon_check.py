@@ -32,12 +32,19 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import attncc  # noqa: E402
-from attncc.backends.gluon import codegen as gluon
+from attncc import backends
+from attncc.backends.gluon import kernel_unsupported, tiles
 from attncc.arguments import Problem
 from attncc.semantics.samples import sample_inputs
 from attncc.semantics.tolerance import gradient_scales, max_abs_error, within_tolerance
 
 OUT = os.environ.get("OUT", "out")
+GLUON = backends.named("gluon")
+
+
+def forward_candidates(D):
+    """The Gluon forward's tile configs, as the dicts config= takes."""
+    return [c.as_dict() for c in tiles.candidates(D)]
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 RESULTS: dict = {"correctness": [], "speed": []}
 DEV = "cuda"
@@ -113,7 +120,7 @@ def check_case(name, variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, backward=False, q
             rows.append(_compare(f"d{n}", g, rg, eg, dtype, scales.get(f"d{n}", 1.0)))
         # backend="gluon": dQ and dK/dV run the Gluon kernels wherever they take the call.
         for kind in ("dq", "dkdv"):
-            if (gluon.backward_unsupported(variant, kind, D) is None
+            if (kernel_unsupported(variant, kind, D) is None
                     and kernel.last_backward[kind][0] != "gluon"):
                 rows.append(dict(tensor=f"{kind} backend", error=str(kernel.last_backward),
                                  ok=False))
@@ -123,7 +130,7 @@ def check_case(name, variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, backward=False, q
 def correctness(args, dog):
     names = sorted(f[:-5] for f in os.listdir(EXAMPLES) if f.endswith(".attn"))
     variants = {n: attncc.parse_file(os.path.join(EXAMPLES, n + ".attn")) for n in names}
-    taken = {n: v for n, v in variants.items() if gluon.variant_unsupported(v) is None}
+    taken = {n: v for n, v in variants.items() if GLUON.supports(v) is None}
     bf, fp = torch.bfloat16, torch.float16
     few = ["full", "causal", "sliding_window", "alibi", "softcap", "document", "bigbird"]
     cases = []  # (name, shape dict, dtype, backward)
@@ -161,7 +168,7 @@ def correctness(args, dog):
     names = args.configs.split(",") if args.configs else []
     # Config-major, so that a config that hangs (the watchdog ends the process) comes
     # after every other config's results.
-    for config in gluon.candidates(128):
+    for config in forward_candidates(128):
         for name in names:
             label = (f"{name} config {config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} "
                      f"s{config['num_stages']}")
@@ -241,11 +248,12 @@ def speed(args, dog):
         entry = dict(variant=name, dim=D, tflop=flops / 1e12, times={})
         t_p = _median_ms(lambda: portable(q, k, v, **inputs))
         entry["times"]["portable"] = t_p
-        for config in gluon.candidates(D):
-            if config["num_warps"] == gluon.WS_WARPS and os.environ.get("GLUON_SKIP_WS") == "1":
+        for config in forward_candidates(D):
+            if config["num_warps"] == tiles.WS_WARPS and os.environ.get("GLUON_SKIP_WS") == "1":
                 continue  # it hung in the correctness part
             label = f"gluon {config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
-            run = lambda: glu.gluon_module.forward(q, k, v, inputs, host=glu.module, config=config)
+            run = lambda: glu.module_of("gluon").forward(q, k, v, inputs, host=glu.module,
+                                                         config=config)
             try:
                 out_g, _ = run()
                 diff = (out_g.float() - out_p.float()).abs().max().item()

@@ -28,7 +28,8 @@ from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import attncc  # noqa: E402
-from attncc.backends.gluon import codegen as gluon
+from attncc import backends
+from attncc.backends.gluon import tiles
 from attncc.arguments import Problem
 from attncc.runtime.cache import load_generated
 from attncc.semantics.samples import sample_inputs
@@ -49,6 +50,11 @@ class Sm90Driver:
     def __getattr__(self, name):
         raise AttributeError(f"the offline sm_90 driver has no {name}")
 
+
+
+def _dicts(configs):
+    """Tile configs as the dicts a generated module's config= takes."""
+    return [c.as_dict() for c in configs]
 
 def _compile_only(compiled: list):
     """Turn `kernel[grid](...)` into a compile that records the CompiledKernel."""
@@ -101,11 +107,11 @@ def main() -> int:
     print(f"triton {triton.__version__}; modules in {out_dir}")
     for spec in specs:
         variant = attncc.parse_file(spec)
-        why = gluon.variant_unsupported(variant)
+        why = backends.named("gluon").supports(variant)
         if why:
             print(f"{variant.name}: not taken ({why})")
             continue
-        gen = gluon.generate(variant)
+        gen = backends.named("gluon").render(variant)
         path = out_dir / f"{gen.module_name}.py"
         path.write_text(gen.source)
         module = _import(path, gen.module_name)
@@ -121,14 +127,14 @@ def main() -> int:
             lse = torch.randn(1, heads[0], 300)
             delta = torch.randn(1, heads[0], 300)
             dout = torch.randn_like(q)
-            kernels = [("", gluon.candidates(dim),
+            kernels = [("", _dicts(tiles.candidates(dim)),
                         lambda c: module.forward(q, k, v, inputs, host=host, config=c))]
             if args.backward:
                 kernels += [
-                    (" dK/dV", gluon.backward_candidates(dim),
+                    (" dK/dV", _dicts(tiles.backward_candidates(dim)),
                      lambda c: module.backward_dkdv(q, k, v, lse, delta, dout, inputs, host=host,
                                                     config=c)),
-                    (" dQ", gluon.dq_candidates(dim),
+                    (" dQ", _dicts(tiles.dq_candidates(dim)),
                      lambda c: module.backward_dq(q, k, v, lse, delta, dout, inputs, host=host,
                                                   config=c, out=dout))]
             for what, configs, launch in kernels:

@@ -4,8 +4,8 @@ The stand-in driver of benchmarks/gluon_compile.py tells Triton the target is an
 GPU; each launch becomes a compile, all the way through Triton's bundled ptxas. What
 this catches before any GPU time: a config the tuner may pick that the compiler cannot
 compile (ptxas crashed with SIGSEGV on some forward and dQ configs at head dims 16 and 32
-under Triton 3.6: runtime/configs.py, keep()). The candidates are those keep() lets
-through; the shipped winners pass the same check (configs.usable).
+under Triton 3.6: backends/portable/tiles.py, keep()). The candidates are those keep() lets
+through; the shipped winners must be among them (runtime/configs.py, usable).
 
     python benchmarks/portable_compile.py [examples/causal.attn ...] [--dims 16,32,64]
         [--dtypes float16,bfloat16] [--directions fwd,dq,dkdv] [--all-configs]
@@ -25,7 +25,8 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import attncc  # noqa: E402
 from attncc.arguments import Problem  # noqa: E402
-from attncc.runtime import configs, tuning  # noqa: E402
+from attncc import backends  # noqa: E402
+from attncc.runtime import tuning  # noqa: E402
 from attncc.semantics.samples import sample_inputs  # noqa: E402
 from gluon_compile import Sm90Driver, _compile_only  # noqa: E402
 
@@ -71,13 +72,13 @@ def main() -> int:
                 for direction, run in launches(module, variant, dim, dtype).items():
                     if direction not in args.directions.split(","):
                         continue
-                    kept = configs.kept_candidates(variant, dim, direction)
+                    kept = backends.portable().candidates(direction, dim, variant)
                     for config in kept if args.all_configs else kept[:tuning.TUNE_AT_MOST]:
                         label = (f"{variant.name} {direction} d{dim} {str(dtype)[6:]} "
-                                 f"{configs.label(config)}")
+                                 f"{config.label()}")
                         start = time.perf_counter()
                         try:
-                            run(config)
+                            run(config.as_dict())
                             print(f"{label}: ok ({time.perf_counter() - start:.1f} s)", flush=True)
                         except Exception as e:  # report and go on: the point is the whole list
                             failures += 1

@@ -21,7 +21,8 @@ import torch
 
 import attncc
 import attncc.version
-from attncc.runtime import cache, configs, settings, tuning
+from attncc.backends.tile_config import TileConfig
+from attncc.runtime import cache, settings, tuning
 from attncc.backends.portable.codegen import generate
 
 SPEC = "attention cached { mask q >= k and q - k < 21 }"
@@ -155,32 +156,37 @@ def test_the_module_index_is_keyed_by_the_generator(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------ (c) the tuning cache
 CONFIG = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+CHOICE = tuning.Choice("triton", TileConfig.from_dict(CONFIG, "test"))  # as the cache stores it
 
 
 @pytest.mark.parametrize("damage", [
     b"", b"{", b"{\"fwd-d64\": ", b"[1, 2, 3]", b"null", b"\"text\"",
-    b"{\"fwd-d64\": {\"BLOCK_M\": 64}}",  # a config missing keys
-    b"{\"fwd-d64\": {\"BLOCK_M\": 48, \"BLOCK_N\": 32, \"num_warps\": 4, \"num_stages\": 2}}",
+    b"{\"fwd-d64\": {\"backend\": \"triton\", \"config\": {\"BLOCK_M\": 64}}}",  # missing keys
+    b"{\"fwd-d64\": {\"backend\": \"triton\", \"config\": {\"BLOCK_M\": 48, \"BLOCK_N\": 32, "
+    b"\"num_warps\": 4, \"num_stages\": 2}}}",
     b"{\"fwd-d64\": 7}",
+    b"{\"fwd-d64\": {\"BLOCK_M\": 64, \"BLOCK_N\": 32, \"num_warps\": 4, \"num_stages\": 2}}",
 ], ids=["empty", "open_brace", "truncated", "list", "null", "string", "missing_keys",
-        "bad_block", "not_a_dict"])
+        "bad_block", "not_a_dict", "config_alone"])
 def test_a_damaged_tuning_file_is_ignored_and_rebuilt(tmp_path, damage):
     path = tmp_path / "tuning" / "v.json"
     path.parent.mkdir(parents=True)
     path.write_bytes(damage)
     assert tuning._load(path) == {}
-    tuning._store(path, "dq-d32", CONFIG)
-    assert json.loads(path.read_text()) == {"dq-d32": CONFIG}
-    assert tuning._load(path) == {"dq-d32": CONFIG}
+    tuning._store(path, {"dq-d32": CHOICE.to_json()})
+    assert json.loads(path.read_text()) == {"dq-d32": CHOICE.to_json()}
+    assert tuning._load(path) == {"dq-d32": CHOICE}
 
 
 def test_tuning_entries_accumulate_and_a_missing_file_is_created(tmp_path):
     path = tmp_path / "deep" / "dir" / "v.json"
+    other = lambda **change: tuning.Choice("triton",
+                                           TileConfig.from_dict(dict(CONFIG, **change), "t"))
     assert tuning._load(path) == {}
-    tuning._store(path, "a", CONFIG)
-    tuning._store(path, "b", dict(CONFIG, BLOCK_M=128))
-    tuning._store(path, "a", dict(CONFIG, num_warps=8))  # a later winner replaces it
-    assert tuning._load(path) == {"a": dict(CONFIG, num_warps=8), "b": dict(CONFIG, BLOCK_M=128)}
+    tuning._store(path, {"a": CHOICE.to_json()})
+    tuning._store(path, {"b": other(BLOCK_M=128).to_json()})
+    tuning._store(path, {"a": other(num_warps=8).to_json()})  # a later winner replaces it
+    assert tuning._load(path) == {"a": other(num_warps=8), "b": other(BLOCK_M=128)}
 
 
 STORE_MANY = """
@@ -190,8 +196,9 @@ from attncc.runtime import tuning
 path, who, start, n = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 while not os.path.exists(start):
     time.sleep(0.0005)
+entry = {"backend": "triton", "config": dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)}
 for i in range(n):
-    tuning._store(path, f"{who}-{i}", dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1))
+    tuning._store(path, {f"{who}-{i}": entry})
 """
 
 
@@ -209,7 +216,7 @@ def test_processes_storing_different_keys_at_once_keep_every_entry(tmp_path):
         _, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
     data = json.loads(path.read_text())
-    assert all(configs.check_config(c, "t") for c in data.values())
+    assert all(tuning.Choice.from_json(c, "t") for c in data.values())
     assert set(data) == {f"{w}-{i}" for w in "ab" for i in range(n)}
 
 
@@ -279,12 +286,12 @@ def test_untuned_choice_skips_a_config_that_does_not_fit(monkeypatch, caplog):
 
     def run(config):
         tried.append(config)
-        if config["BLOCK_M"] == 128:
+        if config.block_m == 128:
             raise triton.runtime.errors.OutOfResources(360448, 232448, "shared memory")
 
     with caplog.at_level(logging.INFO, logger="attncc.tuning"):
         chosen = tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run)
-    assert chosen["BLOCK_M"] == 64 and tried[0]["BLOCK_M"] == 128
+    assert chosen.block_m == 64 and tried[0].block_m == 128
     assert "does not fit" in caplog.text
     n = len(tried)
     assert tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run) == chosen
@@ -332,12 +339,12 @@ def test_kept_tables_tune_per_density_bucket(monkeypatch, caplog, tmp_path):
                              variant=attncc.parse("attention lay { input on: bool[qb, kb] "
                                                   "layout on[qb, kb] block 128 }"))
     problem = Problem(1, 2, 2, 4096, 4096, 128, 128)
-    run = lambda config: config["BLOCK_M"]
+    run = lambda config: config.block_m
     caplog.set_level(logging.INFO, logger="attncc.tuning")
     dense = tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run, density=0.5)
     timings.update({64: 1.0, 128: 2.0})  # ...64-row tiles at another
     sparse = tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run, density=0.03)
-    assert (dense["BLOCK_M"], sparse["BLOCK_M"]) == (128, 64)
+    assert (dense.block_m, sparse.block_m) == (128, 64)
     assert caplog.text.count("tuned lay") == 2
     caplog.clear()
     assert tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run, density=0.035) == sparse
@@ -352,7 +359,7 @@ def test_a_call_with_kept_tables_passes_their_density_to_the_tuner(monkeypatch):
     on = torch.zeros(4, 4, dtype=torch.bool)
     on[:, 0] = True
     seen = []
-    real = tuning.config_for
+    real = tuning.choose
     contexts = []
 
     def spy(*a, **kw):
@@ -360,7 +367,7 @@ def test_a_call_with_kept_tables_passes_their_density_to_the_tuner(monkeypatch):
         contexts.append(a[5]() if len(a) > 5 and a[5] else None)
         return real(*a, **kw)
 
-    monkeypatch.setattr(tuning, "config_for", spy)
+    monkeypatch.setattr(tuning, "choose", spy)
     tables = kernel.tile_tables(q, k, v, on=on)
     assert tables.density == 0.25
     kernel(q.requires_grad_(), k, v, on=on, tables=tables).sum().backward()

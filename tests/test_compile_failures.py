@@ -18,7 +18,12 @@ import torch
 import attncc
 from attncc.arguments import Problem
 from attncc.errors import AttnccError, KernelCompileError
+from attncc import backends
+from attncc.backends.portable import tiles
+from attncc.backends.tile_config import TileConfig
 from attncc.runtime import configs, known_winners, tuning
+
+PORTABLE = backends.portable()
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -45,24 +50,24 @@ VARIANTS = [attncc.load(EXAMPLES / name) for name in
 
 
 def _config(m, n, w, s):
-    return dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
+    return TileConfig(m, n, w, s)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
 def test_configs_that_crashed_the_compiler_are_never_candidates(variant):
     for direction, dim, *shape in CRASHED_ON_TRITON_3_6:
         config = _config(*shape)
-        assert not configs.keep(config, variant, dim, direction)
-        assert config not in configs.kept_candidates(variant, dim, direction)
+        assert not tiles.keep(config, variant, dim, direction)
+        assert config not in PORTABLE.candidates(direction, dim, variant)
         # ... and a cached or shipped one is not used either (configs.usable).
-        assert not configs.usable(config, variant, dim, direction)
+        assert not configs.usable(PORTABLE.name, config, variant, dim, direction)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
 def test_every_head_dim_keeps_candidates_for_the_tuner(variant):
     for dim in DIMS + (17, 40, 200):
         for direction in ("fwd", "dq", "dkdv", "bwd"):
-            assert len(configs.kept_candidates(variant, dim, direction)) >= 2, (dim, direction)
+            assert len(PORTABLE.candidates(direction, dim, variant)) >= 2, (dim, direction)
 
 
 def test_shipped_winners_pass_the_filter():
@@ -71,9 +76,9 @@ def test_shipped_winners_pass_the_filter():
     checked = 0
     for entries in data.values():
         for key, winner in entries.items():
-            (direction, dim, _, _), _, _ = known_winners._parse(key)
-            if isinstance(winner, dict) and not direction.startswith("gluon-"):
-                assert configs.keep(winner, plain, dim, direction), key
+            (what, dim, _, _), _, _ = known_winners._parse(key)
+            if isinstance(winner, dict) and "-" not in what:  # a portable kernel's config
+                assert tiles.keep(TileConfig.from_dict(winner, key), plain, dim, what), key
                 checked += 1
     assert checked > 0
 
@@ -112,8 +117,8 @@ def _counting_run(bad):
     ran = []
 
     def run(config):
-        ran.append(configs.label(config))
-        if configs.label(config) == bad:
+        ran.append(config.label())
+        if config.label() == bad:
             _ptxas_crash(config)
     return run, ran
 

@@ -366,9 +366,9 @@ def test_split_count_fills_one_wave_and_respects_layout_blocks():
 def test_decode_configs_are_cached_apart_from_the_training_configs(tmp_path):
     path = tmp_path / "t-decode.json"
     config = dict(BLOCK_N=64, num_warps=4, num_stages=3, num_splits=8)
-    tuning._store(path, "decode-d128", config, check_decode_config)
+    tuning._store(path, {"decode-d128": config}, check_decode_config)
     assert tuning._load(path, check_decode_config) == {"decode-d128": config}
-    assert tuning._load(path) == {}  # not a training config: that loader ignores the file
+    assert tuning._load(path) == {}  # not a training choice: that loader ignores the file
     variant = attncc.parse(CAUSAL)
     assert tuning._cache_file(variant, "-decode") != tuning._cache_file(variant)
 
@@ -427,7 +427,7 @@ def test_the_tuned_config_is_stored_and_reused(tmp_path, monkeypatch):
     monkeypatch.setattr(decoding, "_sm_count", lambda device: 132)
     timed = []
 
-    def fake_tune(name, key, configs, run, context=""):
+    def fake_tune(name, key, configs, run, context="", label=None):
         timed.append((key, configs))
         return configs[-1]
     monkeypatch.setattr(tuning, "tune", fake_tune)

@@ -446,12 +446,13 @@ def test_one_rank_equals_the_kernel(world_of_one):
 
 
 def test_piece_pairs_run_the_forward_the_kernel_chooses(world_of_one, monkeypatch):
-    """Each piece pair's forward comes from Kernel.forward_runner, as a single-device
+    """Each piece pair's forward comes from Kernel.forward_role, as a single-device
     call's does: where the kernel's backend is Gluon (Hopper), every pair runs the Gluon
     forward (runs 84 and 96 of RESULTS.md). Here a stand-in Gluon module, the portable
     forward counted, takes the place of the Hopper kernels the CPU cannot run."""
     from types import SimpleNamespace
-    from attncc.runtime import backends
+    from attncc import backends
+    from attncc.backends import gluon
     kernel = attncc.compile(SPECS["causal"])
     calls = []
 
@@ -459,10 +460,11 @@ def test_piece_pairs_run_the_forward_the_kernel_chooses(world_of_one, monkeypatc
         calls.append((common["q_offset"], common["k_offset"]))
         return host.forward(q, k, v, values, config=config, **common)
 
-    monkeypatch.setattr(backends, "call_unsupported", lambda q, k, v: None)
+    monkeypatch.setattr(gluon, "_call_unsupported", lambda q, k, v: None)
+    monkeypatch.setattr(kernel, "backends", (backends.named("gluon"),))
     monkeypatch.setattr(kernel, "backend", "gluon")
     monkeypatch.setattr(kernel, "requested_backend", "gluon")
-    monkeypatch.setattr(kernel, "_gluon_generated", (None, SimpleNamespace(forward=gluon_forward)))
+    monkeypatch.setitem(kernel._modules, "gluon", (None, SimpleNamespace(forward=gluon_forward)))
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 2, 32, D, generator=gen, requires_grad=True) for _ in range(3))
     out = cp.context_parallel_attention(kernel, q, k, v)

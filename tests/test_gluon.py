@@ -4,16 +4,23 @@ explains and refuses as documented. The kernels themselves run only on an sm_90 
 benchmarks/gluon_check.py holds them to the float64 reference there.
 """
 import ast
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
 import torch
 
 import attncc
+from attncc import backends
+from attncc.backends import gluon as gluon_backend
 from attncc.backends.gluon import codegen as gluon
-from attncc.runtime import backends, configs, tuning
+from attncc.backends.gluon import tiles
+from attncc.backends.tile_config import TileConfig
+from attncc.runtime import configs, tuning
 from attncc.tools.cli import main
 from attncc.backends.portable.codegen import generate, template_context
+
+GLUON = backends.named("gluon")
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -36,8 +43,9 @@ def _imports(tree) -> set:
 @pytest.mark.parametrize("name", SAMPLE)
 def test_gluon_module_renders_parses_and_stands_alone(name):
     variant = attncc.parse_file(EXAMPLES / f"{name}.attn")
-    assert gluon.variant_unsupported(variant) is None
-    source = gluon.generate(variant).source
+    assert GLUON.supports(variant) is None
+    source = GLUON.render(variant).source
+    assert source == gluon.generate(variant).source
     tree = ast.parse(source)
     assert _imports(tree) <= {"functools", "torch", "triton"}  # the standard library, torch, triton
     defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
@@ -65,64 +73,71 @@ def test_gluon_module_takes_the_portable_argument_list():
 
 def test_variants_the_gluon_forward_does_not_take_are_named():
     dropout = attncc.parse_file(EXAMPLES / "dropout.attn")
-    assert "dropout 0.1" in gluon.variant_unsupported(dropout)
+    assert "dropout 0.1" in GLUON.supports(dropout)
     small_lists = attncc.parse("attention t { input top: i32[b, h, qb, 4] layout kb in top[b, h, qb] block 32 }")
-    assert "at least 64 rows" in gluon.variant_unsupported(small_lists)
+    assert "at least 64 rows" in GLUON.supports(small_lists)
     lists64 = attncc.parse("attention t { input top: i32[b, h, qb, 4] layout kb in top[b, h, qb] block 64 }")
-    assert gluon.variant_unsupported(lists64) is None
+    assert GLUON.supports(lists64) is None
     # Its tiles must nest in the 64-blocks: only 64-row, 64-column configs are offered.
-    kept = configs.kept_candidates(lists64, 128, "gluon-fwd")
-    assert kept and all(c["BLOCK_M"] <= 64 and c["BLOCK_N"] <= 64 for c in kept)
+    kept = GLUON.candidates("fwd", 128, lists64)
+    assert kept and all(c.block_m <= 64 and c.block_n <= 64 for c in kept)
 
 
 def test_calls_the_gluon_forward_does_not_take_are_named():
+    causal = attncc.parse_file(EXAMPLES / "causal.attn")
+    unsupported = lambda q, k, v: GLUON.supports_call(causal, q, k, v, "fwd")
     q = torch.randn(1, 2, 8, 128, dtype=torch.bfloat16)
-    assert backends.call_unsupported(q, q, q) is None
+    assert unsupported(q, q, q) is None
     f32 = q.float()
-    assert "float32" in backends.call_unsupported(f32, f32, f32)
+    assert "float32" in unsupported(f32, f32, f32)
     d96 = torch.randn(1, 2, 8, 96, dtype=torch.float16)
-    assert "head dim 96" in backends.call_unsupported(d96, d96, d96)
+    assert "head dim 96" in unsupported(d96, d96, d96)
     kt = torch.randn(1, 2, 128, 8, dtype=torch.bfloat16).transpose(2, 3)  # head dim strided
-    assert "k has strides" in backends.call_unsupported(q, kt, q)
+    assert "k has strides" in unsupported(q, kt, q)
     odd = torch.randn(1, 2, 8, 129, dtype=torch.bfloat16)[..., :128]  # rows of 258 bytes
-    assert "16-byte aligned" in backends.call_unsupported(q, q, odd)
+    assert "16-byte aligned" in unsupported(q, q, odd)
+    # No one-launch backward: that is the portable module's.
+    assert "no backward kernel of one launch" in GLUON.supports_call(causal, q, q, q, "bwd")
 
 
 def test_candidates_fit_and_pinned_configs_are_checked():
-    for dim in gluon.HEAD_DIMS:
-        configs = gluon.candidates(dim)
-        assert configs and all(gluon.smem_bytes(c, dim) <= gluon.SMEM_LIMIT for c in configs)
-        assert all(gluon.check_config(c, dim) is None for c in configs)
-    assert "BLOCK_M >= 16 * num_warps" in gluon.check_config(
-        dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1), 128)
-    assert "shared memory" in gluon.check_config(
-        dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3), 256)
+    causal = attncc.parse_file(EXAMPLES / "causal.attn")
+    for dim in gluon_backend.HEAD_DIMS:
+        kept = GLUON.candidates("fwd", dim, causal)
+        assert kept and all(tiles.smem_bytes(c, dim) <= tiles.SMEM_LIMIT for c in kept)
+        assert all(GLUON.check_config(c, "fwd", dim) is None for c in kept)
+    assert "BLOCK_M >= 16 * num_warps" in GLUON.check_config(TileConfig(16, 16, 4, 1), "fwd", 128)
+    assert "shared memory" in GLUON.check_config(TileConfig(128, 256, 8, 3), "fwd", 256)
+    # Before a call (no head dim), only what does not depend on it.
+    assert GLUON.check_config(TileConfig(128, 256, 8, 3), "fwd", None) is None
+    assert GLUON.check_config(TileConfig(64, 64, 4, 2), "bwd", 128) is not None
 
 
 def test_backward_candidates_fit_and_bad_configs_are_named():
-    for dim in gluon.BACKWARD_HEAD_DIMS:
-        kept = gluon.backward_candidates(dim)
-        assert kept and all(gluon.check_backward_config(c, dim) is None for c in kept)
-    assert gluon.backward_candidates(256) == [] and gluon.dq_candidates(256) == []
-    for dim in gluon.BACKWARD_HEAD_DIMS:
-        kept = gluon.dq_candidates(dim)
-        assert kept and all(gluon.check_dq_config(c, dim) is None for c in kept)
     causal = attncc.parse_file(EXAMPLES / "causal.attn")
-    assert "head dim 256" in gluon.backward_unsupported(causal, "dkdv", 256)
-    assert gluon.backward_unsupported(causal, "dq", 128) is None
-    assert "multiple of 16 * num_warps" in gluon.check_dq_config(
-        dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2), 128)
+    for dim in tiles.BACKWARD_HEAD_DIMS:
+        for direction in ("dq", "dkdv"):
+            kept = GLUON.candidates(direction, dim, causal)
+            assert kept and all(GLUON.check_config(c, direction, dim) is None for c in kept)
+    assert GLUON.candidates("dkdv", 256, causal) == [] == GLUON.candidates("dq", 256, causal)
+    assert GLUON.candidates("bwd", 128, causal) == []
+    q = torch.randn(1, 2, 8, 256, dtype=torch.bfloat16)
+    assert "head dim 256" in GLUON.supports_call(causal, q, q, q, "dkdv")
+    q = torch.randn(1, 2, 8, 128, dtype=torch.bfloat16)
+    assert GLUON.supports_call(causal, q, q, q, "dq") is None
+    assert "multiple of 16 * num_warps" in GLUON.check_config(TileConfig(64, 64, 8, 2), "dq", 128)
     # 8 warps stack 128 rows of wgmma: a 64-key tile cannot be split among them.
-    assert "multiple of 16 * num_warps" in gluon.check_backward_config(
-        dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2), 128)
-    assert "shared memory" in gluon.check_backward_config(
-        dict(BLOCK_M=256, BLOCK_N=128, num_warps=8, num_stages=3), 128)
+    assert "multiple of 16 * num_warps" in GLUON.check_config(TileConfig(64, 64, 8, 2), "dkdv",
+                                                              128)
+    assert "shared memory" in GLUON.check_config(TileConfig(256, 128, 8, 3), "dkdv", 128)
     # A cached or shipped config is checked against the kernel it would run.
-    variant = attncc.parse_file(EXAMPLES / "causal.attn")
-    good = gluon.backward_candidates(128)[0]
-    assert configs.usable(good, variant, 128, "gluon-dkdv")
-    assert not configs.usable(dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2), variant,
-                              128, "gluon-dkdv")
+    good = GLUON.candidates("dkdv", 128, causal)[0]
+    assert configs.usable("gluon", good, causal, 128, "dkdv")
+    assert not configs.usable("gluon", TileConfig(64, 64, 8, 2), causal, 128, "dkdv")
+    # The warp-specialized forward's config (9 warps) is the Gluon forward's alone.
+    ws = TileConfig(128, 128, tiles.WS_WARPS, 2)
+    assert configs.usable("gluon", ws, causal, 128, "fwd")
+    assert not configs.usable("triton", ws, causal, 128, "fwd")
 
 
 def _stand_in_gluon(kernel, monkeypatch, calls):
@@ -143,10 +158,11 @@ def _stand_in_gluon(kernel, monkeypatch, calls):
         return host.backward_dq(q, k, v, lse, delta, dout, values, config=config, out=out,
                                 **common)
 
-    monkeypatch.setattr(backends, "call_unsupported", lambda q, k, v: None)
+    monkeypatch.setattr(gluon_backend, "_call_unsupported", lambda q, k, v: None)
+    monkeypatch.setattr(kernel, "backends", (GLUON,))
     monkeypatch.setattr(kernel, "backend", "gluon")
     monkeypatch.setattr(kernel, "requested_backend", "gluon")
-    monkeypatch.setattr(kernel, "_gluon_generated", (None, SimpleNamespace(
+    monkeypatch.setitem(kernel._modules, "gluon", (None, SimpleNamespace(
         forward=forward, backward_dq=backward_dq, backward_dkdv=backward_dkdv)))
 
 
@@ -242,11 +258,11 @@ def test_dispatch_without_an_sm90_gpu():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's dispatch")
 def test_no_gpu_is_named_outside_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    backends._device_unsupported.cache_clear()
+    gluon_backend._device_unsupported.cache_clear()
     try:
-        assert "no CUDA GPU" in backends.environment_unsupported()
+        assert "no CUDA GPU" in GLUON.environment_unsupported()
     finally:
-        backends._device_unsupported.cache_clear()
+        gluon_backend._device_unsupported.cache_clear()
 
 
 def test_cli_compile_backend_gluon_writes_both_modules(tmp_path, capsys):
@@ -254,7 +270,7 @@ def test_cli_compile_backend_gluon_writes_both_modules(tmp_path, capsys):
     assert main(["compile", str(spec), "--backend", "gluon", "-o", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     text = (tmp_path / "sliding_window_gluon.py").read_text()
-    assert text == gluon.generate(attncc.load(spec)).source
+    assert text == GLUON.render(attncc.load(spec)).source
     assert (tmp_path / "sliding_window.py").exists()  # its tables and backward
     assert "backend   gluon forward, dQ and dK/dV on an sm_90 GPU" in out
     assert "Gluon dQ tiles (head dim 128): 64x64 (4 warps, 2 stages)" in out
@@ -271,44 +287,107 @@ def test_cli_compile_backend_gluon_refuses_what_it_cannot_take(tmp_path, capsys)
     assert not (tmp_path / "dropout_gluon.py").exists()
 
 
-def test_auto_times_both_forwards_once_and_remembers(monkeypatch, tmp_path):
-    """tuning.faster_backend: each backend timed at its own config, the faster kept, in
-    this process and on disk (a new process reads it without timing)."""
+def _two_backend_call(monkeypatch, tmp_path):
+    """A kernel and problem as tuning.choose sees them off the interpreter, and runs of
+    the Gluon and portable forwards that return their backend's name; do_bench times each
+    backend at `times[name]`, and `timed` lists what it timed."""
     import triton
     from types import SimpleNamespace
     monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("ATTNCC_TUNE", raising=False)
+    monkeypatch.setattr("attncc.runtime.settings.interpreting", lambda: False)
+    monkeypatch.setattr(tuning, "_MEMORY", {})
     variant = attncc.parse_file(EXAMPLES / "causal.attn")
     kernel = SimpleNamespace(variant=variant, key=variant.key(), pinned_config=None)
     problem = SimpleNamespace(dim=128, group=1, len_q=4096, len_k=4096)
-    timed = []
-    times = {"gluon": 3.0, "triton": 4.0}
-    options = {name: (direction, lambda config, name=name: name)
-               for name, direction in (("gluon", "gluon-fwd"), ("triton", "fwd"))}
+    timed, times = [], {"gluon": 3.0, "triton": 4.0}
+    runs = {name: (lambda config, name=name: name) for name in ("gluon", "triton")}
     monkeypatch.setattr(triton.testing, "do_bench",
                         lambda fn, **kw: (timed.append(fn()), times[fn()])[1])
-    assert tuning.faster_backend(kernel, problem, torch.bfloat16, options) == "gluon"
-    assert sorted(timed) == ["gluon", "triton"]
+    return kernel, problem, runs, timed, times
+
+
+def test_auto_times_both_backends_once_and_remembers(monkeypatch, tmp_path):
+    """The backend is a dimension of the tuner's candidates: each backend's first
+    candidates are timed together, the fastest pair kept, in this process and on disk (a
+    new process reads it without timing)."""
+    kernel, problem, runs, timed, times = _two_backend_call(monkeypatch, tmp_path)
+    choice = tuning.choose(kernel, problem, torch.bfloat16, "fwd", runs)
+    assert choice == tuning.Choice("gluon", GLUON.candidates("fwd", 128, kernel.variant)[0])
+    assert sorted(set(timed)) == ["gluon", "triton"] and len(timed) == 2 * tuning.TUNE_AT_MOST
     tuning._MEMORY.clear()  # as a new process: the choice comes from disk, untimed
     timed.clear()
     times.update(gluon=5.0)
-    assert tuning.faster_backend(kernel, problem, torch.bfloat16, options) == "gluon"
+    assert tuning.choose(kernel, problem, torch.bfloat16, "fwd", runs) == choice
     assert timed == []
-    monkeypatch.setenv("ATTNCC_TUNE", "0")  # no timing: the portable forward
+    monkeypatch.setenv("ATTNCC_TUNE", "0")  # no timing: the portable forward's first candidate
     other = SimpleNamespace(dim=64, group=1, len_q=4096, len_k=4096)
-    assert tuning.faster_backend(kernel, other, torch.bfloat16, options) == "triton"
+    untimed = tuning.choose(kernel, other, torch.bfloat16, "fwd", runs)
+    assert untimed.backend == "triton"
+
+
+def test_the_tuner_caches_backend_and_config_under_one_key(monkeypatch, tmp_path):
+    """One key per role and shape bucket (and the backends that competed) records the
+    backend with its config; each competitor's own fastest is kept too, for a call only
+    it can take, so that call needs no tuning."""
+    import json
+    kernel, problem, runs, timed, _ = _two_backend_call(monkeypatch, tmp_path)
+    choice = tuning.choose(kernel, problem, torch.bfloat16, "dq", runs)
+    data = json.loads(tuning._cache_file(kernel.variant).read_text())
+    key = "dq-d128-bfloat16-g1-q4096-k4096"
+    assert data[f"{key}-on-gluon+triton"] == choice.to_json() == {
+        "backend": "gluon", "config": GLUON.candidates("dq", 128, kernel.variant)[0].as_dict()}
+    assert data[f"{key}-on-triton"]["backend"] == "triton"
+    assert set(data) == {f"{key}-on-gluon+triton", f"{key}-on-gluon", f"{key}-on-triton"}
+    timed.clear()
+    portable = tuning.choose(kernel, problem, torch.bfloat16, "dq", {"triton": runs["triton"]})
+    assert portable == tuning.Choice.from_json(data[f"{key}-on-triton"], "test") and timed == []
+    # The old file of configs alone is another file, never read as this one.
+    assert tuning._cache_file(kernel.variant).name.endswith("-choices.json")
+
+
+@pytest.mark.parametrize("entry", [
+    {"backend": "gluon", "config": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)},
+    {"backend": "triton", "config": dict(BLOCK_M=128, BLOCK_N=128, num_warps=9, num_stages=2)},
+    {"backend": "cudnn", "config": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)},
+    dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),  # a config alone, as before
+], ids=["another backend", "another backend's config", "unknown backend", "no backend"])
+def test_a_cached_entry_the_call_cannot_run_is_tuned_again(monkeypatch, tmp_path, entry):
+    """A stale or edited entry naming another backend than the call's, or a config that is
+    not one of its backend's candidates, is never run: the call is tuned."""
+    import json
+    kernel, problem, runs, timed, _ = _two_backend_call(monkeypatch, tmp_path)
+    path = tuning._cache_file(kernel.variant)
+    path.parent.mkdir(parents=True)
+    key = "fwd-d128-bfloat16-g1-q4096-k4096-on-triton"
+    path.write_text(json.dumps({key: entry}))
+    choice = tuning.choose(kernel, problem, torch.bfloat16, "fwd", {"triton": runs["triton"]})
+    assert choice.backend == "triton" and choice.config.num_warps != 9
+    assert len(timed) == tuning.TUNE_AT_MOST  # tuned, not read
+    assert json.loads(path.read_text())[key] == choice.to_json()
 
 
 def test_a_gluon_pin_pins_only_the_gluon_forward():
     from types import SimpleNamespace
     variant = attncc.parse_file(EXAMPLES / "causal.attn")
-    pin = dict(BLOCK_M=128, BLOCK_N=128, num_warps=gluon.WS_WARPS, num_stages=2)
-    problem = SimpleNamespace(dim=128, group=1, len_q=64, len_k=64)
+    pin = TileConfig(128, 128, tiles.WS_WARPS, 2)
     asked = SimpleNamespace(variant=variant, key=variant.key(), pinned_config=pin,
                             requested_backend="gluon")
-    assert tuning.config_for(asked, problem, torch.bfloat16, "gluon-fwd") == pin
-    # The backward is the portable one: a Gluon config (9 warps) must not reach it.
-    assert tuning.config_for(asked, problem, torch.bfloat16, "dq") != pin
+    assert tuning.pinned_config(asked, "gluon", "fwd") == pin
+    # The backward is tuned: a Gluon forward config (9 warps) must not reach its kernels,
+    # nor the portable ones.
+    assert tuning.pinned_config(asked, "gluon", "dq") is None
+    assert tuning.pinned_config(asked, "triton", "dq") is None
     portable = SimpleNamespace(variant=variant, key=variant.key(), pinned_config=pin,
                                requested_backend="triton")
-    assert tuning.config_for(portable, problem, torch.bfloat16, "dq") == pin
+    assert tuning.pinned_config(portable, "triton", "dq") == pin
+    assert tuning.pinned_config(portable, "gluon", "fwd") is None
+
+
+def test_a_pinned_config_is_checked_by_the_backend_it_pins():
+    spec = str(EXAMPLES / "causal.attn")
+    ws = dict(BLOCK_M=128, BLOCK_N=128, num_warps=tiles.WS_WARPS, num_stages=2)
+    with pytest.raises(ValueError, match="num_warps must be 1, 2, 4, 8 or 16 for the portable"):
+        attncc.compile(spec, config=ws)
+    with pytest.raises(ValueError, match="num_warps must be an int from 1 to 16"):
+        attncc.compile(spec, config=dict(ws, num_warps=32))

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 import attncc
+from attncc.backends.tile_config import TileConfig
 from attncc.runtime import known_winners, tuning
 
 CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+TILES = TileConfig.from_dict(CONFIG, "test")  # as the table holds it
 
 
 def _rows(entries):
@@ -54,10 +56,10 @@ def test_lookup_takes_the_nearest_length_within_a_factor_of_four():
                                                      dtype="bfloat16", vclass="bounds@1/2",
                                                      len_q=16384, len_k=16384), **kw},
                                              table=table)
-    assert look() == CONFIG
-    assert look(len_q=65536, len_k=65536) == CONFIG
+    assert look() == TILES
+    assert look(len_q=65536, len_k=65536) == TILES
     assert look(len_q=131072, len_k=131072) is None  # 8x: tuned, not guessed
-    assert look(len_q=2048, len_k=2048) == other  # nearer to 1024 than to 16384
+    assert look(len_q=2048, len_k=2048) == TileConfig.from_dict(other, "test")  # nearer to 1024
     assert look(len_q=512, len_k=16384) is None  # k near one entry, q near the other
     for change in (dict(gpu="GPU Y"), dict(direction="dq"), dict(dim=64),
                    dict(dtype="float16"), dict(vclass="bounds+score@1/2"),
@@ -100,7 +102,7 @@ def test_a_shipped_winner_replaces_tuning(monkeypatch, tmp_path):
     ran = []
     config = tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run=ran.append,
                                shape_density=lambda: 0.45)
-    assert config == CONFIG and ran == []  # nothing compiled or timed
+    assert config == TILES and ran == []  # nothing compiled or timed
     assert not list(tmp_path.rglob("*.json"))  # and nothing cached as if tuned
 
 
@@ -109,11 +111,35 @@ def test_tune_full_tunes_even_where_a_winner_is_shipped(monkeypatch, tmp_path):
     monkeypatch.setenv("ATTNCC_TUNE", "full")
     kernel, problem = _fake_call(monkeypatch, {"fwd-d128-bfloat16-bounds@1/2-q16384-k16384": CONFIG})
     timed = []
-    monkeypatch.setattr(tuning, "tune", lambda name, key, candidates, run, context="": (
-        timed.append(candidates) or dict(candidates[0])))
+    monkeypatch.setattr(tuning, "time_candidates", lambda name, key, candidates, run, label: (
+        timed.append(candidates) or [(1.0, candidates[0])]))
     config = tuning.config_for(kernel, problem, torch.bfloat16, "fwd", run=lambda c: None,
                                shape_density=lambda: 0.45)
-    assert timed and config == timed[0][0]
+    assert timed and len(timed[0]) == tuning.TUNE_AT_MOST and config == timed[0][0].config
+
+
+def test_a_shipped_backend_choice_picks_the_backend_and_its_config(monkeypatch, tmp_path):
+    """Where several backends can run a role, the shipped entry naming the faster picks
+    one, and its shipped config runs: nothing compiled or timed. Without that entry, each
+    backend's shipped config is timed against the other's, and nothing else."""
+    monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("ATTNCC_TUNE", raising=False)
+    ws = dict(BLOCK_M=128, BLOCK_N=128, num_warps=9, num_stages=2)
+    entries = {"fwd-d128-bfloat16-bounds@1/2-q16384-k16384": CONFIG,
+               "gluon-fwd-d128-bfloat16-bounds@1/2-q16384-k16384": ws}
+    kernel, problem = _fake_call(monkeypatch, {
+        **entries, "backend-d128-bfloat16-bounds@1/2-q16384-k16384": "gluon"})
+    ran = []
+    runs = {name: lambda config, name=name: ran.append(name) for name in ("gluon", "triton")}
+    choose = lambda: tuning.choose(kernel, problem, torch.bfloat16, "fwd", runs,
+                                   shape_density=lambda: 0.45)
+    assert choose() == tuning.Choice("gluon", TileConfig.from_dict(ws, "test")) and ran == []
+    kernel, problem = _fake_call(monkeypatch, entries)
+    timed = []
+    monkeypatch.setattr(tuning, "time_candidates", lambda name, key, candidates, run, label: (
+        timed.append(candidates) or [(2.0, candidates[0]), (1.0, candidates[1])]))
+    assert choose() == tuning.Choice("triton", TILES)
+    assert [c.backend for c in timed[0]] == ["gluon", "triton"]
 
 
 def test_another_density_is_another_class(monkeypatch, tmp_path):
@@ -121,10 +147,11 @@ def test_another_density_is_another_class(monkeypatch, tmp_path):
     monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("ATTNCC_TUNE", raising=False)
     kernel, problem = _fake_call(monkeypatch, {"fwd-d128-bfloat16-bounds@1/2-q16384-k16384": CONFIG})
-    shipped = lambda d: known_winners.shipped_winner(kernel, problem, torch.bfloat16, "fwd", d)
-    assert shipped(lambda: 0.5) == CONFIG
-    assert shipped(lambda: 0.26) == CONFIG  # 1/4: the neighbouring bucket
-    assert shipped(lambda: 0.07) is None  # 1/16: too far
+    shipped = lambda d: known_winners.shipped(kernel, problem, torch.bfloat16, "fwd",
+                                              ("triton",), d)
+    assert shipped(lambda: 0.5) == {"triton": TILES}
+    assert shipped(lambda: 0.26) == {"triton": TILES}  # 1/4: the neighbouring bucket
+    assert shipped(lambda: 0.07) == {"triton": None}  # 1/16: too far
     assert shipped(None) is None  # a caller that cannot say its density gets none
 
 
@@ -137,12 +164,14 @@ def test_a_winner_the_variant_cannot_run_is_not_used(monkeypatch, tmp_path):
     kernel, problem = _fake_call(monkeypatch, {"fwd-d128-bfloat16-layout@1/2-q16384-k16384": CONFIG},
                                  spec=spec)
     half = lambda: 0.5
-    assert known_winners.shipped_winner(kernel, problem, torch.bfloat16, "fwd", half) is None
+    shipped = lambda: known_winners.shipped(kernel, problem, torch.bfloat16, "fwd", ("triton",),
+                                            half)["triton"]
+    assert shipped() is None
     # the same winner serves a layout whose tiles may span blocks
     spec = "attention a { input r: bool[qb, kb] layout r[qb, kb] block 32 }"
     kernel, problem = _fake_call(monkeypatch, {"fwd-d128-bfloat16-layout@1/2-q16384-k16384": CONFIG},
                                  spec=spec)
-    assert known_winners.shipped_winner(kernel, problem, torch.bfloat16, "fwd", half) == CONFIG
+    assert shipped() == TILES
 
 
 def test_an_unknown_tuning_mode_is_refused(monkeypatch):
@@ -167,5 +196,5 @@ def test_the_class_density_of_a_small_tensor_free_grid_is_computed_on_the_host(m
     large = Problem(1, 2, 2, 65536, 65536, 64, 64)  # 1024 x 1024 tiles of 64
     for kernel, p, expected in ((causal, small, "cpu"), (causal, large, "device"),
                                 (document, small, "device")):
-        assert kernel._tuning(p, {}, "device")[2]() == 0.5
+        assert kernel.tuning_inputs(p, {}, "device")[2]() == 0.5
         assert seen.pop() == expected

@@ -87,18 +87,18 @@ def test_a_first_call_compiling_its_backward_beside_its_forward_is_exact(spec, m
     # A first call with winners known without timing (stood in for here: every direction's
     # first candidate, portable forward) launches the backward on stand-in tensors beside
     # its forward; the results must be those of the float64 reference all the same.
-    from attncc.runtime import configs, known_winners, tuning
+    from attncc import backends
+    from attncc.runtime import known_winners, tuning
     from test_kernels import compare
 
     monkeypatch.delenv("ATTNCC_TUNE", raising=False)
     monkeypatch.setattr(tuning, "_MEMORY", {})
 
-    def winner(kernel, problem, dtype, direction, density):
-        if direction == "backend":
-            return "triton"
-        return configs.kept_candidates(kernel.variant, problem.dim, direction)[0]
+    def winner(kernel, problem, dtype, direction, options, density):
+        portable = backends.portable()
+        return {portable.name: portable.candidates(direction, problem.dim, kernel.variant)[0]}
 
-    monkeypatch.setattr(known_winners, "shipped_winner", winner)
+    monkeypatch.setattr(known_winners, "shipped", winner)
     batches = []
     real = precompile.launch_together
     monkeypatch.setattr(precompile, "launch_together",

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import attncc
+from attncc.backends.tile_config import TileConfig
 from attncc.runtime import cache, configs, settings, tuning
 
 from test_caches import CALL_AND_CHECK, SPEC, _cached_module, env_for
@@ -39,9 +40,10 @@ def test_tuning_file_with_bytes_that_are_not_utf8_is_rebuilt(tmp_path):
     path = tmp_path / "v.json"
     path.write_bytes(b"{\"fwd\": \xff\xfe}")
     assert tuning._load(path) == {}
-    config = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
-    tuning._store(path, "dq-d32", config)
-    assert tuning._load(path) == {"dq-d32": config}
+    entry = {"backend": "triton", "config": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4,
+                                                 num_stages=2)}
+    tuning._store(path, {"dq-d32": entry})
+    assert tuning._load(path) == {"dq-d32": tuning.Choice.from_json(entry, "t")}
 
 
 def test_module_file_with_bytes_that_are_not_utf8_is_rewritten(tmp_path):
@@ -228,23 +230,26 @@ def test_calls_on_the_same_tensors_build_their_tables_once(monkeypatch):
 
 def test_a_tuning_entry_with_tiles_past_an_index_list_block_is_not_used():
     v = attncc.parse("attention t { input top: i32[h, qb, 2] layout kb in top[h, qb] block 16 }")
-    bad = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
-    good = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=2)
-    assert not configs.usable(bad, v, 64, "fwd")
-    assert configs.usable(good, v, 64, "fwd")
+    bad = TileConfig(64, 64, 4, 2)
+    good = TileConfig(16, 16, 4, 2)
+    assert not configs.usable("triton", bad, v, 64, "fwd")
+    assert configs.usable("triton", good, v, 64, "fwd")
     # The Gluon forward's warp-specialized config (9 warps) is its own, not the portable one's.
-    ws = dict(BLOCK_M=128, BLOCK_N=128, num_warps=9, num_stages=2)
+    ws = TileConfig(128, 128, 9, 2)
     causal = attncc.parse("attention c { mask q >= k }")
-    assert configs.usable(ws, causal, 128, "gluon-fwd") and not configs.usable(ws, causal, 128, "fwd")
+    assert configs.usable("gluon", ws, causal, 128, "fwd")
+    assert not configs.usable("triton", ws, causal, 128, "fwd")
 
 
 def test_one_bad_tuning_entry_does_not_hide_or_drop_the_others(tmp_path):
     path = tmp_path / "v.json"
-    good = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
-    path.write_text(json.dumps({"fwd-a": good, "fwd-b": dict(good, BLOCK_M=48), "fwd-c": 7,
-                                "fwd-d": dict(good, num_warps=3)}))
-    assert tuning._load(path) == {"fwd-a": good}
-    tuning._store(path, "dq-e", good)
+    config = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    good = {"backend": "triton", "config": config}
+    path.write_text(json.dumps({"fwd-a": good, "fwd-b": dict(good, config=dict(config, BLOCK_M=48)),
+                                "fwd-c": 7, "fwd-d": dict(good, config=dict(config, num_warps=0)),
+                                "fwd-e": dict(good, backend="cuda")}))
+    assert tuning._load(path) == {"fwd-a": tuning.Choice.from_json(good, "t")}
+    tuning._store(path, {"dq-e": good})
     assert json.loads(path.read_text()) == {"fwd-a": good, "dq-e": good}
 
 

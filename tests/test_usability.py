@@ -331,9 +331,10 @@ def test_plot_without_matplotlib_names_the_extra(monkeypatch, tmp_path, capsys):
 def test_the_tuning_cache_lock_needs_no_fcntl(monkeypatch, tmp_path):
     import filelock  # noqa: F401  (imported first: it picks its own lock for the platform)
     monkeypatch.setitem(sys.modules, "fcntl", None)  # attncc's own code must not need it
-    config = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    tuning._store(tmp_path / "t.json", "a", config)
-    assert tuning._load(tmp_path / "t.json") == {"a": config}
+    entry = {"backend": "triton", "config": dict(BLOCK_M=16, BLOCK_N=16, num_warps=4,
+                                                 num_stages=1)}
+    tuning._store(tmp_path / "t.json", {"a": entry})
+    assert tuning._load(tmp_path / "t.json") == {"a": tuning.Choice.from_json(entry, "t")}
 
 
 def _fake_tuning(monkeypatch, tmp_path):

@@ -58,7 +58,7 @@ GLUON = {
                "-> (out, lse)",
     "backward_dq": "backward_dq(q, k, v, lse, delta, dout, inputs, *, host, ..., out=None, "
                    "dlse=None) "
-                   "-> (dq, {}) (runtime/kernel.py: backward_runner)",
+                   "-> (dq, {}) (runtime/kernel.py: backward_role)",
     "backward_dkdv": "backward_dkdv(q, k, v, lse, delta, dout, inputs, *, host, ...) -> (dk, dv)",
 }
 

@@ -18,7 +18,7 @@ import sys
 import types
 from pathlib import Path
 
-from .. import ir
+from .. import backends, ir
 from ..codegen.generated import Generated, module_name
 from ..errors import CacheError
 from ..resources import grammar_path
@@ -101,18 +101,20 @@ def generator_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def _index_path(variant: ir.Variant, backend: str = "triton") -> Path:
-    suffix = "" if backend == "triton" else f"-{backend}"
+def _index_path(variant: ir.Variant, backend: str | None = None) -> Path:
+    backend = backend or backends.portable().name
+    suffix = "" if backend == backends.portable().name else f"-{backend}"
     return (cache_dir() / "modules" / "index"
             / f"{variant.short_name}-{variant.key()}-{generator_digest()}{suffix}.json")
 
 
-def _load_indexed(variant: ir.Variant, backend: str = "triton"):
+def _load_indexed(variant: ir.Variant, backend: str | None = None):
     """(generated, module) from the cache without generating, or None on any miss: no
     index entry, a damaged one, or a module file whose bytes are not the ones indexed.
     Nothing the index says is trusted: the module it names must be this variant's, by
     the name codegen gives it (so no path of its choosing is imported), with the
     digest of the file's bytes."""
+    backend = backend or backends.portable().name
     modules = cache_dir() / "modules"
     try:
         entry = json.loads(_index_path(variant, backend).read_text())
@@ -146,20 +148,18 @@ def cache_unwritable(path: Path, e: OSError) -> str:
             "set ATTNCC_CACHE_DIR to a writable directory")
 
 
-def load_generated(variant: ir.Variant, backend: str = "triton"):
+def load_generated(variant: ir.Variant, backend: str | None = None):
     """(generated, module): import the variant's module from the cache, rendering it
     first when the cache does not hold it. A warm start skips the generator (and its
     sympy import, most of a second) by looking the module up by IR and generator hash.
-    `backend`: "triton" (the portable module) or "gluon" (backends/gluon/codegen.py's)."""
+    `backend`: the name of the backend whose module it is (attncc/backends/__init__.py's
+    registry); the portable one's by default."""
+    backend = backend or backends.portable().name
     found = _load_indexed(variant, backend)
     if found is not None:
         return found
     # The generators import sympy: only when there is code to generate.
-    if backend == "gluon":
-        from ..backends.gluon.codegen import generate
-    else:
-        from ..backends.portable.codegen import generate
-    gen = generate(variant)
+    gen = backends.named(backend).render(variant)
     digest = hashlib.sha256(gen.source.encode()).hexdigest()
     name = f"{gen.module_name}_{digest[:12]}"
     path = cache_dir() / "modules" / f"{name}.py"

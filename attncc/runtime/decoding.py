@@ -299,6 +299,12 @@ def candidates(variant: ir.Variant, p: DecodeProblem, elem: int, n_sm: int, reac
     return out
 
 
+def label(config: dict) -> str:
+    """A decode config as progress lines write it: BLOCK_N 64 w4 s2 8 splits."""
+    return (f"BLOCK_N {config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']} "
+            f"{config['num_splits']} splits")
+
+
 def tuning_key(p: DecodeProblem, dtype, num_splits: int | None) -> str:
     """Configs are tuned per head dim, dtype, GQA group, new tokens, batch x kv heads (power-
     of-two bucket), cache capacity bucket and cache layout."""
@@ -349,8 +355,8 @@ def decode_config(kernel, p: DecodeProblem, dtype, run, *, num_splits=None, conf
     path = tuning._cache_file(kernel.variant, "-decode")
     cached = tuning._load(path, check_decode_config).get(key)
     if cached is None:
-        cached = tuning.tune(kernel.variant.name, key, kept[:TUNE_AT_MOST], run)
-        tuning._store(path, key, cached, check_decode_config)
+        cached = tuning.tune(kernel.variant.name, key, kept[:TUNE_AT_MOST], run, label=label)
+        tuning._store(path, {key: cached}, check_decode_config)
     tuning._MEMORY[mem_key] = cached
     return cached
 

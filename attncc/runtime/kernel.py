@@ -3,8 +3,9 @@ through its torch.library op) and the tile tables a caller keeps.
 
 `compile_variant` finds or renders the variant's modules (runtime/cache.py). The returned
 `Kernel` checks each call (naming the argument, what was given and what is expected) and
-calls the variant's operator (runtime/ops.py), which picks tile sizes (runtime/tuning.py)
-and runs the generated kernels, forward and backward.
+calls the variant's operator (runtime/ops.py), whose schedule (runtime/scheduling.py)
+asks the Kernel for each kernel role's backends (runtime/dispatch.py) and the tuner for
+the backend and tile sizes that run it (runtime/tuning.py), forward and backward.
 """
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ import weakref
 
 import torch
 
-from .. import ir
-from ..backends.gluon import codegen as gluon
+from .. import backends, ir
+from ..backends.tile_config import EXAMPLE
 from ..codegen.generated import Generated
 from ..errors import CallError, did_you_mean
 from ..frontend.load import load
 from ..semantics.evaluate import check_index_list
-from . import backends, configs, ops, precompile, tuning
+from . import configs, dispatch, ops, precompile, tuning
 from ..arguments import _shape, as_bhsd, axis_extent, bind, check_seed, refuse_positional
 from .cache import load_generated
 from .call_options import NO_TABLES, CallOptions
@@ -35,20 +36,28 @@ class Kernel:
         self.key = variant.key()  # hashed once: the tuner looks configs up on every call
         if load and not interpreting() and torch.cuda.is_available():
             precompile.warm_triton_in_background()  # while the modules below load
-        self._generated = load_generated(variant) if load else None  # (Generated, module)
-        self.pinned_config = (configs.check_pinned(configs.check_config(config, "config"), variant,
-                                                  "config") if config else None)
-        self.requested_backend = backends.check_backend(backend)
-        self.backend, self.backend_reason = self._choose_backend()
-        self._gluon_generated = None  # (Generated, module) of the Gluon forward, on first use
-        if self.backend == "gluon" and load:
-            self._gluon_generated = load_generated(variant, "gluon")
+        portable = backends.portable().name
+        self.requested_backend = dispatch.check_backend(backend)
+        # A TileConfig; config= pins the portable kernels unless another backend is named.
+        pins_portable = self.requested_backend in (dispatch.AUTO, portable)
+        self.pinned_config = (configs.pin(config, variant, "config", portable=pins_portable)
+                              if config else None)
+        # The backends that may run this variant here, in order of preference; the first
+        # is kernel.backend (runtime/dispatch.py).
+        self.backends, self.backend_reason = dispatch.kernel_backends(
+            variant, self.requested_backend,
+            lambda: bool(self.pinned_config or configs.env_config()))
+        self.backend = self.backends[0].name
+        self._modules = {}  # backend name -> (Generated, module), each imported on first use
+        if load:
+            for name in dict.fromkeys((portable, self.backend)):
+                self._modules[name] = load_generated(variant, name)
         self._last_backend = None  # (backend, reason) of the latest forward call
         self._last_backward = {}  # and of the latest backward's "dq" and "dkdv" kernels
         self._index_lists = ir.index_lists(variant.layout)  # {input: "qb" | "kb"}
         self._checked_lists: dict = {}  # index-list state -> weakref to the tensor checked
         self._tables_owner = self  # whose tile_tables(...) this kernel's calls accept
-        self._shape_densities: dict = {}  # for the shipped winners' class (_tuning)
+        self._shape_densities: dict = {}  # for the shipped winners' class (tuning_inputs)
         self.input_names = [d.name for d in variant.inputs]  # the operator's input order
         self._ops = ops.operators(self)  # torch.ops.attncc.<name>_<key>_<revision>[_bwd]
         self._op_id = ops.register_kernel(self)  # how the operator finds this kernel
@@ -60,61 +69,27 @@ class Kernel:
         self._without_dropout = None
         if variant.dropout:
             self._without_dropout = Kernel(dataclasses.replace(variant, dropout=None),
-                                           self.pinned_config, backend, load=False)
+                                           config, backend, load=False)
             self._without_dropout._tables_owner = self
 
     @property
     def generated(self) -> Generated:
-        return self._load()[0]
+        return self._load(backends.portable().name)[0]
 
     @property
     def module(self):
-        """The generated module (imported on first use for an evaluation kernel)."""
-        return self._load()[1]
+        """The generated portable module (imported on first use for an evaluation kernel):
+        every backend's kernels take their tile tables and argument values from it."""
+        return self._load(backends.portable().name)[1]
 
-    def _load(self) -> tuple:
-        if self._generated is None:
-            self._generated = load_generated(self.variant)
-        return self._generated
+    def module_of(self, backend: str):
+        """The generated module of the backend named `backend` (imported on first use)."""
+        return self._load(backend)[1]
 
-    @property
-    def gluon_generated(self) -> Generated | None:
-        return self._gluon_load()[0]
-
-    @property
-    def gluon_module(self):
-        """The generated Gluon forward module, or None where the backend is the portable one."""
-        return self._gluon_load()[1]
-
-    def _gluon_load(self) -> tuple:
-        if self.backend != "gluon":
-            return None, None
-        if self._gluon_generated is None:
-            self._gluon_generated = load_generated(self.variant, "gluon")
-        return self._gluon_generated
-
-    def _choose_backend(self) -> tuple:
-        """(backend, reason) for the forward and the backward's kernels, as far as it can
-        be decided before a call (the backward reads the forward's output and LSE, which
-        both backends write alike)."""
-        if self.requested_backend == "triton":
-            return "triton", "backend='triton' was asked for"
-        why = gluon.variant_unsupported(self.variant) or backends.environment_unsupported()
-        if why is None and self._pinned() and self.requested_backend == "auto":
-            why = ("a pinned config (config= or ATTNCC_CONFIG) is the portable kernel's; pass "
-                   "backend='gluon' with config= to pin a Gluon one")
-        if why is not None:
-            if self.requested_backend == "gluon":
-                backends.refuse(why)
-            return "triton", why
-        if self.requested_backend == "gluon":
-            return "gluon", "backend='gluon' was asked for"
-        return "gluon", ("an sm_90 GPU: the Gluon forward, dQ and dK/dV kernels run each call "
-                         "they can take where the tuner timed them faster than the portable "
-                         "ones; see kernel.last_backend and kernel.last_backward")
-
-    def _pinned(self):
-        return self.pinned_config or configs.env_config()
+    def _load(self, backend: str) -> tuple:
+        if backend not in self._modules:
+            self._modules[backend] = load_generated(self.variant, backend)
+        return self._modules[backend]
 
     @property
     def last_backend(self):
@@ -127,95 +102,53 @@ class Kernel:
         ({} before the first; {"bwd": ...} where dQ and dK/dV run in one launch)."""
         return dict(self._last_backward)
 
-    def _call_backend(self, q, k, v) -> tuple:
-        """(backend, reason) for one forward call. backend='gluon' refuses a call the Gluon
-        forward cannot take; 'auto' runs the portable forward and says why."""
-        if self.backend != "gluon":
-            return "triton", self.backend_reason
-        why = backends.call_unsupported(q, k, v)
-        if why is None and self.requested_backend == "gluon" and self.pinned_config:
-            why = gluon.check_config(self.pinned_config, q.shape[-1])
-        if why is not None:
-            if self.requested_backend == "gluon":
-                backends.refuse(why)
-            return "triton", why
-        return "gluon", self.backend_reason
+    # ------------------------------------------------ kernel roles: backends and configs
+    def forward_role(self, q, k, v, values: dict, common: dict) -> dispatch.Role:
+        """This call's forward and how each backend that may run it launches it, with the
+        keyword arguments `common` (offsets, seed, tables). Decided on the real tensors
+        (strides, alignment), so that a traced call decides on every run as an eager one
+        does. The single-device op and each context-parallel piece come here."""
+        return dispatch.make_role(self, "fwd", q, k, v, lambda backend: tuning.launcher(
+            self._entry(backend, "fwd"), q, k, v, values, **common))
 
-    def forward_runner(self, q, k, v, values, problem, common, tune=(None, None, None)):
-        """(direction, run) of this call's forward: `run(config)` launches it with the
-        keyword arguments `common` (offsets, seed, tables). The Gluon forward where this
-        kernel's backend takes the call and (auto) the tuner measured it faster, else the
-        portable one. Decided on the real tensors (strides, alignment), so that a traced
-        call decides on every run as an eager one does; `kernel.last_backend` says which
-        ran and why. The single-device op and each context-parallel piece come here."""
-        run = lambda config: self.module.forward(q, k, v, values, config=config, **common)
-        backend, reason = self._call_backend(q, k, v)
-        self._last_backend = (backend, reason)
-        if backend != "gluon":
-            return "fwd", run
-        # The Gluon forward; the portable module builds its tables and argument values.
-        run_gluon = lambda config: self.gluon_module.forward(
-            q, k, v, values, host=self.module, config=config, **common)
-        chosen = self._gluon_or_portable(problem, q.dtype, tune, ("gluon-fwd", run_gluon),
-                                         ("fwd", run), "backend")
-        self._last_backend = chosen[2]
-        return chosen[:2]
-
-    def backward_runner(self, kind, q, k, v, lse, delta, dout, values, problem, common,
-                        tune=(None, None, None), may_time=True, out=None, dlse=None):
-        """(direction, run) of this call's dQ (kind "dq"; `out`, the forward's output: the
-        kernel computes delta from it, minus `dlse`, the returned LSE's gradient, where
-        given) or dK/dV (kind "dkdv"), as forward_runner decides the forward: the Gluon
-        kernel where the backend takes the call and (auto) the tuner measured it faster,
-        else the portable one; `kernel.last_backward[kind]` says which and why. With
-        may_time=False, None where deciding would mean timing both (dK/dV
-        before dQ has written delta)."""
+    def backward_role(self, kind, q, k, v, lse, delta, dout, values: dict, common: dict,
+                      out=None, dlse=None) -> dispatch.Role:
+        """This call's dQ (kind "dq"; `out`, the forward's output: the kernel computes delta
+        from it, minus `dlse`, the returned LSE's gradient, where given) or dK/dV (kind
+        "dkdv"), as forward_role decides the forward."""
         extra = dict(out=out, dlse=dlse) if kind == "dq" else {}
-        portable = {"dq": self.module.backward_dq, "dkdv": self.module.backward_dkdv}[kind]
-        run = lambda config: portable(q, k, v, lse, delta, dout, values, config=config,
-                                      **extra, **common)
-        backend, why = self._call_backend(q, k, v)
-        if backend == "gluon":
-            why = gluon.backward_unsupported(self.variant, kind, q.shape[-1])
-        if why is not None:
-            self._last_backward[kind] = ("triton", why)
-            return kind, run
-        gluon_module = self.gluon_module
-        fast = {"dq": gluon_module.backward_dq, "dkdv": gluon_module.backward_dkdv}[kind]
-        run_gluon = lambda config: fast(q, k, v, lse, delta, dout, values, host=self.module,
-                                        config=config, **extra, **common)
-        chosen = self._gluon_or_portable(problem, q.dtype, tune, (f"gluon-{kind}", run_gluon),
-                                         (kind, run), f"{kind}backend", may_time)
-        if chosen is None:
-            return None
-        self._last_backward[kind] = chosen[2]
-        return chosen[:2]
+        return dispatch.make_role(self, kind, q, k, v, lambda backend: tuning.launcher(
+            self._entry(backend, kind), q, k, v, lse, delta, dout, values, **extra, **common))
 
-    def _gluon_or_portable(self, problem, dtype, tune, gluon_option, portable_option, stage,
-                           may_time=True):
-        """(direction, run, (backend, reason)) for a call the Gluon backend can take: Gluon
-        when asked for, else (auto) whichever the tuner measured faster for this tuning key.
-        `stage`: tuning.BACKEND_STAGES's name of the kernel decided."""
-        what = tuning.BACKEND_STAGES[stage]
-        if self.requested_backend == "gluon":
-            return (*gluon_option, ("gluon", f"backend='gluon' was asked for ({what})"))
-        try:
-            faster = tuning.faster_backend(self, problem, dtype,
-                                           {"gluon": gluon_option, "triton": portable_option},
-                                           density=tune[1], shape_density=tune[2], stage=stage,
-                                           may_time=may_time)
-        except RuntimeError as e:  # no Gluon config could run here: say so, run portable
-            reason = f"the Gluon {what} could not run ({e})"
-            if stage == "backend":
-                self.backend, self.backend_reason = "triton", reason
-            return (*portable_option, ("triton", reason))
-        if faster is None:
-            return None
-        if faster != "gluon":
-            return (*portable_option, ("triton", f"the tuner measured the portable {what} "
-                                                 "faster for this shape"))
-        return (*gluon_option, ("gluon", f"the tuner measured the Gluon {what} faster for "
-                                         "this shape"))
+    def one_launch_role(self, q, k, v, lse, delta, dout, values: dict,
+                        common: dict) -> dispatch.Role:
+        """dK/dV and dQ of a table-driven variant in one launch: the portable module's."""
+        portable = backends.portable()
+        run = tuning.launcher(self._entry(portable, "bwd"), q, k, v, lse, delta, dout, values,
+                              **common)
+        return dispatch.Role("bwd", {portable.name: run}, dispatch.one_launch_reason())
+
+    def _entry(self, backend, kind: str):
+        return backend.entry(self.module_of(backend.name), kind, self.module)
+
+    def choose(self, role: dispatch.Role, problem, dtype, tune=(None, None, None)) -> tuple:
+        """(run, config) of `role` for this call: the backend and tile config the tuner
+        chose (runtime/tuning.py; `tune`, tuning_inputs' hints). kernel.last_backend, or
+        last_backward of the role, says which backend and why."""
+        choice = tuning.choose(self, problem, dtype, role.direction, role.runs, *tune)
+        why = role.reason
+        if why is None:
+            why = dispatch.tuner_reason(role, choice.backend, tuning.untimed_reason())
+        ran = (choice.backend, why)
+        if role.direction == "fwd":
+            self._last_backend = ran
+        else:
+            self._last_backward[role.direction] = ran
+        return role.runs[choice.backend], choice.config
+
+    def begin_backward(self):
+        """A backward starts: last_backward reports its kernels alone."""
+        self._last_backward = {}
 
     @property
     def source(self) -> str:
@@ -266,10 +199,10 @@ class Kernel:
                 raise CallError(f"q_offset={q_offset} and k_offset={k_offset} must be multiples of "
                                 f"the layout's block {b}, so that kernel tiles nest in layout blocks")
         if index_lists:
-            self._check_index_lists(p, inputs)
+            self.check_index_lists(p, inputs)
         return p
 
-    def _check_index_lists(self, p, inputs):
+    def check_index_lists(self, p, inputs):
         """Index lists must hold distinct tile indices in range. Checking reads the values
         (a host synchronisation), so each list is checked once while it is unchanged: the
         same memory, version and shape, held by the same live tensor (the base of a view).
@@ -348,8 +281,8 @@ class Kernel:
         from .checking import check_tensors
         return check_tensors(self, q, k, v, inputs, dout=dout, seed=seed)
 
-    def _tuning(self, p, inputs: dict, device, tables=None) -> tuple:
-        """The tuner's (context, density, shape_density) for a call (tuning.config_for).
+    def tuning_inputs(self, p, inputs: dict, device, tables=None) -> tuple:
+        """The tuner's (context, density, shape_density) for a call (tuning.choose).
         Kept tables know their density (one sync, once), so their calls tune per density
         bucket; without them the config is keyed by shape, chosen on the first layout.
         shape_density() is the call's tile density, for the shipped winners' class: one
@@ -537,7 +470,8 @@ def compile_variant(variant: ir.Variant, *, config: dict | None = None,
 def compile(spec, *, backend: str = "auto", config: dict | None = None, **unknown):
     """Compile a variant into a differentiable kernel: kernel(q, k, v, **inputs).
 
-    backend="auto" (default) | "triton" | "gluon": which kernels run the forward; see
+    backend="auto" (default), "triton" (the portable kernels, everywhere) or another
+    registered backend's name (attncc/backends/__init__.py): which kernels may run; see
     kernel.backend and kernel.backend_reason. `config` pins the kernels' tiles:
     {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}. Everything else
     about the attention is part of the variant."""
@@ -546,22 +480,19 @@ def compile(spec, *, backend: str = "auto", config: dict | None = None, **unknow
     return compile_variant(load(spec), backend=backend, config=config)
 
 
-_CONFIG_EXAMPLE = '{"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}'
-
-
 def _compile_option_hint(name: str, value) -> str:
     """Why attncc.compile() takes no `name=`, and what to write instead."""
     if name == "block":
         block = value if isinstance(value, int) and not isinstance(value, bool) else 64
         return (f"attncc.compile() takes no block=: a layout's block is part of the variant; "
                 f"declare `block {block}` in the spec (block= in @attncc.variant). Kernel "
-                f"tile sizes are pinned with config={_CONFIG_EXAMPLE}")
+                f"tile sizes are pinned with config={EXAMPLE}")
     if name in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"):
         return (f"attncc.compile() takes no {name}=: pin the tiles together, as "
-                f"config={_CONFIG_EXAMPLE}")
+                f"config={EXAMPLE}")
     if name in ("heads", "scale", "dropout", "mask", "score", "layout", "params", "inputs"):
         return (f"attncc.compile() takes no {name}=: it is part of the variant; declare it in "
                 f"the spec (or in @attncc.variant)")
     return (f"attncc.compile() got an unexpected keyword argument '{name}'; it takes a spec "
-            f"(a path, spec text or Variant), backend= and config={_CONFIG_EXAMPLE} to pin tiles"
+            f"(a path, spec text or Variant), backend= and config={EXAMPLE} to pin tiles"
             f"{did_you_mean(name, ('backend', 'config'))}")

@@ -13,6 +13,11 @@ a factor of two and whose length buckets are within a factor of four of its own 
 nearest one); anything else is tuned as before, and so is
 everything under `ATTNCC_TUNE=full`. A shipped config is checked like a cached one
 (configs.usable) before it is used.
+
+An entry's first word says what it holds: a direction ("fwd-..."), the portable kernel's
+config; another backend's name and a direction ("NAME-fwd-..."), that backend's config; a direction
+and "backend" ("backend-..." for the forward, "dqbackend-...", "dkdvbackend-..."), the
+name of the backend measured faster for the role.
 """
 from __future__ import annotations
 
@@ -21,12 +26,12 @@ import json
 import math
 from pathlib import Path
 
-from .. import ir
+from .. import backends, ir
+from ..backends.tile_config import TileConfig
 from . import configs
 
 WINNERS_FILE = Path(__file__).with_name("known_winners.json")
-# Entries naming a backend ("triton" or "gluon") instead of a config: which kernel's.
-BACKEND_STAGES = ("backend", "dqbackend", "dkdvbackend")
+CHOICE = "backend"  # the last word of the first of an entry naming the faster backend
 MAX_LENGTH_RATIO = 4  # a 16K winner serves 4K..64K
 MAX_DENSITY_RATIO = 2  # a 1/16 winner serves 1/8..1/32
 
@@ -55,38 +60,65 @@ def entry_key(direction: str, dim: int, dtype: str, vclass: str, len_q: int, len
     return f"{direction}-d{dim}-{dtype}-{vclass}-q{len_q}-k{len_k}"
 
 
+def config_entry(backend: str, direction: str) -> str:
+    """The first word(s) of the entry holding `backend`'s config for `direction`."""
+    return direction if backend == backends.portable().name else f"{backend}-{direction}"
+
+
+def choice_entry(direction: str) -> str:
+    """The first word of the entry naming the faster backend for `direction`."""
+    return CHOICE if direction == "fwd" else f"{direction}{CHOICE}"
+
+
+def _what(head: str) -> tuple:
+    """(backend, direction) an entry's first word(s) hold a config of, or (None, direction)
+    for an entry naming the faster backend."""
+    if head.endswith(CHOICE):
+        return None, head[:-len(CHOICE)] or "fwd"
+    backend, _, direction = head.rpartition("-")
+    return backend or backends.portable().name, direction
+
+
 def _parse(key: str):
-    """entry_key's inverse: ((direction, dim, dtype, class), len_q, len_k)."""
+    """entry_key's inverse: ((what, dim, dtype, class), len_q, len_k), `what` the first
+    word(s): "fwd", "NAME-fwd" (NAME a backend's, which has no dash of its own), "backend"."""
     parts = key.split("-")
-    if parts[0] == "gluon":  # "gluon-fwd", "gluon-dq", "gluon-dkdv" have a dash of their own
-        parts = [f"gluon-{parts[1]}", *parts[2:]]
-    direction, dim, dtype, vclass, q, k = parts
-    return (direction, int(dim[1:]), dtype, vclass), int(q[1:]), int(k[1:])
+    if parts[0] in backends.names():
+        parts = [f"{parts[0]}-{parts[1]}", *parts[2:]]
+    what, dim, dtype, vclass, q, k = parts
+    return (what, int(dim[1:]), dtype, vclass), int(q[1:]), int(k[1:])
 
 
 @functools.lru_cache(maxsize=None)
 def load_table(path: str = str(WINNERS_FILE)) -> dict:
-    """{gpu name: {(direction, dim, dtype, kind): [(density, len_q, len_k, winner)]}}, the
-    class split into its kind and its density (1/16 -> 16). The file ships with attncc;
-    an entry that is not a valid config (or backend name) is an error of the package,
-    raised here rather than skipped."""
+    """{gpu name: {(what, dim, dtype, kind): [(density, len_q, len_k, winner)]}}, the
+    class split into its kind and its density (1/16 -> 16), a winner a TileConfig or a
+    backend's name. The file ships with attncc; an entry that is not a config its kernel
+    takes (or a backend's name) is an error of the package, raised here rather than
+    skipped."""
     return table_from(json.loads(Path(path).read_text())["winners"], path)
 
 
 def table_from(winners: dict, path: str) -> dict:
     """load_table's table from the file's {gpu: {key: winner}}."""
+    names = (backends.portable().name, *(b.name for b in backends.preferred()))
     table = {}
     for gpu, entries in winners.items():
         per_gpu = table.setdefault(gpu, {})
         for key, winner in entries.items():
-            (direction, dim, dtype, vclass), len_q, len_k = _parse(key)
+            (what, dim, dtype, vclass), len_q, len_k = _parse(key)
             kind, density = _split_class(vclass)
-            if direction in BACKEND_STAGES:
-                if winner not in ("triton", "gluon"):
-                    raise ValueError(f"{path}: {gpu} {key}: backend must be triton or gluon")
+            backend, direction = _what(what)
+            where = f"{path}: {gpu} {key}"
+            if backend is None:
+                if winner not in names:
+                    raise ValueError(f"{where}: backend must be {' or '.join(names)}")
             else:
-                winner = configs.check_config(winner, f"{path}: {gpu} {key}")
-            per_gpu.setdefault((direction, dim, dtype, kind), []).append(
+                winner = TileConfig.from_dict(winner, where)
+                why = backends.named(backend).check_config(winner, direction, dim)
+                if why is not None:
+                    raise ValueError(f"{where}: {why}")
+            per_gpu.setdefault((what, dim, dtype, kind), []).append(
                 (density, len_q, len_k, winner))
     return table
 
@@ -115,11 +147,14 @@ def lookup(gpu: str, direction: str, dim: int, dtype: str, vclass: str, len_q: i
     return min(near, key=distance)[3]
 
 
-def shipped_winner(kernel, problem, dtype, direction: str, density):
-    """The shipped winner for this call (a config, or for direction "backend" or
-    "dqbackend" or "dkdvbackend" the faster backend's name), or None: none for this GPU and class, or one the variant cannot run.
-    (Under ATTNCC_TUNE=full, runtime/tuning.py does not ask.) `density()`: the call's tile density (computed only when this GPU
-    has winners at all)."""
+def shipped(kernel, problem, dtype, direction: str, options: tuple, density):
+    """{backend: its shipped config, or None} for this call of role `direction`: the
+    backends of `options` (names, in order of preference) the shipped winners leave, one
+    where they name the faster for this class and it is among them. None where this GPU
+    has no winners, or the caller cannot say its density. A config the variant cannot run
+    (configs.usable) counts as none. (Under ATTNCC_TUNE=full, runtime/tuning.py does not
+    ask.) `density()`: the call's tile density (computed only when this GPU has winners
+    at all)."""
     import torch
 
     from .configs import density_bucket, length_bucket
@@ -129,8 +164,14 @@ def shipped_winner(kernel, problem, dtype, direction: str, density):
     if gpu not in load_table():
         return None
     vclass = variant_class(kernel.variant, kernel.module.USES_TABLES, density_bucket(density()))
-    winner = lookup(gpu, direction, problem.dim, str(dtype).replace("torch.", ""), vclass,
-                    length_bucket(problem.len_q), length_bucket(problem.len_k))
-    if winner is None or direction in BACKEND_STAGES:
-        return winner
-    return dict(winner) if configs.usable(winner, kernel.variant, problem.dim, direction) else None
+    look = lambda what: lookup(gpu, what, problem.dim, str(dtype).replace("torch.", ""), vclass,
+                               length_bucket(problem.len_q), length_bucket(problem.len_k))
+    if len(options) > 1 and look(choice_entry(direction)) in options:
+        options = (look(choice_entry(direction)),)  # the other backends are never compiled
+    found = {}
+    for backend in options:
+        config = look(config_entry(backend, direction))
+        usable = config is not None and configs.usable(backend, config, kernel.variant,
+                                                       problem.dim, direction)
+        found[backend] = config if usable else None
+    return found

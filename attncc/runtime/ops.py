@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import functools
 import itertools
-import warnings
 import weakref
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
 
-from . import precompile, tuning
+from . import precompile, scheduling
 from ..arguments import Problem
 from .call_options import NO_TABLES, CallOptions
 from .decoding import DecodeOptions, run_decode
@@ -252,21 +251,8 @@ def _forward(kernel_id, q, k, v, inputs, *options):
         if tables is not None:
             tables.check_reads(values)
         return _empty_forward(q)
-    # The checks that read tensor data (see the module docstring).
-    kernel._check_index_lists(p, values)
-    if kernel.variant.dropout and q.is_cuda and torch.cuda.is_current_stream_capturing():
-        warnings.warn(f"attncc: a call of '{kernel.variant.name}' (dropout) is being captured in "
-                      "a CUDA graph: the kernels take the dropout seed as a launch argument, so "
-                      "every replay drops the same elements", stacklevel=2)
-    if tables is not None:
-        tables.check_reads(values)
-    common = call.launch_arguments(_table_store(tables))
-    tune = kernel._tuning(p, values, q.device, tables)
-    direction, run = kernel.forward_runner(q, k, v, values, p, common, tune)
-    if q.is_cuda and (q.requires_grad or k.requires_grad or v.requires_grad):
-        _compile_backward_beside(kernel, p, q, k, v, values, common, tune, direction, run)
-    config = tuning.config_for(kernel, p, q.dtype, direction, run, *tune)
-    return tuning.launch(kernel, p, q.dtype, direction, run, config)
+    return scheduling.forward(kernel, p, q, k, v, values, tables,
+                              **call.launch_arguments(_table_store(tables)))
 
 
 def empty_problem(p: Problem) -> bool:
@@ -283,51 +269,9 @@ def _empty_forward(q):
                                            dtype=torch.float32)
 
 
-def _compile_backward_beside(kernel, p, q, k, v, values, common, tune, direction, run):
-    """A first forward whose inputs take gradients compiles the backward's kernels at the
-    same time as its own (runtime/precompile.py), where every config is known without
-    timing and none was launched yet: the first result then waits for the slowest compile
-    instead of their sum. The backward launches run on stand-in tensors (empty lse, delta
-    and dO): what they compute is discarded, and nothing they index depends on it."""
-    from .settings import backward_directions
-    module = kernel.module
-    forward, new = tuning.untimed_config(kernel, p, q.dtype, direction, *tune[1:])
-    if not new:
-        return
-    launches = [lambda: run(forward)]
-    out = torch.empty_like(q)
-    dout = torch.empty_like(out)
-    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-    delta = module.new_delta(q)
-    for d in backward_directions(module.USES_TABLES):
-        if d == "bwd":
-            config, new = tuning.untimed_config(kernel, p, q.dtype, d, *tune[1:])
-            if not new:
-                return  # tuned later, on real tensors; or already compiled
-            launches += [lambda: module.backward_delta(out, dout),
-                         lambda c=config: module.backward_one_launch(q, k, v, lse, delta, dout,
-                                                                     values, config=c, **common)]
-            continue
-        # dQ or dK/dV: the Gluon kernel or the portable one, where known untimed (not
-        # reported: kernel.last_backward is the latest backward's).
-        reported = kernel.last_backward
-        chosen = kernel.backward_runner(d, q, k, v, lse, delta, dout, values, p, common, tune,
-                                        may_time=False, out=out)
-        kernel._last_backward = reported
-        if chosen is None:
-            return  # the backends are timed later, on real tensors
-        config, new = tuning.untimed_config(kernel, p, q.dtype, chosen[0], *tune[1:])
-        if not new:
-            return  # tuned later, on real tensors; or already compiled
-        launches.append(lambda c=config, run=chosen[1]: run(c))
-    precompile.launch_together(launches)
-
-
 def _backward(kernel_id, q, k, v, out, lse, dout, dlse, inputs, *options):
     """The gradients of the output and, with dlse (None when no loss reads the LSE), of
-    the LSE: folded into delta (delta - dlse, see the backward template), so the dQ and
-    dK/dV kernels run unchanged."""
-    from .settings import backward_directions
+    the LSE (runtime/scheduling.py)."""
     kernel = _kernel(kernel_id)
     call = CallOptions.received(options)
     tables = _tables(call.tables)
@@ -339,55 +283,8 @@ def _backward(kernel_id, q, k, v, out, lse, dout, dlse, inputs, *options):
         return (q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape),
                 [values[d.name].new_zeros(values[d.name].shape)
                  for d in kernel.variant.learnable_inputs])
-    module = kernel.module
-    common = call.launch_arguments(_table_store(tables))
-    tune = kernel._tuning(p, values, q.device, tables)
-    if backward_directions(module.USES_TABLES) == ("bwd",):
-        # dK/dV and dQ as two roles of one grid, one config, both reading delta.
-        kernel._last_backward = {"bwd": (
-            "triton", "a variant with tile tables runs dK/dV and dQ in one portable launch "
-                      "(ATTNCC_BACKWARD=sequential runs them apart, on the Gluon kernels where "
-                      "they can)")}
-        config, new = tuning.untimed_config(kernel, p, q.dtype, "bwd", *tune[1:])
-        if new:  # its first launch: compile the delta pass beside it (on a stand-in delta)
-            scratch = module.new_delta(q)
-            precompile.launch_together([lambda: module.backward_delta(out, dout),
-                                        lambda: module.backward_one_launch(
-                                            q, k, v, lse, scratch, dout, values, config=config,
-                                            **common)])
-        delta = module.backward_delta(out, dout, lse=lse, dlse=dlse)
-        run = lambda config: module.backward_one_launch(q, k, v, lse, delta, dout, values,
-                                                        config=config, **common)
-        config = tuning.config_for(kernel, p, q.dtype, "bwd", run, *tune)
-        dq, dk, dv, dinputs = tuning.launch(kernel, p, q.dtype, "bwd", run, config)
-    else:
-        # dQ first, computing delta = rowsum(dO * O) on the way, then dK/dV, which
-        # reads it. They are tuned apart: they want different tile shapes. Each runs the
-        # Gluon kernel or the portable one (kernel.backward_runner; kernel.last_backward).
-        delta = module.new_delta(q)
-        kernel._last_backward = {}
-        runner = lambda kind, may_time: kernel.backward_runner(
-            kind, q, k, v, lse, delta, dout, values, p, common, tune, may_time=may_time, out=out,
-            dlse=dlse)
-        # None where choosing the backend means timing: dK/dV's reads delta, which dQ writes.
-        chosen_dq, chosen_dkdv = runner("dq", False), runner("dkdv", False)
-        if chosen_dq is not None and chosen_dkdv is not None:
-            # Configs known without timing and not launched yet: compile both at once (each
-            # launch is discarded; dK/dV's reads a delta dQ's has not finished).
-            config_dq, new_dq = tuning.untimed_config(kernel, p, q.dtype, chosen_dq[0], *tune[1:])
-            config_dkdv, new_dkdv = tuning.untimed_config(kernel, p, q.dtype, chosen_dkdv[0],
-                                                          *tune[1:])
-            if new_dq and new_dkdv:
-                precompile.launch_together([lambda: chosen_dq[1](config_dq),
-                                            lambda: chosen_dkdv[1](config_dkdv)])
-        # dQ first: tuning it fills delta, which tuning dK/dV then reads.
-        direction, run_dq = chosen_dq or runner("dq", True)
-        config = tuning.config_for(kernel, p, q.dtype, direction, run_dq, *tune)
-        dq, dinputs = tuning.launch(kernel, p, q.dtype, direction, run_dq, config)
-        direction, run_dkdv = chosen_dkdv or runner("dkdv", True)
-        config = tuning.config_for(kernel, p, q.dtype, direction, run_dkdv, *tune)
-        dk, dv = tuning.launch(kernel, p, q.dtype, direction, run_dkdv, config)
-    return dq, dk, dv, [dinputs[d.name] for d in kernel.variant.learnable_inputs]
+    return scheduling.backward(kernel, p, q, k, v, out, lse, dout, dlse, values, tables,
+                               **call.launch_arguments(_table_store(tables)))
 
 
 # ---------------------------------------------------------------------------- decoding

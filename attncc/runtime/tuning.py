@@ -1,32 +1,41 @@
-"""Autotuning and its on-disk cache: which tile config (runtime/configs.py) a call runs.
+"""Autotuning and its on-disk cache: which backend and tile config (a Choice) run each
+kernel role of a call.
 
-On a GPU the first call of a variant for a (head dim, dtype, length bucket, direction)
-times the first kept candidates on the real inputs, keeps the fastest, and writes it to
-disk keyed by the variant, GPU, Triton and attncc versions, so a second process does no
-tuning. Configs that fail to compile or launch are skipped, never silently used.
-On a GPU attncc ships measured winners for (runtime/known_winners.py), the first call
-runs the winner for the variant's class instead of tuning (`ATTNCC_TUNE=full` tunes).
-`ATTNCC_CONFIG` (JSON) or `attncc.compile(..., config=...)` pins one; `ATTNCC_TUNE=0`
-takes the first kept candidate without timing.
+The backend is one more dimension of the candidates: where several backends can run a
+role (backends/__init__.py's registry, runtime/dispatch.py), the tuner times each one's
+first candidates on the real inputs and keeps the fastest pair. On a GPU the first call
+of a variant for a (role, head dim, dtype, length bucket, backends that can run it) does
+this, keeps the fastest, and writes it to disk keyed by the variant, GPU, Triton and
+attncc versions, so a second process does no tuning. Configs that fail to compile or
+launch are skipped, never silently used. On a GPU attncc ships measured winners for
+(runtime/known_winners.py), the first call runs the winner for the variant's class instead
+of tuning (`ATTNCC_TUNE=full` tunes). `ATTNCC_CONFIG` (JSON) or `attncc.compile(...,
+config=...)` pins a config; `ATTNCC_TUNE=0` takes the first candidate that runs, on the
+portable kernels where others could run too (no backend is preferred untimed).
 """
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import threading
 import time
+from dataclasses import dataclass
 
-from .. import ir
+from .. import backends, ir
+from ..backends.base import KERNEL_NAMES
+from ..backends.tile_config import EXAMPLE, TileConfig
 from . import configs, known_winners, precompile
 from .configs import density_bucket, length_bucket  # noqa: F401 - tuning keys use them
 
-# Candidates timed per key: compiles dominate cold-start time. ATTNCC_TUNE_CANDIDATES
-# raises it (to search more widely once; the winner is cached either way).
+# Candidates timed per key and backend: compiles dominate cold-start time.
+# ATTNCC_TUNE_CANDIDATES raises it (to search more widely once; the winner is cached
+# either way).
 TUNE_AT_MOST = int(os.environ.get("ATTNCC_TUNE_CANDIDATES", "4"))
 TUNE_WARMUP_MS, TUNE_REP_MS = 25, 100  # per candidate; do_bench's own defaults
-_MEMORY: dict = {}  # tuning key -> config, for this process
+# Under the interpreter nothing is timed, and small tiles keep it fast.
+INTERPRETER_CONFIG = TileConfig(16, 16, 4, 1)
+_MEMORY: dict = {}  # (kernel key, tuning key) -> Choice, for this process
 _LOCK = threading.Lock()
 # Progress and skipped candidates, at INFO: quiet unless the program shows attncc's logs
 # (logging.basicConfig(level=logging.INFO)); the attncc command shows them on stderr.
@@ -47,6 +56,37 @@ def tune_mode() -> str:
     return mode
 
 
+@dataclass(frozen=True)
+class Choice:
+    """What runs one kernel role of a call: a backend, by name, and its tile config. The
+    tuning cache stores it as {"backend": name, "config": {BLOCK_M, ...}}."""
+    backend: str
+    config: TileConfig
+
+    @classmethod
+    def from_json(cls, data, where: str) -> "Choice":
+        """A stored choice, checked (a ValueError naming `where` on a bad one)."""
+        if not isinstance(data, dict) or set(data) != {"backend", "config"}:
+            raise ValueError(f"{where}: an entry must be {{\"backend\": ..., \"config\": "
+                             f"{{...}}}}, got {data!r}")
+        if data["backend"] not in backends.names():
+            raise ValueError(f"{where}: {data['backend']!r} is not a backend; the backends are "
+                             f"{', '.join(backends.names())}")
+        return cls(data["backend"], TileConfig.from_dict(data["config"], where))
+
+    def to_json(self) -> dict:
+        return {"backend": self.backend, "config": self.config.as_dict()}
+
+    def label(self) -> str:
+        return f"{self.backend} {self.config.label()}"
+
+
+def launcher(entry, *args, **kwargs):
+    """run(config) for `entry`, a generated module's function: the one place a TileConfig
+    becomes the dict the generated modules take."""
+    return lambda config: entry(*args, config=config.as_dict(), **kwargs)
+
+
 def _versions() -> str:
     import torch
     import triton
@@ -55,19 +95,19 @@ def _versions() -> str:
     return f"{gpu}-triton{triton.__version__}-torch{torch.__version__.split('+')[0]}-attncc{__version__}"
 
 
-def _cache_file(variant: ir.Variant, suffix: str = ""):
-    """The variant's tuning file; decoding keeps its configs (other keys) in a file of its
-    own, suffix "-decode" (attncc/runtime/decoding.py)."""
+def _cache_file(variant: ir.Variant, suffix: str = "-choices"):
+    """The variant's tuning file: "-choices", its Choices (a file of configs alone, as
+    attncc kept before the backend was tuned too, has another name and is never read);
+    decoding keeps its configs in a file of its own, "-decode" (attncc/runtime/decoding.py)."""
     from .cache import cache_dir
     return (cache_dir() / "tuning" / _versions()
             / f"{variant.short_name}-{variant.key()}{suffix}.json")
 
 
-def _load(path, check=configs.check_config) -> dict:
-    """The cached winners that `check(config, where)` accepts (it raises ValueError on a
-    bad one): {} when the file is missing or damaged; a damaged entry is skipped, and
-    dropped by the next store, but the others are kept. Whether a config suits its
-    variant is checked where it is used (usable)."""
+def _raw(path, parse) -> dict:
+    """The file's entries that `parse(entry, where)` accepts (it raises ValueError on a
+    bad one), as stored: {} when the file is missing or damaged; a damaged entry is
+    skipped, but the others are kept."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -75,110 +115,170 @@ def _load(path, check=configs.check_config) -> dict:
     if not isinstance(data, dict):
         return {}
     kept = {}
-    for key, config in data.items():
+    for key, entry in data.items():
         try:
-            kept[key] = check(config, str(path))
+            parse(entry, str(path))
         except (ValueError, TypeError, KeyError):
             continue
+        kept[key] = entry
     return kept
 
 
-def _store(path, key: str, config: dict, check=configs.check_config):
-    """Add one winner. The read-modify-write holds an exclusive lock on a file beside the
-    cache file (filelock: fcntl on POSIX, msvcrt on Windows), so processes tuning at once
-    keep each other's entries (readers need no lock: every write is an atomic replace)."""
+def _load(path, parse=Choice.from_json) -> dict:
+    """The cached winners, parsed (_raw's). Whether one suits its call is checked where
+    it is used (configs.usable)."""
+    return {key: parse(entry, str(path)) for key, entry in _raw(path, parse).items()}
+
+
+def _store(path, entries: dict, parse=Choice.from_json):
+    """Add winners ({key: entry as stored}); a damaged entry already there is dropped. The
+    read-modify-write holds an exclusive lock on a file beside the cache file (filelock:
+    fcntl on POSIX, msvcrt on Windows), so processes tuning at once keep each other's
+    entries (readers need no lock: every write is an atomic replace)."""
     from filelock import FileLock
     from .cache import write_if_changed
     path.parent.mkdir(parents=True, exist_ok=True)
     with _LOCK, FileLock(path.with_name(path.name + ".lock")):
-        data = _load(path, check)
-        data[key] = config
+        data = _raw(path, parse)
+        data.update(entries)
         write_if_changed(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
-def config_for(kernel, problem, dtype, direction: str, run=None, context=None,
-               density=None, shape_density=None) -> dict:
-    """The config for this call; `run(config)` launches the direction once (for tuning).
-    Every call of a kernel comes here (three times per forward + backward), so a config
-    already chosen in this process is found before any candidate is filtered.
-    `context()`, called only when tuning, says what the tuning ran on beyond the key
-    (a runtime layout's density), for the progress lines. `density`: the tile density
-    of kept tables (known without a sync in the call); configs are then tuned per
-    density bucket, since few tiles per row want shorter pipelines (RESULTS.md run 38).
-    `shape_density()`: this call's tile density, for the shipped winners' class (computed
-    only when this GPU has shipped winners)."""
-    pinned = _pinned(kernel, direction)
-    if pinned:
-        return pinned
-    from .settings import interpreting
-    if interpreting():
-        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    kept = lambda: configs.kept_candidates(kernel.variant, problem.dim, direction)
-    if run is None:
-        return kept()[0]
-    if tune_mode() == "0":
-        return first_that_runs(kernel, problem, dtype, direction, kept, run)
-    config, _ = untimed_config(kernel, problem, dtype, direction, density, shape_density)
-    if config is not None:
-        return config
-    key = tuning_key(direction, problem, dtype, density)
-    path = _cache_file(kernel.variant)
-    best = tune(kernel.variant.name, key, kept()[:TUNE_AT_MOST], run,
-                context=context() if context else "")
-    _MEMORY[(kernel.key, key)] = best
-    try:
-        _store(path, key, best)
-    except OSError as e:
-        from ..errors import CacheError
-        from .cache import cache_unwritable
-        raise CacheError(cache_unwritable(path, e)) from None
-    return best
-
-
-def _pinned(kernel, direction: str):
-    """The config pinned for this direction, if any. With backend="gluon", config= pins
-    the Gluon forward and the (portable) backward is tuned; otherwise config= and
-    ATTNCC_CONFIG pin the portable kernels."""
-    gluon_pin = getattr(kernel, "requested_backend", None) == "gluon"
-    if kernel.pinned_config and gluon_pin == (direction == "gluon-fwd"):
-        return kernel.pinned_config  # checked when the kernel was compiled
-    # ATTNCC_CONFIG pins the portable kernels; the Gluon kernels' configs have other limits.
-    pinned = configs.env_config() if not direction.startswith("gluon-") else None
+def pinned_config(kernel, backend: str, direction: str) -> TileConfig | None:
+    """The config pinned for `backend`'s kernel of `direction`, if any. config= pins the
+    kernels of the backend asked for: every portable kernel under backend="auto" or the
+    portable one's name (auto then runs no other: runtime/dispatch.py); under another
+    backend's name, its forward (its backward kernels take other tiles, and are tuned).
+    ATTNCC_CONFIG pins the portable kernels."""
+    portable = backends.portable().name
+    requested = getattr(kernel, "requested_backend", "auto")
+    if kernel.pinned_config is not None:
+        if backend == portable and requested in ("auto", portable):
+            return kernel.pinned_config  # checked when the kernel was compiled
+        if backend == requested != portable and direction == "fwd":
+            return kernel.pinned_config
+    if backend != portable:
+        return None
+    pinned = configs.env_config()
     return configs.check_pinned(pinned, kernel.variant, "ATTNCC_CONFIG") if pinned else None
 
 
-def untimed_config(kernel, problem, dtype, direction: str, density=None, shape_density=None):
-    """(config, new) where choosing this call's config needs no timing: chosen earlier in
-    this process (new False), or read from the tuning cache or the shipped winners (new
-    True: this process has not launched it yet, so its first launch compiles). (None,
-    False) where it must be tuned, and for pinned or untuned configs (config_for's)."""
+def _pinned_choice(kernel, options: tuple, direction: str):
+    for backend in options:
+        pinned = pinned_config(kernel, backend, direction)
+        if pinned is not None:
+            return Choice(backend, pinned)
+    return None
+
+
+def _kept(kernel, backend: str, head_dim: int, direction: str) -> list:
+    return backends.named(backend).candidates(direction, head_dim, kernel.variant)
+
+
+def choose(kernel, problem, dtype, direction: str, runs: dict, context=None, density=None,
+           shape_density=None) -> Choice:
+    """The Choice for this call of role `direction`: which of `runs` ({backend name:
+    run(config)}, in order of preference: runtime/dispatch.py's Role) runs it, at which
+    config. Every call of a kernel comes here (three times per forward + backward), so a
+    choice made earlier in this process is found before any candidate is listed.
+    `context()`, called only when tuning, says what the tuning ran on beyond the key
+    (a runtime layout's density), for the progress lines. `density`: the tile density
+    of kept tables (known without a sync in the call); choices are then tuned per
+    density bucket, since few tiles per row want shorter pipelines (RESULTS.md run 38).
+    `shape_density()`: this call's tile density, for the shipped winners' class (computed
+    only when this GPU has shipped winners)."""
+    options = tuple(runs)
+    pinned = _pinned_choice(kernel, options, direction)
+    if pinned is not None:
+        return pinned
     from .settings import interpreting
-    if _pinned(kernel, direction) or interpreting() or tune_mode() == "0":
+    if interpreting():
+        return Choice(untimed_backend(options), INTERPRETER_CONFIG)
+    if tune_mode() == "0":
+        backend = untimed_backend(options)
+        kept = lambda: _kept(kernel, backend, problem.dim, direction)
+        return Choice(backend, first_that_runs(kernel, problem, dtype, direction, kept,
+                                               runs[backend], backend))
+    choice, _ = untimed_choice(kernel, problem, dtype, direction, options, density,
+                               shape_density)
+    if choice is not None:
+        return choice
+    return _tune(kernel, problem, dtype, direction, runs, context, density, shape_density)
+
+
+def untimed_reason() -> str | None:
+    """Why nothing is timed in this process, where nothing is: choose() then takes
+    untimed_backend's."""
+    from .settings import interpreting
+    if interpreting():
+        return "the Triton interpreter times nothing"
+    return "ATTNCC_TUNE=0 times nothing" if tune_mode() == "0" else None
+
+
+def untimed_backend(options: tuple) -> str:
+    """The backend that runs where nothing is timed: the last of the options, the one
+    that runs everywhere where several could (another backend is taken only where it
+    was measured faster, by the tuner here or for the shipped winners)."""
+    return options[-1]
+
+
+def config_for(kernel, problem, dtype, direction: str, run=None, context=None,
+               density=None, shape_density=None) -> TileConfig:
+    """The portable kernel's config for this call: choose() with the portable backend
+    alone, `run(config)` launching it. Without `run`, the config it would run untuned
+    (ATTNCC_TUNE=0's first candidate), as `attncc compile` reports it."""
+    portable = backends.portable().name
+    if run is None:
+        from .settings import interpreting
+        pinned = pinned_config(kernel, portable, direction)
+        if pinned is not None:
+            return pinned
+        return INTERPRETER_CONFIG if interpreting() else _kept(kernel, portable, problem.dim,
+                                                               direction)[0]
+    return choose(kernel, problem, dtype, direction, {portable: run}, context, density,
+                  shape_density).config
+
+
+def untimed_choice(kernel, problem, dtype, direction: str, options: tuple, density=None,
+                   shape_density=None):
+    """(choice, new) where choosing among `options` (backend names) needs no timing: chosen
+    earlier in this process (new False), or read from the tuning cache or the shipped
+    winners (new True: this process has not launched it yet, so its first launch
+    compiles). (None, False) where it must be tuned, and for pinned or untuned choices
+    (choose()'s own)."""
+    from .settings import interpreting
+    if _pinned_choice(kernel, options, direction) or interpreting() or tune_mode() == "0":
         return None, False
-    key = tuning_key(direction, problem, dtype, density)
+    key = tuning_key(direction, problem, dtype, density, options)
     mem_key = (kernel.key, key)
     if mem_key in _MEMORY:
         return _MEMORY[mem_key], False
     cached = _load(_cache_file(kernel.variant)).get(key)
-    if cached and configs.usable(cached, kernel.variant, problem.dim, direction):
+    if cached is not None and cached.backend in options and configs.usable(
+            cached.backend, cached.config, kernel.variant, problem.dim, direction):
         _MEMORY[mem_key] = cached
         return cached, True
-    shipped = None if tune_mode() == "full" else known_winners.shipped_winner(
-        kernel, problem, dtype, direction, _call_density(density, shape_density))
-    if shipped is not None:  # no candidate compiled or timed: cold start is one compile
-        log.info("%s %s: %s, the shipped winner for its class (ATTNCC_TUNE=full tunes "
-                 "instead)", kernel.variant.name, key, configs.label(shipped))
-        _MEMORY[mem_key] = shipped
-        return shipped, True
+    shipped = _shipped(kernel, problem, dtype, direction, options, density, shape_density)
+    if shipped is not None and len(shipped) == 1:
+        (backend, config), = shipped.items()
+        if config is not None:  # no candidate compiled or timed: cold start is one compile
+            choice = Choice(backend, config)
+            log.info("%s %s: %s, the shipped winner for its class (ATTNCC_TUNE=full tunes "
+                     "instead)", kernel.variant.name, key, choice.label())
+            _MEMORY[mem_key] = choice
+            return choice, True
     return None, False
 
 
-def tuning_key(direction: str, problem, dtype, density=None) -> str:
+def tuning_key(direction: str, problem, dtype, density=None, options: tuple = ()) -> str:
+    """What calls share a choice by: the role, head dim, dtype, GQA group, length buckets,
+    kept tables' density bucket, and the backends that could run it ("-on-NAME+triton":
+    a call only one of them takes is another question, with its own answer)."""
     key = (f"{direction}-d{problem.dim}-{str(dtype).replace('torch.', '')}-g{problem.group}"
            f"-q{length_bucket(problem.len_q)}-k{length_bucket(problem.len_k)}")
     if density is not None:
         key += f"-density{density_bucket(density)}"
-    return key
+    return key + (f"-on-{'+'.join(options)}" if options else "")
 
 
 def _call_density(density, shape_density):
@@ -187,75 +287,50 @@ def _call_density(density, shape_density):
     return (lambda: density) if density is not None else shape_density
 
 
-# What faster_backend decides: the backend of the forward, dQ or dK/dV kernel. The
-# names are the first word of the tuning keys (no dash: known_winners.py splits on it).
-BACKEND_STAGES = {"backend": "forward", "dqbackend": "dQ", "dkdvbackend": "dK/dV"}
-
-
-def faster_backend(kernel, problem, dtype, options: dict, density=None,
-                   shape_density=None, stage: str = "backend", may_time: bool = True):
-    """The name of the faster of `options` ({backend: (direction, run)}), each timed at
-    its own tuned config on this call's inputs (median of do_bench), and remembered on
-    disk beside the configs. `stage`: which kernel's backend (BACKEND_STAGES). ATTNCC_TUNE=0
-    times nothing and takes the portable one. With may_time=False, None where the choice
-    would need timing (a caller that cannot run the kernels yet)."""
-    key = tuning_key(stage, problem, dtype, density)
-    mem_key = (kernel.key, key)
-    if mem_key in _MEMORY:
-        return _MEMORY[mem_key]
-    if tune_mode() == "0":
-        return "triton"
-    path = _cache_file(kernel.variant)
-    path = path.with_name(path.stem + "-backends.json")
-    try:
-        cached = json.loads(path.read_text()).get(key)
-    except (OSError, ValueError, AttributeError):
-        cached = None
-    if cached in options:
-        _MEMORY[mem_key] = cached
-        return cached
-    shipped = None if tune_mode() == "full" else known_winners.shipped_winner(
-        kernel, problem, dtype, stage, _call_density(density, shape_density))
-    if shipped in options:  # the other backend is never compiled
-        log.info("%s %s: the %s %s, the shipped winner for its class (ATTNCC_TUNE=full "
-                 "times both instead)", kernel.variant.name, key, shipped, BACKEND_STAGES[stage])
-        _MEMORY[mem_key] = shipped
-        return shipped
-    if not may_time:
+def _shipped(kernel, problem, dtype, direction, options, density, shape_density):
+    if tune_mode() == "full":
         return None
-    import triton
-    timings = {}
-    for name, (direction, run) in options.items():
-        config = config_for(kernel, problem, dtype, direction, run, density=density,
-                            shape_density=shape_density)
-        timings[name] = triton.testing.do_bench(lambda: run(config), warmup=TUNE_WARMUP_MS,
-                                                rep=TUNE_REP_MS, return_mode="median")
-    best = min(timings, key=timings.get)
-    log.info("%s %s: %s %s; runs %s", kernel.variant.name, key, BACKEND_STAGES[stage],
-             ", ".join(f"{n} {ms:.3f} ms" for n, ms in timings.items()), best)
-    _MEMORY[mem_key] = best
-    from filelock import FileLock
-    from .cache import write_if_changed
+    return known_winners.shipped(kernel, problem, dtype, direction, options,
+                                 _call_density(density, shape_density))
+
+
+def _tune(kernel, problem, dtype, direction: str, runs: dict, context, density,
+          shape_density) -> Choice:
+    """Time the candidates of every backend in `runs` (each one's shipped config where the
+    shipped winners name one, else its first TUNE_AT_MOST) and keep the fastest, in this
+    process and on disk. Where several backends competed, each one's own fastest is kept
+    too, under the key of a call only it can take."""
+    options = tuple(runs)
+    key = tuning_key(direction, problem, dtype, density, options)
+    plan = (_shipped(kernel, problem, dtype, direction, options, density, shape_density)
+            or dict.fromkeys(options))
+    candidates = []
+    for backend, config in plan.items():
+        kept = [config] if config is not None else _kept(kernel, backend, problem.dim,
+                                                         direction)[:TUNE_AT_MOST]
+        candidates += [Choice(backend, c) for c in kept]
+    shown = f"{key} ({context()})" if context else key
+    start = time.perf_counter()
+    timings = time_candidates(kernel.variant.name, shown, candidates,
+                              lambda choice: runs[choice.backend](choice.config), Choice.label)
+    best = _fastest(kernel.variant.name, shown, timings, start, Choice.label)
+    winners = {key: best}
+    if len(options) > 1:
+        for backend, config in plan.items():
+            own = [t for t in timings if t[1].backend == backend]
+            if config is None and own:  # tuned over its own candidates, not a shipped one
+                winners[tuning_key(direction, problem, dtype, density, (backend,))] = \
+                    min(own, key=lambda t: t[0])[1]
+    for k, choice in winners.items():
+        _MEMORY[(kernel.key, k)] = choice
+    path = _cache_file(kernel.variant)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with _LOCK, FileLock(path.with_name(path.name + ".lock")):
-            try:
-                data = json.loads(path.read_text())
-                data = data if isinstance(data, dict) else {}
-            except (OSError, ValueError):
-                data = {}
-            data[key] = best
-            write_if_changed(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+        _store(path, {k: choice.to_json() for k, choice in winners.items()})
     except OSError as e:
         from ..errors import CacheError
         from .cache import cache_unwritable
         raise CacheError(cache_unwritable(path, e)) from None
     return best
-
-
-# What each direction's kernel is called in messages.
-KERNEL_NAMES = {"fwd": "forward", "dq": "dQ", "dkdv": "dK/dV", "bwd": "backward",
-                "gluon-fwd": "Gluon forward", "gluon-dq": "Gluon dQ", "gluon-dkdv": "Gluon dK/dV"}
 
 
 def is_compile_failure(error: Exception) -> bool:
@@ -266,21 +341,22 @@ def is_compile_failure(error: Exception) -> bool:
     return isinstance(error, (PTXASError, CompilationError))
 
 
-def compile_failure_message(kernel, problem, dtype, direction: str, config: dict,
+def compile_failure_message(kernel, problem, dtype, direction: str, config: TileConfig,
                             error: Exception) -> str:
     import triton
     cause = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
     return (f"Triton {triton.__version__} could not compile the {KERNEL_NAMES.get(direction, direction)} "
             f"kernel of '{kernel.variant.name}' at head dim {problem.dim} "
-            f"({str(dtype).replace('torch.', '')}) with the tile config {configs.describe(config)} "
+            f"({str(dtype).replace('torch.', '')}) with the tile config {config.describe()} "
             f"({type(error).__name__}: {cause[:300]}). attncc keeps configs known to crash the "
-            "compiler out of its candidates (runtime/configs.py, keep()); to run now, pin another "
-            "config with ATTNCC_CONFIG='{\"BLOCK_M\": 64, \"BLOCK_N\": 64, \"num_warps\": 4, "
-            "\"num_stages\": 3}' (or attncc.compile(..., config=...)), or retune with "
-            "ATTNCC_TUNE=full, and please report the variant, head dim, dtype and config")
+            "compiler out of its candidates (backends/portable/tiles.py, keep()); to run now, "
+            "pin another config with ATTNCC_CONFIG='{\"BLOCK_M\": 64, \"BLOCK_N\": 64, "
+            "\"num_warps\": 4, \"num_stages\": 3}' (or attncc.compile(..., config=...)), or "
+            "retune with ATTNCC_TUNE=full, and please report the variant, head dim, dtype and "
+            "config")
 
 
-def launch(kernel, problem, dtype, direction: str, run, config: dict):
+def launch(kernel, problem, dtype, direction: str, run, config: TileConfig):
     """run(config), with a failure of Triton's compiler turned into a KernelCompileError
     naming the kernel, head dim and config (a raw PTXASError names none of them)."""
     try:
@@ -293,12 +369,13 @@ def launch(kernel, problem, dtype, direction: str, run, config: dict):
                                                          config, e)) from e
 
 
-def first_that_runs(kernel, problem, dtype, direction: str, kept, run) -> dict:
-    """Untimed choice (ATTNCC_TUNE=0): the first candidate that compiles within the GPU's
-    resources (a variant reading tensors in its score may need more shared memory than
-    the favourite tile allows). Each one skipped is reported; the choice is remembered
-    for this process."""
-    mem_key = (kernel.key, "untuned", direction, problem.dim, str(dtype), problem.group)
+def first_that_runs(kernel, problem, dtype, direction: str, kept, run,
+                    backend: str | None = None) -> TileConfig:
+    """Untimed choice (ATTNCC_TUNE=0): the first of `kept()` (`backend`'s candidates)
+    that compiles within the GPU's resources (a variant reading tensors in its score may
+    need more shared memory than the favourite tile allows). Each one skipped is
+    reported; the choice is remembered for this process."""
+    mem_key = (kernel.key, "untuned", backend, direction, problem.dim, str(dtype), problem.group)
     if mem_key in _MEMORY:
         return _MEMORY[mem_key]
     import triton
@@ -307,49 +384,61 @@ def first_that_runs(kernel, problem, dtype, direction: str, kept, run) -> dict:
             run(config)  # compiles it; the launch repeats the call's own work once
         except triton.runtime.errors.OutOfResources as e:
             log.info("%s %s: %s does not fit (%s); trying the next candidate",
-                     kernel.variant.name, direction, configs.label(config), str(e).splitlines()[0][:100])
+                     kernel.variant.name, direction, config.label(), str(e).splitlines()[0][:100])
             continue
         except Exception as e:
             if not is_compile_failure(e):
                 raise
             log.info("%s %s: %s failed to compile (%s: %s); trying the next candidate",
-                     kernel.variant.name, direction, configs.label(config), type(e).__name__,
+                     kernel.variant.name, direction, config.label(), type(e).__name__,
                      str(e).strip().splitlines()[0][:100] if str(e).strip() else "")
             continue
         _MEMORY[mem_key] = config
         return config
     raise RuntimeError(f"attncc: no tile config fits or compiles for {kernel.variant.name} "
                        f"({direction}, head dim {problem.dim}); pin a smaller one with "
-                       "ATTNCC_CONFIG")
+                       f"ATTNCC_CONFIG={EXAMPLE!r}")
 
 
-def tune(name: str, key: str, candidates: list, run, context: str = "") -> dict:
-    """Time each config (median of do_bench), report progress, return the fastest."""
-    import triton
+def tune(name: str, key: str, candidates: list, run, context: str = "",
+         label=lambda candidate: candidate.label()):
+    """Time each candidate (median of do_bench), report progress, return the fastest.
+    `label(candidate)`: how progress lines write one."""
     if context:
         key = f"{key} ({context})"
     start = time.perf_counter()
+    return _fastest(name, key, time_candidates(name, key, candidates, run, label), start, label)
+
+
+def time_candidates(name: str, key: str, candidates: list, run, label) -> list:
+    """[(ms, candidate)] of the candidates that ran, each timed with `run(candidate)`; one
+    that fails (out of resources, a compile failure) is skipped, and the log says so."""
+    import triton
     # Compile them all at once before timing any (runtime/precompile.py).
-    precompile.launch_together([lambda config=config: run(config) for config in candidates])
+    precompile.launch_together([lambda c=c: run(c) for c in candidates])
     timings = []
-    for i, config in enumerate(candidates):
-        label = configs.label(config)
+    for i, candidate in enumerate(candidates):
+        text = label(candidate)
         try:
             # do_bench's default windows, as the benchmarks use: 20 ms windows favoured
             # 64x32 forward tiles over what longer ones and steady calls measured, and
             # picked them at d = 0.125, 9% slower there (RESULTS.md runs 72-74).
-            ms = triton.testing.do_bench(lambda: run(config), warmup=TUNE_WARMUP_MS,
+            ms = triton.testing.do_bench(lambda: run(candidate), warmup=TUNE_WARMUP_MS,
                                          rep=TUNE_REP_MS, return_mode="median")
         except Exception as e:  # out of resources, compile failure: skip, and say so
             log.info("tuning %s %s: [%d/%d] %s failed (%s: %s)", name, key, i + 1, len(candidates),
-                     label, type(e).__name__, str(e).splitlines()[0][:100])
+                     text, type(e).__name__, str(e).splitlines()[0][:100])
             continue
-        timings.append((ms, config))
-        log.info("tuning %s %s: [%d/%d] %s %.3f ms", name, key, i + 1, len(candidates), label, ms)
+        timings.append((ms, candidate))
+        log.info("tuning %s %s: [%d/%d] %s %.3f ms", name, key, i + 1, len(candidates), text, ms)
+    return timings
+
+
+def _fastest(name: str, key: str, timings: list, start: float, label):
     if not timings:
         raise RuntimeError(f"attncc: no tile config could run {name} ({key}); "
                            "pin one with ATTNCC_CONFIG to see its error")
     ms, best = min(timings, key=lambda t: t[0])
     log.info("tuned %s %s in %.1f s: %s (%.3f ms)", name, key, time.perf_counter() - start,
-             configs.describe(best), ms)
-    return dict(best)
+             label(best), ms)
+    return best

@@ -56,8 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
                       "(created if missing; default: the current directory)")
     comp.add_argument("--len", type=int, default=None, help="report the fraction of tiles "
                       "visited at this length (at most 8192)")
-    comp.add_argument("--backend", default="triton", choices=["auto", "triton", "gluon"],
-                      help="gluon (or auto) also writes the Hopper Gluon forward, DIR/<name>_gluon.py")
+    from .. import backends
+    comp.add_argument("--backend", default=backends.portable().name,
+                      choices=["auto", backends.portable().name,
+                               *(b.name for b in backends.preferred())],
+                      help="another backend than the portable one (or auto: each that can run "
+                      "the variant) also writes its module, DIR/<name>_<backend>.py")
 
     check = sub.add_parser("check", help="compare the kernels with the reference on random inputs")
     check.add_argument("spec", help=SPEC_HELP)

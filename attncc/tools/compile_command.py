@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import torch
 
-from .. import ir, load
+from .. import backends, ir, load
+from ..backends.base import KERNEL_NAMES
 from ..errors import AttnccError
-from ..runtime import configs
 from ..arguments import Problem
 from ..runtime.cache import write_if_changed
 from .density import dense_allowed, tile_visit_fraction
@@ -49,8 +49,8 @@ def kernel_directions(source: str) -> tuple:
 
 
 def chosen_configs(variant: ir.Variant, source: str, head_dim: int, *, interpreter: bool) -> dict:
-    """{direction: config}. On a GPU: the first candidate that keep() allows (what runs
-    untuned, ATTNCC_TUNE=0; autotuning may pick another), or ATTNCC_CONFIG's pin.
+    """{direction: TileConfig} of the portable kernels. On a GPU: the first candidate (what
+    runs untuned, ATTNCC_TUNE=0; autotuning may pick another), or ATTNCC_CONFIG's pin.
     Under the interpreter: what tuning.config_for picks there."""
     from ..runtime import tuning
     kernel = SimpleNamespace(variant=variant, pinned_config=None)
@@ -61,28 +61,31 @@ def chosen_configs(variant: ir.Variant, source: str, head_dim: int, *, interpret
             with _env("TRITON_INTERPRET", "1" if interpreter else None):
                 out[d] = tuning.config_for(kernel, problem, torch.float16, d)
         else:
-            out[d] = configs.kept_candidates(variant, head_dim, d)[0]
+            out[d] = backends.portable().candidates(d, head_dim, variant)[0]
     return out
 
 
 def _configs_text(chosen: dict) -> str:
-    return ", ".join(f"{d} {configs.sentence(c)}" for d, c in chosen.items())
+    return ", ".join(f"{d} {c.sentence()}" for d, c in chosen.items())
 
 
 def compile_command(args) -> int:
-    from ..backends.portable.codegen import generate
-    from ..backends.gluon import codegen as gluon
     variant = load(args.spec)
     if args.len is not None and not 1 <= args.len <= MAX_COMPILE_ESTIMATE_LEN:
         raise AttnccError(f"--len {args.len}: the tile estimate evaluates the dense mask, so it "
                           f"takes lengths 1 to {MAX_COMPILE_ESTIMATE_LEN}; at longer ones, "
                           "kernel.density(q, k, v, ...) measures it from the tile tables")
-    backend = getattr(args, "backend", "triton")
-    why = gluon.variant_unsupported(variant)
-    if backend == "gluon" and why is not None:  # before anything is written
-        raise AttnccError(f"--backend gluon cannot compile this: {why}; use --backend auto "
-                          "or triton")
-    gen = generate(variant)
+    portable = backends.portable()
+    requested = getattr(args, "backend", portable.name)
+    # The other backends whose modules are written beside the portable one, and why one
+    # cannot take the variant.
+    others = {b: b.supports(variant) for b in backends.preferred()
+              if requested in ("auto", b.name)}
+    for backend, why in others.items():
+        if requested == backend.name and why is not None:  # before anything is written
+            raise AttnccError(f"--backend {backend.name} cannot compile this: {why}; use "
+                              f"--backend auto or {portable.name}")
+    gen = portable.render(variant)
     out_dir = Path(args.out)
     created = not out_dir.exists()  # -o makes a missing directory, parents included
     path = out_dir / f"{variant.name}.py"
@@ -92,10 +95,10 @@ def compile_command(args) -> int:
         raise AttnccError(f"cannot write {path}: {err.strerror or err}") from None
     print(f"variant   {variant.name}")
     state = ("written" if written else "unchanged") + (f", created {out_dir}" if created else "")
-    print(f"module    {path} ({state}; imports only torch and triton)")
+    print(f"module    {path} ({state}; {portable.module_note})")
     print(f"strategy  {gen.strategy}")
-    if backend != "triton":
-        _write_gluon(variant, Path(args.out), backend, why, gen.source)
+    for backend, why in others.items():
+        _write_backend_module(backend, variant, out_dir, requested, why, gen.source)
     from ..analysis.bounds import plan_loops
     from ..codegen.decode import decode_strategy
     print(f"decoding  {decode_strategy(variant, plan_loops(variant, 'k'))} (kernel.decode)")
@@ -121,7 +124,7 @@ def compile_command(args) -> int:
                     dim_v=ASSUMED_HEAD_DIM)
         allowed = dense_allowed(variant, p, sample_inputs(variant, p, seed=0))
         density = allowed.float().mean().item()
-        bm, bn = gpu["fwd"]["BLOCK_M"], gpu["fwd"]["BLOCK_N"]
+        bm, bn = gpu["fwd"].block_m, gpu["fwd"].block_n
         visited, total = tile_visit_fraction(allowed, bm, bn)
         line = (f"visited   at len {n}: {visited / total:.3f} of the {bm}x{bn} forward tiles "
                 f"({visited:g} of {total}); allowed pairs {density:.3f}")
@@ -131,33 +134,34 @@ def compile_command(args) -> int:
     return 0
 
 
-def _write_gluon(variant: ir.Variant, out: Path, backend: str, why: str | None, source: str):
-    """--backend gluon|auto: the Gluon forward beside the portable module (which it needs:
-    tile tables, argument values, the backward). Rendering needs no GPU. `why`: why the
-    Gluon backend cannot take the variant (then auto says so and writes nothing more)."""
-    from ..backends.gluon import codegen as gluon
+def _write_backend_module(backend, variant: ir.Variant, out: Path, requested: str,
+                          why: str | None, source: str):
+    """--backend NAME|auto: another backend's module beside the portable one (which it may
+    need: tile tables, argument values, the backward). Rendering needs no GPU. `why`: why
+    the backend cannot take the variant (then auto says so and writes nothing more)."""
+    portable = backends.portable()
     if why is not None:
-        print(f"backend   auto: the portable kernels, since {why}")
+        print(f"backend   auto: the {portable.title} kernels, since {why}")
         return
-    gen = gluon.generate(variant)
-    path = out / f"{variant.name}_gluon.py"
+    gen = backend.render(variant)
+    path = out / f"{variant.name}_{backend.name}.py"
     try:
         written = write_if_changed(path, gen.source)
     except OSError as err:
         raise AttnccError(f"cannot write {path}: {err.strerror or err}") from None
-    print(f"gluon     {path} ({'written' if written else 'unchanged'}; the Hopper (sm_90) forward, "
-          "dQ and dK/dV kernels; tile tables and argument values come from the module above)")
-    if backend == "gluon":
-        print("backend   gluon forward, dQ and dK/dV on an sm_90 GPU (refused elsewhere and under "
-              "the interpreter)")
+    print(f"{backend.name:<10}{path} ({'written' if written else 'unchanged'}; "
+          f"{backend.module_note})")
+    if requested == backend.name:
+        print(f"backend   {backend.name} {backend.forced_note}")
     else:
-        print("backend   auto: the Gluon forward, dQ and dK/dV on an sm_90 GPU where the tuner "
-              "times them faster than the portable ones, else the portable kernels")
+        print(f"backend   auto: the {backend.title} {backend.auto_note}, else the "
+              f"{portable.title} kernels")
     if "bwd" in kernel_directions(source):
-        print("          backward: dK/dV and dQ in one portable launch (tile tables; "
-              "ATTNCC_BACKWARD=sequential runs them apart, on the Gluon kernels)")
-    print(f"          Gluon tiles (head dim {ASSUMED_HEAD_DIM}): "
-          + ", ".join(configs.sentence(c) for c in gluon.candidates(ASSUMED_HEAD_DIM)[:4]))
-    for name, kept in (("dQ", gluon.dq_candidates), ("dK/dV", gluon.backward_candidates)):
-        print(f"          Gluon {name} tiles (head dim {ASSUMED_HEAD_DIM}): "
-              + ", ".join(configs.sentence(c) for c in kept(ASSUMED_HEAD_DIM)))
+        print(f"          backward: dK/dV and dQ in one {portable.title} launch (tile tables; "
+              f"ATTNCC_BACKWARD=sequential runs them apart, on the {backend.title} kernels)")
+    for direction in ("fwd", "dq", "dkdv"):
+        kept = backend.candidates(direction, ASSUMED_HEAD_DIM, variant)
+        if kept:
+            kernel = "" if direction == "fwd" else f" {KERNEL_NAMES[direction]}"
+            print(f"          {backend.title}{kernel} tiles (head dim {ASSUMED_HEAD_DIM}): "
+                  + ", ".join(c.sentence() for c in kept[:4]))

@@ -1,1 +1,132 @@
-"""The Gluon backend: Hopper (sm_90) kernels written in Gluon."""
+"""The Gluon backend: Hopper (sm_90) kernels written in Gluon, for the forward, dQ and
+dK/dV (codegen.py renders them; tiles.py lists their configs).
+
+The backward reads the forward's output and LSE, which both backends write alike, so
+each of the three kernels runs on this backend or the portable one on its own. What the
+backend does not take yet is named here, so that `backend="gluon"` refuses it with that
+sentence and `backend="auto"` runs the portable kernels and says why.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+from ... import ir
+from ..base import ENTRY_POINTS, KERNEL_NAMES
+from ..tile_config import TileConfig, fits_variant
+from . import tiles
+
+HEAD_DIMS = (64, 128, 256)
+DTYPES = ("float16", "bfloat16")
+# wgmma, TMA and the mbarrier ring are Hopper's; Blackwell wants tcgen05 and TMEM.
+CAPABILITY = (9, 0)
+
+
+class GluonBackend:
+    name = "gluon"
+    title = "Gluon"
+    auto_reason = ("an sm_90 GPU: the Gluon forward, dQ and dK/dV kernels run each call they "
+                   "can take where the tuner timed them faster than the portable ones; see "
+                   "kernel.last_backend and kernel.last_backward")
+    module_note = ("the Hopper (sm_90) forward, dQ and dK/dV kernels; tile tables and argument "
+                   "values come from the module above")
+    forced_note = ("forward, dQ and dK/dV on an sm_90 GPU (refused elsewhere and under the "
+                   "interpreter)")
+    auto_note = ("forward, dQ and dK/dV on an sm_90 GPU where the tuner times them faster than "
+                 "the portable ones")
+
+    def __repr__(self):
+        return f"<attncc backend {self.name!r}>"
+
+    def environment_unsupported(self) -> str | None:
+        """No sm_90 GPU, the interpreter, or a Triton without Gluon's Hopper module."""
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return "the Triton interpreter (TRITON_INTERPRET=1) runs only the portable kernels"
+        return _device_unsupported()
+
+    def supports(self, variant: ir.Variant) -> str | None:
+        if variant.dropout:
+            return (f"variant '{variant.name}' has dropout {variant.dropout}, which the Gluon "
+                    "forward does not implement yet")
+        if variant.block is not None and variant.block < 64 and ir.index_lists(variant.layout):
+            return (f"variant '{variant.name}' lists layout blocks of {variant.block} by index; "
+                    "its tiles must nest in them, and a wgmma tile has at least 64 rows")
+        return None
+
+    def supports_call(self, variant: ir.Variant, q, k, v, kind: str) -> str | None:
+        return _call_unsupported(q, k, v) or kernel_unsupported(variant, kind, q.shape[-1])
+
+    def render(self, variant: ir.Variant):
+        from .codegen import generate
+        return generate(variant)
+
+    def candidates(self, direction: str, head_dim: int, variant: ir.Variant) -> list[TileConfig]:
+        if direction not in tiles.CANDIDATES:
+            return []
+        return [c for c in tiles.CANDIDATES[direction](head_dim) if fits_variant(c, variant)]
+
+    def check_config(self, config: TileConfig, direction: str, head_dim: int | None) -> str | None:
+        if direction not in tiles.CHECKS:
+            return f"the Gluon backend has no {KERNEL_NAMES[direction]} kernel of one launch"
+        return tiles.CHECKS[direction](config, head_dim)
+
+    def entry(self, module, kind: str, host):
+        # The Gluon module borrows the portable one's tile tables and argument values.
+        return functools.partial(getattr(module, ENTRY_POINTS[kind]), host=host)
+
+
+@functools.lru_cache(maxsize=1)
+def _device_unsupported() -> str | None:
+    import torch
+    if not torch.cuda.is_available():
+        return "there is no CUDA GPU; the Gluon kernels need a Hopper GPU (sm_90)"
+    capability = torch.cuda.get_device_capability()
+    if capability != CAPABILITY:
+        return (f"the GPU ({torch.cuda.get_device_name()}) is sm_{capability[0]}{capability[1]}; "
+                "the Gluon kernels are written for Hopper (sm_90)")
+    try:
+        import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
+    except ImportError as e:
+        return f"this Triton has no Gluon Hopper module ({e})"
+    return None
+
+
+def _call_unsupported(q, k, v) -> str | None:
+    """Why the Gluon kernels cannot take these tensors, or None."""
+    dtype = str(q.dtype).replace("torch.", "")
+    if dtype not in DTYPES:
+        return f"q, k, v are {dtype}; the Gluon forward takes float16 and bfloat16"
+    dim = q.shape[-1]
+    if dim not in HEAD_DIMS:
+        return (f"head dim {dim}; the Gluon forward takes head dims "
+                f"{', '.join(map(str, HEAD_DIMS))}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        # TMA copies: the last dim contiguous, every other stride and the base 16-byte aligned.
+        if t.stride(3) != 1:
+            return (f"{name} has strides {tuple(t.stride())}: the Gluon forward's bulk copies need "
+                    f"the head dim contiguous (call {name}.contiguous())")
+        size = t.element_size()
+        if any((s * size) % 16 for s in t.stride()[:3]) or t.data_ptr() % 16:
+            return (f"{name} has strides {tuple(t.stride())}: the Gluon forward's bulk copies need "
+                    "16-byte aligned rows (call .contiguous())")
+    return None
+
+
+def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int) -> str | None:
+    """Why the Gluon kernel of role `kind` cannot take a call of this variant at this head
+    dim, or None: the forward takes every head dim the call checks let through; dQ and
+    dK/dV fewer, and dQ no learnable inputs; there is no one-launch backward."""
+    if kind == "fwd":
+        return None
+    if kind not in ("dq", "dkdv"):
+        return f"the Gluon backend has no {KERNEL_NAMES[kind]} kernel of one launch"
+    name = KERNEL_NAMES[kind]
+    if head_dim not in tiles.BACKWARD_HEAD_DIMS:
+        return (f"head dim {head_dim}: the Gluon {name} kernel takes head dims "
+                f"{', '.join(map(str, tiles.BACKWARD_HEAD_DIMS))} (at 256 its fp32 accumulators "
+                "do not fit in registers beside the score tiles)")
+    if kind == "dq" and variant.learnable_inputs:
+        names = ", ".join(d.name for d in variant.learnable_inputs)
+        return (f"variant '{variant.name}' has learnable inputs ({names}), whose gradients "
+                "the portable dQ kernel accumulates; the Gluon dQ kernel does not yet")
+    return None

@@ -1,0 +1,120 @@
+"""The Gluon kernels' tile configs: each kernel's candidates, most likely winner first, and
+the check a pinned, cached or shipped config must pass (wgmma's rows per warp, Hopper's
+shared memory)."""
+from __future__ import annotations
+
+from ..tile_config import TileConfig
+
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper block may use
+# num_warps of the warp-specialized forward (two consumer warpgroups and a producer warp);
+# the generated module's WS_WARPS.
+WS_WARPS = 9
+# Head dims of the Gluon dK/dV kernel: each thread holds its rows of dK and dV in fp32,
+# and at 256 columns the two accumulators alone would take every register.
+BACKWARD_HEAD_DIMS = (64, 128)
+
+
+def smem_bytes(config: TileConfig, head_dim: int) -> int:
+    """Q, plus NUM_STAGES slots of K and V, in 16-bit elements."""
+    return 2 * head_dim * (config.block_m + 2 * config.num_stages * config.block_n)
+
+
+def candidates(head_dim: int) -> list:
+    """Forward tile configs, most likely winner first. BLOCK_M is 16 rows per warp (a
+    warpgroup per 64 rows), as the wgmma layout needs."""
+    # Head dim 128 (H200, bf16, 16K tokens; benchmarks/RESULTS.md runs 78-79): the
+    # warp-specialized kernel (num_warps WS_WARPS) ran full attention 1.12x faster than
+    # the best single-partition config, 128x128 w8 s2, and 64x64 w4 tiles (two programs
+    # per SM) came next. Every config listed for 64 and 128 passed the GPU checks; the
+    # warp-specialized kernel was not run at head dim 256, so it is not offered there.
+    shapes = {64: [(128, 128, WS_WARPS, 2), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+                   (128, 64, 8, 3), (64, 128, 4, 3)],
+              128: [(128, 128, WS_WARPS, 2), (128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3),
+                    (128, 64, 8, 3), (128, 64, 8, 2), (64, 128, 4, 2)],
+              256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 2)]}
+    configs = [TileConfig(*shape) for shape in shapes.get(head_dim, [])]
+    return [c for c in configs if smem_bytes(c, head_dim) <= SMEM_LIMIT]
+
+
+# The two backward kernels are mirror images: one side's tile stays on chip, split among
+# the warps 16 rows each (the wgmma layout), while the other side's tiles stream through
+# the ring. {kind: (held side, streamed side, name)}.
+_BACKWARD_SIDES = {"dkdv": ("block_n", "block_m", "dK/dV"), "dq": ("block_m", "block_n", "dQ")}
+_KEY_OF = {"block_m": "BLOCK_M", "block_n": "BLOCK_N"}  # the sides as configs are written
+
+
+def _backward_smem(kind: str, config: TileConfig, head_dim: int) -> int:
+    """The held tiles (two: K, V or Q, dO) plus NUM_STAGES slots of the streamed two, in
+    16-bit elements."""
+    held, streamed, _ = _BACKWARD_SIDES[kind]
+    return 2 * head_dim * (2 * getattr(config, held)
+                           + 2 * config.num_stages * getattr(config, streamed))
+
+
+def _check_backward(kind: str, config: TileConfig, head_dim: int | None) -> str | None:
+    held, streamed, name = _BACKWARD_SIDES[kind]
+    w, rows, cols = config.num_warps, getattr(config, held), getattr(config, streamed)
+    if w not in (4, 8) or rows % (16 * w) or rows > 256 or cols % 16 or not 16 <= cols <= 256 \
+            or config.num_stages < 1:
+        return (f"config {config.as_dict()} does not fit the Gluon {name} kernel: it needs "
+                f"num_warps 4 or 8, {_KEY_OF[held]} a multiple of 16 * num_warps up to 256, "
+                f"{_KEY_OF[streamed]} a multiple of 16 up to 256 and num_stages >= 1")
+    if head_dim is not None and _backward_smem(kind, config, head_dim) > SMEM_LIMIT:
+        return (f"config {config.as_dict()} needs {_backward_smem(kind, config, head_dim)} bytes "
+                f"of shared memory at head dim {head_dim}; Hopper has {SMEM_LIMIT}")
+    return None
+
+
+def _backward_configs(kind: str, shapes: list, head_dim: int) -> list:
+    configs = [TileConfig(*shape) for shape in shapes]
+    return [c for c in configs if _backward_smem(kind, c, head_dim) <= SMEM_LIMIT]
+
+
+def check_backward_config(config: TileConfig, head_dim: int | None) -> str | None:
+    """Why a config cannot run the Gluon dK/dV kernel, or None."""
+    return _check_backward("dkdv", config, head_dim)
+
+
+def check_dq_config(config: TileConfig, head_dim: int | None) -> str | None:
+    """Why a config cannot run the Gluon dQ kernel, or None."""
+    return _check_backward("dq", config, head_dim)
+
+
+def backward_candidates(head_dim: int) -> list:
+    """dK/dV tile configs (BLOCK_M query rows stream past BLOCK_N key rows), most likely
+    winner first. Each thread holds its rows of dK and dV (fp32) and of S^T and dP^T, so
+    tiles stay small."""
+    # Head dim 128 (H100, bf16, 16K tokens; benchmarks/RESULTS.md run 106): 64x64 tiles
+    # on 4 warps (two programs per SM) ran full and causal 8% and 5% faster than 64x128 on
+    # 8 warps, 32x128 13-30% slower.
+    shapes = {64: [(64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2), (64, 128, 8, 3)],
+              128: [(64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 2)]}
+    return _backward_configs("dkdv", shapes.get(head_dim, []), head_dim)
+
+
+def dq_candidates(head_dim: int) -> list:
+    """dQ tile configs (BLOCK_N key rows stream past BLOCK_M query rows), most likely
+    winner first. Each thread holds its rows of dQ (fp32) and of S and dP."""
+    shapes = {64: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 4, 2), (128, 128, 8, 2)],
+              128: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3)]}
+    return _backward_configs("dq", shapes.get(head_dim, []), head_dim)
+
+
+def check_config(config: TileConfig, head_dim: int | None) -> str | None:
+    """Why a config cannot run the Gluon forward, or None."""
+    w = 8 if config.num_warps == WS_WARPS else config.num_warps  # two consumer warpgroups
+    if w not in (4, 8) or config.block_m < 16 * w or config.block_n > 256 \
+            or config.num_stages < 2:
+        return (f"config {config.as_dict()} does not fit the Gluon forward: it needs num_warps "
+                "4, 8 or 9 (warp-specialized), BLOCK_M >= 16 * num_warps, BLOCK_N <= 256 and "
+                "num_stages >= 2")
+    if head_dim is not None and smem_bytes(config, head_dim) > SMEM_LIMIT:
+        return (f"config {config.as_dict()} needs {smem_bytes(config, head_dim)} bytes of shared "
+                f"memory at head dim {head_dim}; Hopper has {SMEM_LIMIT}")
+    return None
+
+
+# Each Gluon kernel's candidates and config check, by direction (it has no one-launch
+# backward: "bwd" is the portable module's).
+CANDIDATES = {"fwd": candidates, "dq": dq_candidates, "dkdv": backward_candidates}
+CHECKS = {"fwd": check_config, "dq": check_dq_config, "dkdv": check_backward_config}

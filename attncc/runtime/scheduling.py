@@ -1,0 +1,125 @@
+"""What runs for one call of a variant's operator, and in what order: the forward's and
+the backward's kernel roles, each launched on the backend and tile config the tuner
+chose (runtime/dispatch.py, runtime/tuning.py), and the first compiles started together.
+
+runtime/ops.py's operators decode their arguments (the kernel and kept tables from their
+ids, the seed) and call `forward` and `backward` here; everything below reaches the
+Kernel through its public methods.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .. import backends
+from . import precompile, tuning
+from .settings import backward_directions
+
+
+def forward(kernel, problem, q, k, v, values: dict, kept_tables, **common):
+    """(out, lse) of a non-empty call of `kernel` shaped as `problem`. `kept_tables`: the
+    TileTables passed as tables= (None without); `common`: the launches' keyword arguments
+    (q_offset, k_offset, seed, and tables: where a launch finds its tile tables)."""
+    # The checks that read tensor data (runtime/ops.py's docstring says why they are here).
+    kernel.check_index_lists(problem, values)
+    if kernel.variant.dropout and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        warnings.warn(f"attncc: a call of '{kernel.variant.name}' (dropout) is being captured in "
+                      "a CUDA graph: the kernels take the dropout seed as a launch argument, so "
+                      "every replay drops the same elements", stacklevel=2)
+    if kept_tables is not None:
+        kept_tables.check_reads(values)
+    tune = kernel.tuning_inputs(problem, values, q.device, kept_tables)
+    role = kernel.forward_role(q, k, v, values, common)
+    if q.is_cuda and (q.requires_grad or k.requires_grad or v.requires_grad):
+        compile_backward_beside(kernel, problem, q, k, v, values, common, tune, role)
+    run, config = kernel.choose(role, problem, q.dtype, tune)
+    return tuning.launch(kernel, problem, q.dtype, "fwd", run, config)
+
+
+def _untimed(kernel, role, problem, dtype, tune):
+    """(run, config, new) where the role's choice needs no timing (tuning.untimed_choice),
+    else None."""
+    choice, new = tuning.untimed_choice(kernel, problem, dtype, role.direction,
+                                        tuple(role.runs), *tune[1:])
+    return None if choice is None else (role.runs[choice.backend], choice.config, new)
+
+
+def compile_backward_beside(kernel, problem, q, k, v, values, common, tune, forward_role):
+    """A first forward whose inputs take gradients compiles the backward's kernels at the
+    same time as its own (runtime/precompile.py), where every choice is known without
+    timing and none was launched yet: the first result then waits for the slowest compile
+    instead of their sum. The backward launches run on stand-in tensors (empty lse, delta
+    and dO): what they compute is discarded, and nothing they index depends on it. Nothing
+    is reported (kernel.last_backward is the latest backward's)."""
+    module = kernel.module
+    chosen = _untimed(kernel, forward_role, problem, q.dtype, tune)
+    if chosen is None or not chosen[2]:
+        return
+    launches = [lambda run=chosen[0], config=chosen[1]: run(config)]
+    out = torch.empty_like(q)
+    dout = torch.empty_like(out)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    delta = module.new_delta(q)
+    for d in backward_directions(module.USES_TABLES):
+        if d == "bwd":
+            role = kernel.one_launch_role(q, k, v, lse, delta, dout, values, common)
+        else:  # dQ or dK/dV, on whichever backend is known untimed
+            role = kernel.backward_role(d, q, k, v, lse, delta, dout, values, common, out=out)
+        chosen = _untimed(kernel, role, problem, q.dtype, tune)
+        if chosen is None or not chosen[2]:
+            return  # tuned later, on real tensors; or already compiled
+        if d == "bwd":
+            launches.append(lambda: module.backward_delta(out, dout))
+        launches.append(lambda run=chosen[0], config=chosen[1]: run(config))
+    precompile.launch_together(launches)
+
+
+def backward(kernel, problem, q, k, v, out, lse, dout, dlse, values: dict, kept_tables,
+             **common):
+    """(dq, dk, dv, dinputs) of a non-empty call: the gradients of the output and, with
+    dlse (None when no loss reads the LSE), of the LSE: folded into delta (delta - dlse,
+    see the backward template), so the dQ and dK/dV kernels run unchanged. `dinputs`:
+    [gradient] of the learnable inputs, in declared order. Arguments as forward's."""
+    module = kernel.module
+    tune = kernel.tuning_inputs(problem, values, q.device, kept_tables)
+    kernel.begin_backward()
+    if backward_directions(module.USES_TABLES) == ("bwd",):
+        # dK/dV and dQ as two roles of one grid, one config, both reading delta: the
+        # portable module's launch (Kernel.one_launch_role).
+        choice, new = tuning.untimed_choice(kernel, problem, q.dtype, "bwd",
+                                            (backends.portable().name,), *tune[1:])
+        if new:  # its first launch: compile the delta pass beside it (on a stand-in delta)
+            scratch = kernel.one_launch_role(q, k, v, lse, module.new_delta(q), dout, values,
+                                             common)
+            precompile.launch_together([lambda: module.backward_delta(out, dout),
+                                        lambda: scratch.runs[choice.backend](choice.config)])
+        delta = module.backward_delta(out, dout, lse=lse, dlse=dlse)
+        role = kernel.one_launch_role(q, k, v, lse, delta, dout, values, common)
+        run, config = kernel.choose(role, problem, q.dtype, tune)
+        dq, dk, dv, dinputs = tuning.launch(kernel, problem, q.dtype, "bwd", run, config)
+    else:
+        dq, dk, dv, dinputs = _dq_then_dkdv(kernel, problem, q, k, v, out, lse, dout, dlse,
+                                            values, common, tune)
+    return dq, dk, dv, [dinputs[d.name] for d in kernel.variant.learnable_inputs]
+
+
+def _dq_then_dkdv(kernel, problem, q, k, v, out, lse, dout, dlse, values, common, tune):
+    """dQ first, computing delta = rowsum(dO * O) on the way, then dK/dV, which reads it.
+    They are tuned apart: they want different tile shapes. Each runs on the backend its
+    role chose (kernel.last_backward says which)."""
+    module = kernel.module
+    delta = module.new_delta(q)
+    roles = {kind: kernel.backward_role(kind, q, k, v, lse, delta, dout, values, common,
+                                        out=out, dlse=dlse) for kind in ("dq", "dkdv")}
+    known = [_untimed(kernel, role, problem, q.dtype, tune) for role in roles.values()]
+    if all(c is not None and c[2] for c in known):
+        # Choices known without timing and not launched yet: compile both at once (each
+        # launch is discarded; dK/dV's reads a delta dQ's has not finished).
+        precompile.launch_together([lambda run=c[0], config=c[1]: run(config) for c in known])
+    # dQ first: tuning it fills delta, which tuning dK/dV then reads.
+    run, config = kernel.choose(roles["dq"], problem, q.dtype, tune)
+    dq, dinputs = tuning.launch(kernel, problem, q.dtype, "dq", run, config)
+    run, config = kernel.choose(roles["dkdv"], problem, q.dtype, tune)
+    dk, dv = tuning.launch(kernel, problem, q.dtype, "dkdv", run, config)
+    return dq, dk, dv, dinputs
