@@ -712,32 +712,35 @@ class _RingAttention:
             tables = self.tables.setdefault((q_offset, k_offset), {})
         return q_offset, k_offset, tables
 
-    def _pair_launch(self, hop, i, j, direction, fn, args) -> tuple:
-        """(problem, run, config) of `fn` (a module entry point) on local query piece i and
-        visiting key piece j at their absolute offsets, with the tuned config of its
-        direction; `run(config)` launches it. The forward ("fwd") is the one a
-        single-device call of the pair would run (`Kernel.forward_role`: on Hopper the
-        Gluon forward where it takes the call and was measured faster)."""
+    def _pair_launch(self, hop, i, j, direction, args) -> tuple:
+        """(problem, run, config) of the pair call `direction` ("fwd", "dq" or "dkdv") on
+        local query piece i and visiting key piece j at their absolute offsets, with the
+        backend and config the tuner chose for it; `run(config)` launches it. Each is the
+        kernel a single-device call of the pair would run (`Kernel.forward_role`,
+        `Kernel.backward_role`: on Hopper the Gluon kernel where it takes the call and
+        was measured faster)."""
         q_offset, k_offset, tables = self._pair_offsets(hop, i, j)
         options = dataclasses.replace(self.options, q_offset=q_offset, k_offset=k_offset)
         common = options.launch_arguments(tables)
         problem = self._pair_problem(q_offset, k_offset)
         if direction == "fwd":
             role = self.kernel.forward_role(*args, common)
-            run, config = self.kernel.choose(role, problem, args[0].dtype)
         else:
-            run = tuning.launcher(fn, *args, **common)
-            config = tuning.config_for(self.kernel, problem, args[0].dtype, direction, run)
+            # dQ or dK/dV of the pair, on whichever backend a single-device backward of
+            # this pair would run (delta is computed once for the merged output, so the
+            # dQ kernel reads it rather than deriving it from an output).
+            role = self.kernel.backward_role(direction, *args, common)
+        run, config = self.kernel.choose(role, problem, args[0].dtype)
         return problem, run, config
 
-    def _pair_call(self, hop, i, j, direction, fn, *args):
+    def _pair_call(self, hop, i, j, direction, *args):
         """Run one piece pair's call with the tuned config of its direction."""
-        problem, run, config = self._pair_launch(hop, i, j, direction, fn, args)
+        problem, run, config = self._pair_launch(hop, i, j, direction, args)
         return tuning.launch(self.kernel, problem, args[0].dtype, direction, run, config)
 
     def _tune_before_transfers(self, calls_of):
         """Decide the configs of the calls `calls_of(q_piece, k_piece)` gives
-        ([(direction, fn, args)]) on our first own pair, before any transfer is posted.
+        ([(direction, args)]) on our first own pair, before any transfer is posted.
         Every pair shares the tuning key of its piece length, so on a first call this is
         where candidates are timed, on a pair that stands for the heavy ones, and not
         beside NCCL's kernels (RESULTS.md runs 96-98: tuned on whichever pair came first,
@@ -752,8 +755,8 @@ class _RingAttention:
         whole = [(i, j) for i, j in own
                  if self.schedule.wholly_attended[sharding.pieces[i]][sharding.pieces[j]]]
         i, j = (whole or own)[0]
-        for direction, fn, args in calls_of(i, j):
-            self._pair_launch(0, i, j, direction, fn, args)
+        for direction, args in calls_of(i, j):
+            self._pair_launch(0, i, j, direction, args)
 
     # ---------------------------------------------------------------- forward
     def forward(self, q, k, v, inputs):
@@ -765,11 +768,11 @@ class _RingAttention:
         acc_lse = torch.full((B, H, L), float("-inf"), device=q.device, dtype=torch.float32)
         merged = set()  # local query pieces that hold a partial result already
         self._tune_before_transfers(lambda i, j: [(
-            "fwd", None, (q.narrow(2, i * c, c), k.narrow(2, j * c, c), v.narrow(2, j * c, c),
-                          inputs))])
+            "fwd", (q.narrow(2, i * c, c), k.narrow(2, j * c, c), v.narrow(2, j * c, c),
+                    inputs))])
         for hop, keys, values in self._visits(k, v, list(range(W))):
             for i, j in self.schedule.pairs(hop):
-                out, lse = self._pair_call(hop, i, j, "fwd", None, q.narrow(2, i * c, c),
+                out, lse = self._pair_call(hop, i, j, "fwd", q.narrow(2, i * c, c),
                                            keys.narrow(2, j * c, c), values.narrow(2, j * c, c),
                                            inputs)
                 rows, rows_lse = acc.narrow(2, i * c, c), acc_lse.narrow(2, i * c, c)
@@ -807,8 +810,8 @@ class _RingAttention:
             return (q.narrow(2, i * c, c), keys.narrow(2, j * c, c), values.narrow(2, j * c, c),
                     lse_of[i], delta_of[i], dout.narrow(2, i * c, c), inputs)
         self._tune_before_transfers(lambda i, j: [
-            ("dq", module.backward_dq, pair_args(i, j, k, v)),
-            ("dkdv", module.backward_dkdv, pair_args(i, j, k, v))])
+            ("dq", pair_args(i, j, k, v)),
+            ("dkdv", pair_args(i, j, k, v))])
         # Our own pieces' pairs are split: the first is computed while the first keys
         # travel, the others while the last hop's dK/dV travel home.
         own = s.pairs(0)
@@ -824,8 +827,8 @@ class _RingAttention:
                 dv_hop = torch.zeros(values.shape, device=v.device, dtype=torch.float32)
             for i, j in pairs:
                 args = pair_args(i, j, keys, values)
-                dq_pair, dinputs_pair = self._pair_call(hop, i, j, "dq", module.backward_dq, *args)
-                dk_pair, dv_pair = self._pair_call(hop, i, j, "dkdv", module.backward_dkdv, *args)
+                dq_pair, dinputs_pair = self._pair_call(hop, i, j, "dq", *args)
+                dk_pair, dv_pair = self._pair_call(hop, i, j, "dkdv", *args)
                 dq.narrow(2, i * c, c).add_(dq_pair)
                 dk_hop.narrow(2, j * c, c).add_(dk_pair)
                 dv_hop.narrow(2, j * c, c).add_(dv_pair)

@@ -134,3 +134,27 @@ def test_the_cli_writes_a_registered_backends_module(stand, tmp_path, capsys):
     assert (tmp_path / "causal_stand.py").read_text() == stand.render(attncc.load(CAUSAL)).source
     assert "backend   stand forward, dQ and dK/dV anywhere" in out
     assert "Stand-in dQ tiles (head dim 128): 64x64 (4 warps, 2 stages)" in out
+
+
+def test_context_parallel_pieces_run_the_chosen_backend_forward_and_backward(stand, tmp_path):
+    """Each context-parallel piece pair runs the backend a single-device call of the pair
+    would: the pieces' dQ and dK/dV too, not only their forward (they once called the
+    portable module's entry points directly, so on Hopper the pieces' backward never ran
+    the Gluon kernels)."""
+    import torch.distributed as dist
+    from attncc import distributed as cp
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
+                            world_size=1)
+    try:
+        kernel = attncc.compile(CAUSAL, backend="stand")
+        q, k, v = _qkv(grad=True)
+        out = cp.context_parallel_attention(kernel, q, k, v)
+        out.sum().backward()
+        # zig-zag over one rank: two pieces, three causal pairs (the later piece's keys
+        # come after the earlier piece's queries): every pair through the stand-in.
+        assert stand.launched.count("fwd") == 3
+        assert stand.launched.count("dq") == 3 and stand.launched.count("dkdv") == 3
+        assert set(stand.launched) == {"fwd", "dq", "dkdv"}
+        assert kernel.last_backward["dq"][0] == "stand"
+    finally:
+        dist.destroy_process_group()
