@@ -39,10 +39,13 @@ def test_gluon_module_renders_parses_and_stands_alone(name):
     assert gluon.variant_unsupported(variant) is None
     source = gluon.generate(variant).source
     tree = ast.parse(source)
-    assert _imports(tree) <= {"functools", "torch", "triton"}  # the standard library, torch, triton
-    defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    # The standard library, torch, triton: no other module, the portable one included.
+    assert _imports(tree) <= {"functools", "math", "torch", "triton"}
+    assert "host." not in source
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     assert {"attn_fwd", "attn_fwd_ws", "_ws_loader", "_ws_consumer", "forward",
-            "attn_bwd_dkdv", "backward_dkdv", "attn_bwd_dq", "backward_dq"} <= defined
+            "attn_bwd_dkdv", "backward_dkdv", "attn_bwd_dq", "backward_dq",
+            "_common_args", "_grid", "RingCounter", "TileRing", "Channel", "Turns"} <= defined
     # The same mask and score code as the portable module: emitted once, in codegen.
     context = template_context(variant)
     for slot in ("mask", "score", "layout_elem"):
@@ -51,8 +54,9 @@ def test_gluon_module_renders_parses_and_stands_alone(name):
 
 
 def test_gluon_module_takes_the_portable_argument_list():
-    """The Gluon forward is called with the portable module's argument values
-    (host._common_args), so its kernels must declare COMMON_PARAMS in the same order."""
+    """The Gluon kernels take the argument values the shared host side builds
+    (codegen/templates/host_args.jinja's _common_args, as the portable kernels do), so
+    they must declare COMMON_PARAMS in the same order."""
     variant = attncc.parse_file(EXAMPLES / "document.attn")
     tree = ast.parse(gluon.generate(variant).source)
     params = template_context(variant)["common_param_list"]
