@@ -67,6 +67,29 @@ def test_gluon_module_takes_the_portable_argument_list():
         assert names[before:before + len(params)] == params
 
 
+@pytest.mark.parametrize("name", ["document", "relative_bias"])
+def test_both_modules_build_the_same_launch_arguments(name):
+    # The host side (codegen/templates/host_args.jinja) is rendered into each module: for
+    # the same call they hand their kernels the same values, tile tables included.
+    from attncc.arguments import Problem
+    from attncc.runtime.cache import load_generated
+    from attncc.semantics.samples import sample_inputs
+    variant = attncc.parse_file(EXAMPLES / f"{name}.attn")
+    p = Problem(batch=2, heads_q=4, heads_kv=2, len_q=200, len_k=300, dim=64, dim_v=64,
+                q_offset=100)
+    inputs = sample_inputs(variant, p)
+    q = torch.randn(2, 4, 200, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 300, 64, dtype=torch.bfloat16)
+    call = dict(q_offset=100, k_offset=0, seed=3, block_m=64, block_n=128, tables=None,
+                per_head=(k,))
+    portable = load_generated(variant)[1]._common_args(q, k, inputs, None, **call)
+    own = load_generated(variant, "gluon")[1]._common_args(q, k, inputs, None, **call)
+    assert own[1] == portable[1]  # WIDE
+    assert len(own[0]) == len(portable[0]) == len(template_context(variant)["common_param_list"])
+    for a, b in zip(own[0], portable[0]):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
 def test_variants_the_gluon_forward_does_not_take_are_named():
     dropout = attncc.parse_file(EXAMPLES / "dropout.attn")
     assert "dropout 0.1" in gluon.variant_unsupported(dropout)
