@@ -47,10 +47,13 @@ def test_gluon_module_renders_parses_and_stands_alone(name):
     source = GLUON.render(variant).source
     assert source == gluon.generate(variant).source
     tree = ast.parse(source)
-    assert _imports(tree) <= {"functools", "torch", "triton"}  # the standard library, torch, triton
-    defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    # The standard library, torch, triton: no other module, the portable one included.
+    assert _imports(tree) <= {"functools", "math", "torch", "triton"}
+    assert "host." not in source
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     assert {"attn_fwd", "attn_fwd_ws", "_ws_loader", "_ws_consumer", "forward",
-            "attn_bwd_dkdv", "backward_dkdv", "attn_bwd_dq", "backward_dq"} <= defined
+            "attn_bwd_dkdv", "backward_dkdv", "attn_bwd_dq", "backward_dq",
+            "_common_args", "_grid", "RingCounter", "TileRing", "Channel", "Turns"} <= defined
     # The same mask and score code as the portable module: emitted once, in codegen.
     context = template_context(variant)
     for slot in ("mask", "score", "layout_elem"):
@@ -59,8 +62,9 @@ def test_gluon_module_renders_parses_and_stands_alone(name):
 
 
 def test_gluon_module_takes_the_portable_argument_list():
-    """The Gluon forward is called with the portable module's argument values
-    (host._common_args), so its kernels must declare COMMON_PARAMS in the same order."""
+    """The Gluon kernels take the argument values the shared host side builds
+    (codegen/templates/host_args.jinja's _common_args, as the portable kernels do), so
+    they must declare COMMON_PARAMS in the same order."""
     variant = attncc.parse_file(EXAMPLES / "document.attn")
     tree = ast.parse(gluon.generate(variant).source)
     params = template_context(variant)["common_param_list"]
@@ -69,6 +73,29 @@ def test_gluon_module_takes_the_portable_argument_list():
         node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == fn)
         names = [a.arg for a in node.args.args]
         assert names[before:before + len(params)] == params
+
+
+@pytest.mark.parametrize("name", ["document", "relative_bias"])
+def test_both_modules_build_the_same_launch_arguments(name):
+    # The host side (codegen/templates/host_args.jinja) is rendered into each module: for
+    # the same call they hand their kernels the same values, tile tables included.
+    from attncc.arguments import Problem
+    from attncc.runtime.cache import load_generated
+    from attncc.semantics.samples import sample_inputs
+    variant = attncc.parse_file(EXAMPLES / f"{name}.attn")
+    p = Problem(batch=2, heads_q=4, heads_kv=2, len_q=200, len_k=300, dim=64, dim_v=64,
+                q_offset=100)
+    inputs = sample_inputs(variant, p)
+    q = torch.randn(2, 4, 200, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 300, 64, dtype=torch.bfloat16)
+    call = dict(q_offset=100, k_offset=0, seed=3, block_m=64, block_n=128, tables=None,
+                per_head=(k,))
+    portable = load_generated(variant)[1]._common_args(q, k, inputs, None, **call)
+    own = load_generated(variant, "gluon")[1]._common_args(q, k, inputs, None, **call)
+    assert own[1] == portable[1]  # WIDE
+    assert len(own[0]) == len(portable[0]) == len(template_context(variant)["common_param_list"])
+    for a, b in zip(own[0], portable[0]):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
 def test_variants_the_gluon_forward_does_not_take_are_named():

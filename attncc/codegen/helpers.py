@@ -1,7 +1,7 @@
 """Which helper functions a generated module needs, so that it defines no others.
 
 The templates define small helpers (codegen/templates/expressions.py.jinja on the device,
-backends/portable/templates/tile_tables.jinja on the host) that the emitted mask, score, layout
+codegen/templates/host_args.jinja on the host) that the emitted mask, score, layout
 and bound code calls: `_tanh` for a score with tanh, the `_chance_*` hash for chance(),
 `_h_tile_in` for an index list, and so on. Which ones a variant calls is read from the
 module itself: rendered once with every helper, its code outside the optional helpers'

@@ -1,8 +1,9 @@
-"""The contract between generated modules and the rest of attncc: every name the runtime,
-the tools and the Gluon module use on a generated module, with what it is. A generated
-module is standalone (it imports only triton and torch), so this list is the only place
-that says what it owes; tests/test_interface.py checks rendered modules against it, and
-that attncc uses no other name of theirs.
+"""The contract between generated modules and the rest of attncc: every name the runtime
+and the tools use on a generated module, with what it is. A generated module is
+standalone (it imports only the standard library, torch and triton; what both backends'
+modules need on the host, codegen/templates/host_args.jinja, is rendered into each), so
+this list is the only place that says what it owes; tests/test_interface.py checks
+rendered modules against it, and that attncc uses no other name of theirs.
 """
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from __future__ import annotations
 # dQ; "col": key tiles' query tiles, for dK/dV): lists of full and partial tiles, their
 # counts, and the strides of their batch, head and row axes (tables are broadcast over
 # the batch and heads they do not depend on). They are the kernels' parameters of those
-# names (backends/portable/codegen.py's common_params) and the keys of tile_tables()'s dict, which
-# the generated module builds in this order.
+# names (backends/portable/codegen.py's common_params) and the keys of tile_tables()'s
+# dict, which the generated module builds in this order.
 def table_fields(side: str) -> list:
     return [f"{side}_full_count", f"{side}_full_list", f"{side}_part_count", f"{side}_part_list",
             f"{side}_count_sb", f"{side}_count_sh", f"{side}_list_sb", f"{side}_list_sh",
@@ -42,24 +43,23 @@ PORTABLE = {
     "decode": "decode(q, k_cache, v_cache, lens, inputs, *, ...) -> (out, lse)",
     "decode_append_kv": "writes k_new, v_new into the cache in place",
     "decode_reach_tiles": "the key tiles a decode step's rows can reach",
-    # what the Gluon module borrows (backends/gluon/templates/attention_gluon.py.jinja's `host`)
-    "_common_args": "_common_args(q, k, inputs, grads, *, ...) -> (COMMON_PARAMS values, wide)",
-    "_grid": "_grid(n_tiles, n_heads) -> the one-axis launch grid",
 }
 # Present only when USES_TABLES: dK/dV and dQ in one launch.
 PORTABLE_WITH_TABLES = {
     "backward_one_launch": "backward_one_launch(q, k, v, lse, delta, dout, inputs, *, ...) "
                            "-> (dq, dk, dv, dinputs)",
 }
-# The Gluon module (backends/gluon/templates/attention_gluon.py.jinja, backends/gluon/codegen.py); `host` is the
-# variant's portable module, which builds the tables and the argument values.
+# The Gluon module (backends/gluon/templates/attention_gluon.py.jinja,
+# backends/gluon/codegen.py). Its entry points accept `host=` (the variant's portable
+# module, which runtime/kernel.py passes) and do not use it: the module builds its tile
+# tables and arguments itself.
 GLUON = {
-    "forward": "forward(q, k, v, inputs, *, host, q_offset, k_offset, seed, config, tables) "
-               "-> (out, lse)",
-    "backward_dq": "backward_dq(q, k, v, lse, delta, dout, inputs, *, host, ..., out=None, "
-                   "dlse=None) "
-                   "-> (dq, {}) (runtime/kernel.py: backward_role)",
-    "backward_dkdv": "backward_dkdv(q, k, v, lse, delta, dout, inputs, *, host, ...) -> (dk, dv)",
+    "forward": "forward(q, k, v, inputs, *, host=None, q_offset, k_offset, seed, config, "
+               "tables) -> (out, lse)",
+    "backward_dq": "backward_dq(q, k, v, lse, delta, dout, inputs, *, host=None, ..., "
+                   "out=None, dlse=None) -> (dq, {}) (runtime/kernel.py: backward_role)",
+    "backward_dkdv": "backward_dkdv(q, k, v, lse, delta, dout, inputs, *, host=None, ...) "
+                     "-> (dk, dv)",
 }
 
 

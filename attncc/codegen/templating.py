@@ -1,10 +1,14 @@
 """The jinja environment every backend renders its templates in.
 
 A backend keeps its templates in its own folder (attncc/backends/<name>/templates/);
-the templates every backend shares (the expression helpers, the loop-segment ranges)
-live in attncc/codegen/templates/. A backend's environment searches its own folder
-first, then the shared one, so `{% include "expressions.py.jinja" %}` means the same
-file from any backend.
+the templates every backend shares live in attncc/codegen/templates/: the module header,
+the expression helpers, a tile's score and mask text, which tiles a program takes and
+visits, and the host side (tile tables, launch arguments, grid). A backend's
+environment searches its own folder first, then the shared one, so
+`{% include "expressions.py.jinja" %}` means the same file from any backend.
+
+Macros write their text from column 0, and the call site indents it with jinja's
+filter: `{{ segment_ranges(...) | indent(8, true) }}`.
 """
 from __future__ import annotations
 

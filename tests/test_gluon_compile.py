@@ -1,0 +1,137 @@
+"""The Gluon kernels compile for sm_90 on the CPU: Triton compiles a Gluon kernel for a
+target given by hand, all the way to PTX and a cubin through its bundled ptxas, with no
+GPU. What this catches: Gluon type and layout errors, a pipeline that lost its bulk
+copies or barriers, shared memory past Hopper's. It proves nothing about the results:
+benchmarks/gluon_check.py holds the kernels to the float64 reference on the GPU.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Run in a fresh interpreter: under TRITON_INTERPRET (set by conftest.py before triton is
+# imported) gluon.jit makes interpreted functions, which do not compile.
+COMPILE_GLUON = r'''
+import importlib.util, itertools, json, sys
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+import attncc
+from attncc.backends.gluon import codegen as gluon
+
+head_dims = [int(d) for d in sys.argv[2].split(",")]
+
+
+def load(example, path):
+    variant = attncc.load(example)
+    open(path, "w").write(gluon.generate(variant).source)
+    name = f"gluon_{variant.name}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return variant, module
+
+
+POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "O": "*bf16", "DO": "*bf16"}
+DTYPES = {"f32": "*fp32", "i32": "*i32", "bool": "*i1"}
+# kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages, other constexprs); BLOCK_M is the
+# query tile's rows (the warp-specialized forward's consumers take half each).
+KERNELS = {"attn_fwd": (128, 128, 8, 2, {}),
+           "attn_fwd_ws": (128, 128, 4, 2, {}),
+           "attn_bwd_dq": (64, 64, 4, 2, {"DELTA_FROM_O": True, "HAS_DLSE": True}),
+           "attn_bwd_dkdv": (64, 64, 4, 2, {})}
+
+
+def signature(variant, module, fn, consts, dim, rows):
+    sig = {}
+    for n in fn.arg_names:
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n.endswith("_desc"):  # a TMA descriptor of [rows, dim] tiles
+            block, layout = module._shared_layout(rows[n], dim, torch.bfloat16)
+            sig[n] = f"tensordesc<bf16[{','.join(map(str, block))}],{layout!r}>"
+        elif n in POINTERS:
+            sig[n] = POINTERS[n]
+        elif n.endswith(("_list", "_count")):  # tile tables
+            sig[n] = "*i32"
+        elif n.startswith("d_in_"):  # a learnable input's gradient, fp32
+            sig[n] = "*fp32"
+        elif n.endswith("_ptr"):  # input x is in_x_ptr (attncc/codegen/elementwise.py)
+            sig[n] = DTYPES[variant.input(n[len("in_"):-len("_ptr")]).dtype]
+        else:
+            sig[n] = "fp32" if n in ("sm_scale", "qk_scale") else "i32"
+    return sig
+
+
+def report(example, name, dim, compiled):
+    ttgir = compiled.asm["ttgir"]
+    ops = ("ttng.async_tma_copy_global_to_local", "ttng.wait_barrier", "ttng.warp_group_dot",
+           "ttng.async_tma_copy_local_to_global", "ttg.warp_specialize")
+    print(json.dumps({"example": example, "kernel": name, "dim": dim,
+                      "shared": compiled.metadata.shared, "cubin": len(compiled.asm["cubin"]),
+                      "ops": {op: op in ttgir for op in ops}}), flush=True)
+
+
+for example in sys.argv[1].split(","):
+    variant, module = load(example, f"{sys.argv[3]}/{len(sys.modules)}.py")
+    for dim, (name, (bm, bn, warps, stages, extra)) in itertools.product(head_dims, KERNELS.items()):
+        fn = getattr(module, name)
+        consts = dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=dim, NUM_STAGES=stages, WIDE=False, **extra)
+        half = bm // 2 if name == "attn_fwd_ws" else bm
+        rows = dict(q_desc=bm, do_desc=bm, dq_desc=bm, o_desc=half, k_desc=bn, v_desc=bn,
+                    dk_desc=bn, dv_desc=bn)
+        src = GluonASTSource(fn=fn, signature=signature(variant, module, fn, consts, dim, rows),
+                             constexprs=consts)
+        report(example, name, dim, triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                                  options=dict(num_warps=warps, num_stages=stages)))
+'''
+
+
+def _compile(examples: list, head_dims: list, tmp_path) -> list:
+    pytest.importorskip("triton.experimental.gluon")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    result = subprocess.run([sys.executable, "-c", COMPILE_GLUON,
+                             ",".join(str(ROOT / "examples" / e) for e in examples),
+                             ",".join(map(str, head_dims)), str(tmp_path)],
+                            capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+def _check(results: list, examples: list, head_dims: list):
+    from attncc.backends.gluon.tiles import SMEM_LIMIT
+    kernels = ("attn_fwd", "attn_fwd_ws", "attn_bwd_dq", "attn_bwd_dkdv")
+    assert sorted((Path(r["example"]).name, r["kernel"], r["dim"]) for r in results) == sorted(
+        (e, k, d) for e in examples for k in kernels for d in head_dims)
+    for r in results:
+        what = f"{Path(r['example']).name}: {r['kernel']} at head dim {r['dim']}"
+        assert r["cubin"] > 0, what
+        assert 0 < r["shared"] <= SMEM_LIMIT, what
+        ops = r["ops"]
+        # Tiles arrive by bulk copy into the mbarrier ring, the products are wgmma, and the
+        # result leaves by bulk copy.
+        assert ops["ttng.async_tma_copy_global_to_local"] and ops["ttng.wait_barrier"], what
+        assert ops["ttng.warp_group_dot"] and ops["ttng.async_tma_copy_local_to_global"], what
+        assert ops["ttg.warp_specialize"] == (r["kernel"] == "attn_fwd_ws"), what
+
+
+def test_gluon_kernels_compile_for_hopper(tmp_path):
+    # One variant of each kind of tile plan: an analytic interval (causal) and tile tables
+    # (document); about 15 s on two cores.
+    examples = ["causal.attn", "document.attn"]
+    _check(_compile(examples, [64], tmp_path), examples, [64])
+
+
+@pytest.mark.slow
+def test_gluon_kernels_compile_for_hopper_at_every_head_dim(tmp_path):
+    # Two intervals, a layout, index lists, a score: every kernel at both backward head dims.
+    examples = ["prefix_lm.attn", "bigbird.attn", "nsa_topk.attn", "relative_bias.attn"]
+    _check(_compile(examples, [64, 128], tmp_path), examples, [64, 128])
