@@ -6,8 +6,7 @@
 See README.md for the language and the Python decorator.
 """
 from .errors import AttnccError, BackendError, CallError, NoGPUError, SpecError, SpecWarning
-from .frontend.decorator import (ceil, chance, exp, floor, isin, log, maximum, minimum, sqrt, tanh,
-                                 trunc, variant, where)
+from .frontend.decorator import FUNCTIONS as _FUNCTIONS, isin, variant
 from .frontend.load import load
 from .frontend.parser import parse, parse_file
 from .ir import Variant
@@ -18,9 +17,12 @@ from .semantics.reference import reference
 from .version import __version__
 from . import calls  # last: reads the calls' keywords into attncc.reserved (imports the runtime)
 
+# attncc.where, attncc.minimum, attncc.exp, ...: the language's functions for decorated
+# variants, one for each function of attncc/operators.py.
+globals().update(_FUNCTIONS)
+
 __all__ = ["compile", "varlen", "varlen_packing", "load", "parse", "parse_file", "reference", "decode_reference",
-           "variant", "Variant", "where", "isin", "chance", "minimum", "maximum", "exp", "log",
-           "tanh", "sqrt", "floor", "ceil", "trunc", "AttnccError", "SpecError", "SpecWarning",
+           "variant", "Variant", "isin", *_FUNCTIONS, "AttnccError", "SpecError", "SpecWarning",
            "CallError", "BackendError", "NoGPUError"]
 
 

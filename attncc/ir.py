@@ -45,29 +45,8 @@ AXIS_EXTENTS = {
     "kb": "the number of key tiles (ceil(len_k / block))",
 }
 
-FUNCTIONS = {  # name -> (number of arguments, description)
-    "abs": (1, "absolute value"),
-    "min": (2, "smaller of two"),
-    "max": (2, "larger of two"),
-    "exp": (1, "e to the power"),
-    "log": (1, "natural logarithm"),
-    "tanh": (1, "hyperbolic tangent"),
-    "sqrt": (1, "square root"),
-    "floor": (1, "the largest integer <= a number, as an integer"),
-    "ceil": (1, "the smallest integer >= a number, as an integer"),
-    "int": (1, "a number rounded toward zero, as an integer (Python's int(), torch's .long())"),
-    "where": (3, "where(cond, a, b): a if cond else b"),
-    "chance": (None, "chance(p, i, ...): true with probability p (a constant), drawn from a "
-                     "hash of one to five integers i, as in chance(0.1, seed, h, qb, kb); "
-                     "layouts only"),
-}
-CHANCE_MAX_KEYS = 5  # seed, b, h, qb, kb
-FLOAT_FUNCTIONS = ("exp", "log", "tanh", "sqrt")
-# Number -> integer: the way a float becomes an index (T5's log-spaced position buckets).
-ROUNDING_FUNCTIONS = ("floor", "ceil", "int")
-
-ARITH_OPS = ("+", "-", "*", "/", "//", "%")
-CMP_OPS = ("<", "<=", ">", ">=", "==", "!=")
+# How the language names each type in its messages.
+TYPE_WORDS = {INT: "an integer", FLOAT: "a number", BOOL: "a condition (true/false)"}
 
 
 # ----------------------------------------------------------------------- expressions
@@ -109,7 +88,7 @@ class Member:
 
 @dataclass(frozen=True)
 class BinOp:
-    op: str  # one of ARITH_OPS
+    op: str  # an arithmetic operator of attncc/operators.py: + - * / // %
     lhs: "Expr"
     rhs: "Expr"
 
@@ -121,7 +100,7 @@ class Neg:
 
 @dataclass(frozen=True)
 class Cmp:
-    op: str  # one of CMP_OPS
+    op: str  # a comparison of attncc/operators.py: < <= > >= == !=
     lhs: "Expr"
     rhs: "Expr"
 
@@ -145,7 +124,7 @@ class Not:
 
 @dataclass(frozen=True)
 class Call:
-    fn: str  # one of FUNCTIONS except `where`
+    fn: str  # a function of attncc/operators.py (all but `where`, which has its own node)
     args: tuple
 
 
@@ -159,23 +138,55 @@ class Where:
 Expr = Union[Var, Const, Param, Load, Member, BinOp, Neg, Cmp, And, Or, Not, Call, Where]
 
 
-def children(e: Expr) -> tuple:
-    """The direct sub-expressions of `e`, in source order."""
-    if isinstance(e, (Var, Const, Param)):
+# ------------------------------------------------------------------------ walking
+class Visitor:
+    """The base of every walk over expressions (and over the small programs the analyses
+    return): `visitor(e, ...)` calls the method named after e's class (`Var`, `BinOp`,
+    ...) with e and the rest, or `other` for a class it has no method for. Operations
+    (BinOp, Neg, Cmp, And, Or, Not, Call, Where) mean what attncc/operators.py says."""
+
+    def __call__(self, e, *args):
+        return getattr(self, type(e).__name__, self.other)(e, *args)
+
+    def other(self, e, *args):
+        raise TypeError(f"{type(self).__name__} has no rule for {type(e).__name__}: {e!r}")
+
+
+class _Children(Visitor):
+    """The direct sub-expressions of a node, in source order."""
+
+    def Var(self, e):
         return ()
-    if isinstance(e, Load):
+
+    Const = Param = Var
+
+    def Load(self, e):
         return e.indices
-    if isinstance(e, Member):
+
+    def Member(self, e):
         return (e.item, *e.indices)
-    if isinstance(e, (BinOp, Cmp, And, Or)):
+
+    def BinOp(self, e):
         return (e.lhs, e.rhs)
-    if isinstance(e, (Neg, Not)):
+
+    Cmp = And = Or = BinOp
+
+    def Neg(self, e):
         return (e.operand,)
-    if isinstance(e, Call):
+
+    Not = Neg
+
+    def Call(self, e):
         return e.args
-    if isinstance(e, Where):
+
+    def Where(self, e):
         return (e.cond, e.then, e.other)
-    raise TypeError(f"not an attncc expression: {e!r}")
+
+    def other(self, e, *args):
+        raise TypeError(f"not an attncc expression: {e!r}")
+
+
+children = _Children()
 
 
 def walk(e: Expr):
@@ -299,40 +310,59 @@ def _wrap(child, min_level: int) -> str:
     return f"({text})" if level < min_level else text
 
 
-def _fmt(e):
+class _Printer(Visitor):
     """(text, binding level) of an expression."""
-    if isinstance(e, Const):
+
+    def Const(self, e):
         if e.type == BOOL:
             return ("true" if e.value else "false"), ATOM
         text = repr(e.value) if e.type == FLOAT else str(e.value)
         return text, (UNARY if text.startswith("-") else ATOM)
-    if isinstance(e, (Var, Param)):
+
+    def Var(self, e):
         return e.name, ATOM
-    if isinstance(e, Load):
+
+    Param = Var
+
+    def Load(self, e):
         return f"{e.tensor}[{', '.join(print_expr(i) for i in e.indices)}]", ATOM
-    if isinstance(e, Member):
+
+    def Member(self, e):
         row = ", ".join(print_expr(i) for i in e.indices)
         return f"{_wrap(e.item, SUM)} in {e.tensor}[{row}]", CMP
-    if isinstance(e, Call):
+
+    def Call(self, e):
         return f"{e.fn}({', '.join(print_expr(a) for a in e.args)})", ATOM
-    if isinstance(e, Where):
+
+    def Where(self, e):
         return f"where({print_expr(e.cond)}, {print_expr(e.then)}, {print_expr(e.other)})", ATOM
-    if isinstance(e, Neg):
+
+    def Neg(self, e):
         return f"-{_wrap(e.operand, UNARY)}", UNARY
-    if isinstance(e, BinOp):
+
+    def BinOp(self, e):
         lvl = LEVEL[e.op]
         # Left-associative: the right operand needs parentheses at equal strength.
         return f"{_wrap(e.lhs, lvl)} {e.op} {_wrap(e.rhs, lvl + 1)}", lvl
-    if isinstance(e, Cmp):
+
+    def Cmp(self, e):
         # Comparisons chain in the language, so a comparison operand is always wrapped.
         return f"{_wrap(e.lhs, SUM)} {e.op} {_wrap(e.rhs, SUM)}", CMP
-    if isinstance(e, Not):
+
+    def Not(self, e):
         return f"not {_wrap(e.operand, NOT)}", NOT
-    if isinstance(e, And):
+
+    def And(self, e):
         return f"{_wrap(e.lhs, AND)} and {_wrap(e.rhs, AND + 1)}", AND
-    if isinstance(e, Or):
+
+    def Or(self, e):
         return f"{_wrap(e.lhs, OR)} or {_wrap(e.rhs, OR + 1)}", OR
-    raise TypeError(f"not an attncc expression: {e!r}")
+
+    def other(self, e, *args):
+        raise TypeError(f"not an attncc expression: {e!r}")
+
+
+_fmt = _Printer()
 
 
 def _fmt_value(value, type_: str) -> str:

@@ -93,10 +93,10 @@ def check_dkdv(variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, config, dq_config, seed
     out, lse = host.forward(q, k, v, inputs, config=fwd_config, **offsets)
     dout = torch.randn_like(out)
     delta = host.backward_delta(out, dout)
-    dk, dv = glu.backward_dkdv(q, k, v, lse, delta, dout, inputs, host=host, config=config,
+    dk, dv = glu.backward_dkdv(q, k, v, lse, delta, dout, inputs, config=config,
                                **offsets)
     own_delta = host.new_delta(q)
-    dq, _ = glu.backward_dq(q, k, v, lse, own_delta, dout, inputs, host=host, config=dq_config,
+    dq, _ = glu.backward_dq(q, k, v, lse, own_delta, dout, inputs, config=dq_config,
                             out=out, **offsets)
     rows = [dict(tensor="delta", err=(own_delta - delta).abs().max().item(),
                  ok=bool(torch.allclose(own_delta, delta, rtol=1e-4, atol=1e-4)))]
@@ -209,7 +209,7 @@ def speed(args, dog):
             except Exception as e:
                 entry["times"][f"portable dQ {_label(config)}"] = f"{type(e).__name__}: {str(e)[:200]}"
         for config in dq_candidates(D):
-            run = lambda c=config: glu.backward_dq(q, k, v, lse, scratch, dout, inputs, host=host,
+            run = lambda c=config: glu.backward_dq(q, k, v, lse, scratch, dout, inputs,
                                                    config=c, out=out)
             try:
                 run()
@@ -217,7 +217,7 @@ def speed(args, dog):
             except Exception as e:
                 entry["times"][f"gluon dQ {_label(config)}"] = f"{type(e).__name__}: {str(e)[:200]}"
         for config in backward_candidates(D):
-            run = lambda c=config: glu.backward_dkdv(q, k, v, lse, delta, dout, inputs, host=host,
+            run = lambda c=config: glu.backward_dkdv(q, k, v, lse, delta, dout, inputs,
                                                      config=c)
             try:
                 dk, dv = run()

@@ -128,14 +128,14 @@ def main() -> int:
             delta = torch.randn(1, heads[0], 300)
             dout = torch.randn_like(q)
             kernels = [("", _dicts(tiles.candidates(dim)),
-                        lambda c: module.forward(q, k, v, inputs, host=host, config=c))]
+                        lambda c: module.forward(q, k, v, inputs, config=c))]
             if args.backward:
                 kernels += [
                     (" dK/dV", _dicts(tiles.backward_candidates(dim)),
-                     lambda c: module.backward_dkdv(q, k, v, lse, delta, dout, inputs, host=host,
+                     lambda c: module.backward_dkdv(q, k, v, lse, delta, dout, inputs,
                                                     config=c)),
                     (" dQ", _dicts(tiles.dq_candidates(dim)),
-                     lambda c: module.backward_dq(q, k, v, lse, delta, dout, inputs, host=host,
+                     lambda c: module.backward_dq(q, k, v, lse, delta, dout, inputs,
                                                   config=c, out=dout))]
             for what, configs, launch in kernels:
                 for config in configs if args.all_configs else configs[:1]:

@@ -1,7 +1,8 @@
 """The documentation names what exists and shows code that runs.
 
 Fast checks: every repository path that README.md, docs/*.md and tests/README.md name
-(in backticks or as a link) exists; tests/README.md lists every test file and every GPU
+(in backticks or as a link) exists, and every one the package's own comments,
+docstrings and templates name; tests/README.md lists every test file and every GPU
 script; the README's test command is the one .ci/run runs. Slow checks run the README's
 Python snippets, in order in one namespace as a reader would, with the kernels under the
 Triton interpreter (the context-parallel one with torchrun on two gloo ranks).
@@ -68,6 +69,29 @@ def test_every_named_path_exists(doc):
     file_names = _file_names()
     missing = sorted({p for p in paths if not _exists(p, doc, file_names)})
     assert not missing, f"{doc.relative_to(ROOT)} names paths that do not exist: {missing}"
+
+
+# A path named in the package's comments, docstrings and templates: from the repository
+# root or from attncc/ (`backends/gluon/codegen.py`), with a folder in it (a bare file
+# name is a local reference the reader resolves nearby).
+PACKAGE_PATH = re.compile(r"(?<![\w./-])((?:[\w-]+/)+[\w-]+(?:\.py)?\.(?:py|jinja|md|json|lark|attn))\b")
+# Other projects' files, named as their sources.
+OTHER_PROJECTS = {"flash_attn/flash_attn_interface.py"}
+
+
+def test_every_path_the_package_names_exists():
+    """Comments that name a file name one that exists: moving a module or a template
+    leaves no pointer to where it used to be (issue 29 counted nine such)."""
+    package = ROOT / "attncc"
+    missing = []
+    for path in sorted([*package.rglob("*.py"), *package.rglob("*.jinja")]):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for token in PACKAGE_PATH.findall(line):
+                if token in OTHER_PROJECTS:
+                    continue
+                if not any((base / token).exists() for base in (ROOT, package, path.parent)):
+                    missing.append(f"{path.relative_to(ROOT)}:{number}: {token}")
+    assert len(missing) == 0, "paths named in the package that do not exist:\n" + "\n".join(missing)
 
 
 def test_tests_readme_lists_every_test_file_and_gpu_script():

@@ -44,7 +44,7 @@ from hypothesis import strategies as st
 
 import attncc
 from attncc.frontend import checker
-from attncc import ir
+from attncc import ir, operators
 from attncc.frontend.decorator import build_variant
 from attncc.ir import print_variant
 from test_kernels import compare
@@ -103,7 +103,7 @@ def affine(draw, params=()):
     return expr
 
 
-CMP = st.sampled_from(ir.CMP_OPS)
+CMP = st.sampled_from(operators.CMP_OPS)
 SMALL = st.sampled_from([2, 3, 4, 5, 7, 8, 16])
 # Constants past 32 bits, now and then: a kernel computing in int32 gets them wrong.
 LARGE = st.sampled_from([2 ** 31 - 1, 2 ** 31, 3_000_000_000, -2 ** 31 - 5])

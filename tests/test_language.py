@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attncc
-from attncc import ir
+from attncc import ir, operators
 from attncc.analysis import ranges
 from attncc.semantics.evaluate import evaluate
 from attncc.ir import print_expr
@@ -161,7 +161,7 @@ INTS = st.integers(-1000, 1000).map(i)
 
 def _ints(children):
     return st.one_of(
-        st.tuples(st.sampled_from(ir.ARITH_OPS[:2] + ("*", "//", "%")), children, children)
+        st.tuples(st.sampled_from(operators.ARITH_OPS[:2] + ("*", "//", "%")), children, children)
         .map(lambda t: ir.BinOp(*t)),
         children.map(ir.Neg),
         st.tuples(st.sampled_from(["min", "max"]), children, children)
@@ -176,7 +176,7 @@ INT_EXPR = st.recursive(st.one_of(NAMES, INTS), _ints, max_leaves=8)
 
 def _floats(children):
     return st.one_of(
-        st.tuples(st.sampled_from(ir.ARITH_OPS[:4]), children, children).map(lambda t: ir.BinOp(*t)),
+        st.tuples(st.sampled_from(operators.ARITH_OPS[:4]), children, children).map(lambda t: ir.BinOp(*t)),
         children.map(lambda c: ir.Call("tanh", (c,))),
         st.tuples(BOOL_EXPR, children, children).map(lambda t: ir.Where(*t)),
     )
@@ -190,7 +190,7 @@ def _bools(children):
     )
 
 
-CMP = st.tuples(st.sampled_from(ir.CMP_OPS), INT_EXPR, INT_EXPR).map(lambda t: ir.Cmp(*t))
+CMP = st.tuples(st.sampled_from(operators.CMP_OPS), INT_EXPR, INT_EXPR).map(lambda t: ir.Cmp(*t))
 BOOL_EXPR = st.recursive(CMP, _bools, max_leaves=6)
 SCORE_EXPR = st.recursive(st.one_of(st.just(S), FLOATS, INT_EXPR), _floats, max_leaves=8)
 DECLS = "param w: int = 3\ninput t: i32[k]\n"  # t reads are integers

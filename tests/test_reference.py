@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import attncc
-from attncc.semantics import dropout as dropout_bits
+from attncc import dropout as dropout_bits
 from attncc.arguments import bind
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

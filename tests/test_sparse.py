@@ -550,12 +550,12 @@ def test_chance_layout_matches_the_reference(config):
 
 
 def test_chance_draws_the_same_blocks_everywhere_with_about_p_on():
-    from attncc.semantics.random_blocks import chance
+    from attncc.random_blocks import chance
     kernel = attncc.compile(SEEDED)
     qb = torch.arange(300).view(-1, 1)
     kb = torch.arange(300).view(1, -1)
     here = chance(0.3, 5, 1, 2, qb, kb)
-    from attncc.semantics.random_blocks import threshold
+    from attncc.random_blocks import threshold
     assert torch.equal(kernel.module._h_chance(threshold(0.3), 5, 1, 2, qb, kb), here)
     assert abs(here.float().mean().item() - 0.3) < 0.01  # 90,000 draws
     assert not torch.equal(here, chance(0.3, 6, 1, 2, qb, kb)), "another seed, another draw"

@@ -26,6 +26,7 @@ import torch
 import attncc
 from attncc.analysis import bounds, intervals
 from attncc.backends.portable import codegen
+from attncc.codegen import plan_code
 from attncc import ir
 from attncc.arguments import TORCH_DTYPES, Problem, axis_extent
 from attncc.semantics.reference import allowed_pairs
@@ -215,7 +216,6 @@ HELPERS = {
     "_min": lambda a, b: torch.minimum(_t(a), _t(b)),
     "_max": lambda a, b: torch.maximum(_t(a), _t(b)),
     "_where": lambda c, a, b: torch.where(_t(c), _t(a), _t(b)),
-    "_BIG": int(codegen.BIG),
     # The template's 64-bit bound arithmetic: torch computes in int64 already.
     "_int": lambda x, wide: _t(x),
     "_tile_index": lambda x: _t(x),
@@ -259,7 +259,7 @@ def segment_ranges(plan: bounds.LoopPlan, solve_for: str, p: Problem, bm: int, b
     fdiv = HELPERS["_fdiv"]
     last = off + length - 1
     out = []
-    for seg in map(codegen._segment_code, plan.segments):
+    for seg in map(plan_code.segment_code, plan.segments):
         lo_g = torch.clamp(ev(seg.reach_lo, off), min=off)
         hi_g = torch.clamp(ev(seg.reach_hi, last), max=last)
         start = fdiv(lo_g - off, B)
@@ -367,7 +367,7 @@ def check_plan_positions(name, p, some_bh, every_bh, block):
         env = {**HELPERS, f"{O}_lo": rows, f"{O}_hi": rows, "len_q": p.len_q, "len_k": p.len_k,
                "len_q64": p.len_q, "len_k64": p.len_k}
         inside = torch.zeros(o_len, length, dtype=torch.bool)
-        for seg in map(codegen._segment_code, plan.segments):
+        for seg in map(plan_code.segment_code, plan.segments):
             lo = _eval(seg.reach_lo, env, rows.shape)[:, None] if seg.reach_lo else -math.inf
             hi = _eval(seg.reach_hi, env, rows.shape)[:, None] if seg.reach_hi else math.inf
             inside |= (lo <= pos) & (pos <= hi)
@@ -377,7 +377,7 @@ def check_plan_positions(name, p, some_bh, every_bh, block):
         env.update(tile_env((O, o_off, o_len, block)))
         tiles = env[f"{O}_lo"].shape
         tile_of_row = torch.arange(o_len) // block
-        for seg in map(codegen._segment_code, plan.segments):
+        for seg in map(plan_code.segment_code, plan.segments):
             if not seg.full_known:
                 continue
             lo = _eval(seg.full_lo, env, tiles)[:, None] if seg.full_lo else -math.inf
@@ -499,15 +499,16 @@ def summaries_for(reads, p, inputs, bm, bn) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def interval_code(name: str):
-    code = intervals.classify_code(VARIANTS[name].mask, VARIANTS[name], codegen._torch_summary)
-    return code, compile("\n".join(code.lines), f"<{name} intervals>", "exec"), \
+    classes = intervals.classify(VARIANTS[name].mask, VARIANTS[name])
+    code = plan_code.classification_code(classes, codegen.torch_summary, temp_prefix="_c")
+    return classes.summaries, compile("\n".join(code.lines), f"<{name} intervals>", "exec"), \
         compile(f"({code.may}, {code.must})", f"<{name} may, must>", "eval")
 
 
 def interval_tiles(name, p, inputs, bm, bn):
     """(may, must), each bool [B, H, MT, NT], from the emitted classification lines run
     on every tile at once (the layout of the template's `tile_tables`)."""
-    code, lines, result = interval_code(name)
+    summaries, lines, result = interval_code(name)
     mt, nt = -(-p.len_q // bm), -(-p.len_k // bn)
     tile_q = torch.arange(mt).view(1, 1, -1, 1)
     tile_k = torch.arange(nt).view(1, 1, 1, -1)
@@ -519,7 +520,7 @@ def interval_tiles(name, p, inputs, bm, bn):
            "off_b": torch.arange(p.batch).view(-1, 1, 1, 1),
            "off_h": torch.arange(p.heads_q).view(1, -1, 1, 1),
            "len_q": p.len_q, "len_k": p.len_k, "HEAD_DIM": p.dim}
-    for base, (lo, hi) in summaries_for(code.summaries, p, inputs, bm, bn).items():
+    for base, (lo, hi) in summaries_for(summaries, p, inputs, bm, bn).items():
         env[f"{base}_lo"], env[f"{base}_hi"] = lo, hi
     exec(lines, env)
     shape = (p.batch, p.heads_q, mt, nt)

@@ -14,9 +14,10 @@ the reach and makes the term's full range unknown, so those tiles are classified
 run time (attncc/analysis/intervals.py). The same code solves for q given a key tile, for the
 backward's dK/dV loop.
 
-Bounds are emitted as code over run-time scalars named `{other}_lo`/`{other}_hi` (the
-tile's first and last global position), `len_q`, `len_k`; helpers `_fdiv` (floor
-division) and `_min`/`_max` must exist where the code runs.
+Bounds are values of attncc/analysis/programs.py over affine sympy forms (`Affine`) of
+run-time scalars named `{other}_lo`/`{other}_hi` (the tile's first and last global
+position), `len_q`, `len_k`; a backend prints them (attncc/codegen/plan_code.py). The
+comparisons are read into sympy by attncc/analysis/symbolic.py.
 """
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ from dataclasses import dataclass
 import sympy
 
 from .. import ir
+from ..operators import NEGATED
+from .programs import Lit, Op
+from .symbolic import NotSymbolic, ToSympy
 
 MAX_SEGMENTS = 2  # a union of more key intervals is looped over as its hull
 # Comparisons with larger coefficients are left to the tile classification: with these,
@@ -52,8 +56,23 @@ class Term:
 
 
 @dataclass(frozen=True)
+class Affine:
+    """An affine sympy form of the positions, a leaf of a bound."""
+    expr: sympy.Expr
+
+
+@dataclass(frozen=True)
+class Unbounded:
+    """A leaf of a bound: the side has none (the guard of an empty range needs a value)."""
+
+
+UNBOUNDED = Unbounded()
+
+
+@dataclass(frozen=True)
 class Segment:
-    """Inclusive bounds (code strings; None = unbounded) of one loop over solved positions."""
+    """Inclusive bounds (values of attncc/analysis/programs.py; None = unbounded) of one
+    loop over solved positions."""
     reach_lo: str | None
     reach_hi: str | None
     full_lo: str | None  # None with full_known=False: no range is provably full
@@ -74,33 +93,40 @@ class _NotAffine(Exception):
     pass
 
 
-def _to_sympy(e, params: dict):
-    if isinstance(e, ir.Var):
+class _Affine(ToSympy):
+    """A side of a comparison as a polynomial in q, k, len_q, len_k with integer
+    constants: + - * only, and no other index (b, h, dim are rare in masks that bound
+    keys)."""
+
+    def __init__(self, params: dict):
+        self.params = params
+
+    def takes(self, entry) -> bool:
+        return entry.name in ("+", "-", "*", "neg")
+
+    def Var(self, e):
         if e.name in _VARS:
             return _VARS[e.name]
-        raise _NotAffine  # b, h, dim: not handled (rare in masks that bound keys)
-    if isinstance(e, ir.Const):
+        raise NotSymbolic(e)
+
+    def Const(self, e):
         if e.type != ir.INT:
-            raise _NotAffine
+            raise NotSymbolic(e)
         return sympy.Integer(e.value)
-    if isinstance(e, ir.Param):
-        value = params[e.name]
+
+    def Param(self, e):
+        value = self.params[e.name]
         if isinstance(value, bool) or not isinstance(value, int):
-            raise _NotAffine
+            raise NotSymbolic(e)
         return sympy.Integer(value)
-    if isinstance(e, ir.Neg):
-        return -_to_sympy(e.operand, params)
-    if isinstance(e, ir.BinOp) and e.op in "+-*":
-        a, b = _to_sympy(e.lhs, params), _to_sympy(e.rhs, params)
-        return {"+": a + b, "-": a - b, "*": a * b}[e.op]
-    raise _NotAffine
 
 
 def _atoms_of_cmp(e: ir.Cmp, params: dict) -> list:
     """The affine atoms equivalent to comparison `e`; raises _NotAffine."""
     if e.op == "!=":
         raise _NotAffine
-    diff = sympy.expand(_to_sympy(e.lhs, params) - _to_sympy(e.rhs, params))
+    side = _Affine(params)
+    diff = sympy.expand(side(e.lhs) - side(e.rhs))
     poly = sympy.Poly(diff, Q, K)
     if poly.total_degree() > 1:
         raise _NotAffine
@@ -131,45 +157,70 @@ def _atoms_of_cmp(e: ir.Cmp, params: dict) -> list:
 
 
 # ---------------------------------------------------------------------------- DNF
-def _push_not(e):
+class _PushNot(ir.Visitor):
     """Negation pushed down to comparisons (De Morgan), so that DNF sees the atoms."""
-    if isinstance(e, ir.Not):
-        x = e.operand
-        if isinstance(x, ir.Not):
-            return _push_not(x.operand)
-        if isinstance(x, ir.And):
-            return ir.Or(_push_not(ir.Not(x.lhs)), _push_not(ir.Not(x.rhs)))
-        if isinstance(x, ir.Or):
-            return ir.And(_push_not(ir.Not(x.lhs)), _push_not(ir.Not(x.rhs)))
-        if isinstance(x, ir.Cmp):
-            flip = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}
-            return ir.Cmp(flip[x.op], x.lhs, x.rhs)
-        if isinstance(x, ir.Const):
-            return ir.Const(not x.value, ir.BOOL)
+
+    def Not(self, e):
+        return _negation(e.operand)
+
+    def And(self, e):
+        return ir.And(self(e.lhs), self(e.rhs))
+
+    def Or(self, e):
+        return ir.Or(self(e.lhs), self(e.rhs))
+
+    def other(self, e):
         return e
-    if isinstance(e, ir.And):
-        return ir.And(_push_not(e.lhs), _push_not(e.rhs))
-    if isinstance(e, ir.Or):
-        return ir.Or(_push_not(e.lhs), _push_not(e.rhs))
-    return e
+
+
+class _Negation(ir.Visitor):
+    """`not e`, pushed down."""
+
+    def Not(self, e):
+        return _push_not(e.operand)
+
+    def And(self, e):
+        return ir.Or(self(e.lhs), self(e.rhs))
+
+    def Or(self, e):
+        return ir.And(self(e.lhs), self(e.rhs))
+
+    def Cmp(self, e):
+        return ir.Cmp(NEGATED[e.op], e.lhs, e.rhs)
+
+    def Const(self, e):
+        return ir.Const(not e.value, ir.BOOL)
+
+    def other(self, e):
+        return ir.Not(e)
+
+
+_push_not, _negation = _PushNot(), _Negation()
 
 
 MAX_TERMS = 16
 
 
-def _dnf(e) -> list:
+class _Dnf(ir.Visitor):
     """A list of terms, each a list of leaf conditions; None when it grows too large."""
-    if isinstance(e, ir.And):
-        left, right = _dnf(e.lhs), _dnf(e.rhs)
+
+    def And(self, e):
+        left, right = self(e.lhs), self(e.rhs)
         if left is None or right is None or len(left) * len(right) > MAX_TERMS:
             return None
         return [a + b for a in left for b in right]
-    if isinstance(e, ir.Or):
-        left, right = _dnf(e.lhs), _dnf(e.rhs)
+
+    def Or(self, e):
+        left, right = self(e.lhs), self(e.rhs)
         if left is None or right is None or len(left) + len(right) > MAX_TERMS:
             return None
         return left + right
-    return [[e]]
+
+    def other(self, e):
+        return [[e]]
+
+
+_dnf = _Dnf()
 
 
 def terms_of(mask, params: dict):
@@ -190,7 +241,7 @@ def terms_of(mask, params: dict):
                 if not isinstance(leaf, ir.Cmp):
                     raise _NotAffine
                 atoms.extend(_atoms_of_cmp(leaf, params))
-            except (_NotAffine, sympy.PolynomialError):
+            except (_NotAffine, NotSymbolic, sympy.PolynomialError):
                 residual += 1
         if not never:
             terms.append(Term(tuple(atoms), residual))
@@ -198,24 +249,18 @@ def terms_of(mask, params: dict):
 
 
 # ----------------------------------------------------------------------- solving
-def _code(expr: sympy.Expr) -> str:
-    """sympy integer expression (in len_q, len_k, q_lo, ...) as code."""
-    return sympy.sstr(expr)
+def _floor_div(num: sympy.Expr, d: int):
+    return Affine(num) if d == 1 else Op("fdiv", (Affine(num), Lit(d)))
 
 
-def _floor_div(num: sympy.Expr, d: int) -> str:
-    return _code(num) if d == 1 else f"_fdiv({_code(num)}, {d})"
-
-
-def _ceil_div(num: sympy.Expr, d: int) -> str:
-    return _code(num) if d == 1 else f"-_fdiv({_code(-num)}, {d})"
+def _ceil_div(num: sympy.Expr, d: int):
+    return Affine(num) if d == 1 else Op("neg", (Op("fdiv", (Affine(-num), Lit(d))),))
 
 
 def _solve_atom(atom: Atom, solve_for: str, forall: bool):
-    """Bounds on `solve_for` from one atom, over the other position's tile range.
-
-    Returns (lo, hi) code strings (None for unbounded), or ("EMPTY", "EMPTY") style
-    conditions for atoms that do not involve `solve_for` (see _term_bounds)."""
+    """Bounds on `solve_for` from one atom, over the other position's tile range:
+    (lo, hi), None for unbounded. Atoms free of `solve_for` are conditions instead
+    (_side_condition)."""
     x_coef, y_coef = (atom.b, atom.a) if solve_for == "k" else (atom.a, atom.b)
     other = "q" if solve_for == "k" else "k"
     y_lo, y_hi = sympy.Symbol(f"{other}_lo", integer=True), sympy.Symbol(f"{other}_hi", integer=True)
@@ -242,26 +287,27 @@ def _solve_atom(atom: Atom, solve_for: str, forall: bool):
 
 
 def _join(fn: str, items: list):
+    """fn ("min" or "max") of the bounds given, None when none is."""
     items = [i for i in items if i is not None]
     if not items:
         return None
     out = items[0]
     for i in items[1:]:
-        out = f"{fn}({out}, {i})"
+        out = Op(fn, (out, i))
     return out
 
 
-def _side_condition(atom: Atom, solve_for: str, forall: bool) -> str:
-    """For an atom free of `solve_for`: code true when some (all) rows satisfy it."""
+def _side_condition(atom: Atom, solve_for: str, forall: bool):
+    """For an atom free of `solve_for`: true when some (all) rows satisfy it."""
     other = "q" if solve_for == "k" else "k"
     coef = atom.a if solve_for == "k" else atom.b
     y_lo, y_hi = sympy.Symbol(f"{other}_lo", integer=True), sympy.Symbol(f"{other}_hi", integer=True)
     if coef == 0:
-        return f"({_code(atom.c)} <= 0)"
+        return Op("nonpositive", (Affine(atom.c),))
     # coef*y + c <= 0: smallest value at y_lo if coef > 0 else y_hi.
     y_best, y_worst = (y_lo, y_hi) if coef > 0 else (y_hi, y_lo)
     y = y_worst if forall else y_best
-    return f"({_code(sympy.expand(coef * y + atom.c))} <= 0)"
+    return Op("nonpositive", (Affine(sympy.expand(coef * y + atom.c)),))
 
 
 def _term_bounds(term: Term, solve_for: str, forall: bool):
@@ -274,7 +320,15 @@ def _term_bounds(term: Term, solve_for: str, forall: bool):
         lo, hi = _solve_atom(atom, solve_for, forall)
         los.append(lo)
         his.append(hi)
-    return _join("_max", los), _join("_min", his), (" & ".join(conds) if conds else None)
+    cond = None
+    for c in conds:
+        cond = c if cond is None else Op("and", (cond, c))
+    return _join("max", los), _join("min", his), cond
+
+
+def _guarded(cond, hi):
+    """hi where cond holds, else -1: no position."""
+    return Op("where", (cond, UNBOUNDED if hi is None else hi, Lit(-1)))
 
 
 def plan_loops(variant: ir.Variant, solve_for: str) -> LoopPlan:
@@ -294,18 +348,18 @@ def plan_loops(variant: ir.Variant, solve_for: str) -> LoopPlan:
         flo, fhi, fcond = _term_bounds(t, solve_for, forall=True)
         if cond:
             # No row of the tile satisfies the term's side conditions: empty the range.
-            hi = f"_where({cond}, {hi if hi is not None else '_BIG'}, -1)"
-            lo = lo if lo is not None else "0"
+            hi = _guarded(cond, hi)
+            lo = lo if lo is not None else Lit(0)
         full_known = t.residual == 0
         if fcond and full_known:
-            fhi = f"_where({fcond}, {fhi if fhi is not None else '_BIG'}, -1)"
-            flo = flo if flo is not None else "0"
+            fhi = _guarded(fcond, fhi)
+            flo = flo if flo is not None else Lit(0)
         segments.append(Segment(lo, hi, flo if full_known else None,
                                 fhi if full_known else None, full_known))
     if len(segments) > MAX_SEGMENTS:
         # Loop over the hull; tiles inside it are classified at run time.
-        lo = None if any(s.reach_lo is None for s in segments) else _join("_min", [s.reach_lo for s in segments])
-        hi = None if any(s.reach_hi is None for s in segments) else _join("_max", [s.reach_hi for s in segments])
+        lo = None if any(s.reach_lo is None for s in segments) else _join("min", [s.reach_lo for s in segments])
+        hi = None if any(s.reach_hi is None for s in segments) else _join("max", [s.reach_hi for s in segments])
         return LoopPlan((Segment(lo, hi, None, None, False),), True, False)
     exact_full = all(s.full_known for s in segments) and not has_residual_inputs
     return LoopPlan(tuple(segments), needs_classify, exact_full)

@@ -1,29 +1,31 @@
 """Tile classification by interval arithmetic: may a tile attend, must all of it attend?
 
 Skipping level 2 (docs/design.md, "Tiles and loop segments"). Each sub-expression of the mask gets bounds over the
-tile — (lo, hi) for numbers, (may, must) for conditions — from the tile's position
-ranges and from per-block min/max summaries of the tensors it reads. `may` is false
-only when no pair in the tile can attend (skip the tile); `must` is true only when
-every pair attends (no per-element mask). Both are sound by construction: interval
-arithmetic over-approximates. What it cannot bound (a tensor read at a computed
-index, float functions) becomes "unknown": may true, must false.
+tile — Bounds(lo, hi) for numbers, Truth(may, must) for conditions — from the tile's
+position ranges and from per-block min/max summaries of the tensors it reads, by the
+interval rules of attncc/operators.py. `may` is false only when no pair in the tile
+can attend (skip the tile); `must` is true only when every pair attends (no
+per-element mask). Both are sound by construction: interval arithmetic
+over-approximates. What it cannot bound (a tensor read at a computed index, float
+functions) becomes "unknown": may true, must false.
 
-The output is straight-line code (statements plus two names) over scalars named
-`q_lo, q_hi, k_lo, k_hi, off_b, off_h, len_q, len_k` and helper functions `_min, _max,
-_where, _fdiv, _mod`. The generated Triton module runs it per tile; the tests and the
-layout-table builder run the same text with torch tensors (see `classify_dense`).
+The result is a straight-line program (attncc/analysis/programs.py) over the tile's
+positions (Tile), the index names it shares (off_b, off_h, dim, len_q, len_k as
+ir.Var) and the summaries it reads (Summary); a backend prints it
+(attncc/codegen/plan_code.py). The generated module runs it for every tile at once on
+the host, and the tests run the same text.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from .. import ir
+from ..operators import UNKNOWN, UNKNOWN_TRUTH, Bounds, Truth, entry_of
 from . import ranges
+from .programs import Lit, Op, Program, Temp, Tile
 
-UNKNOWN = None
 
-
-@dataclass
+@dataclass(frozen=True)
 class SummaryRead:
     """A per-block min/max summary the code reads: `tensor` along `axis`, blocked by `var`."""
     tensor: str
@@ -31,83 +33,201 @@ class SummaryRead:
     var: str  # "q" or "k": which tile's blocks
 
 
+@dataclass(frozen=True)
+class Summary:
+    """The smallest ("lo") or largest ("hi") entry of one block of a summary read, the
+    block of the tile's position along the read axis; `others`: the other indices
+    (values the whole tile shares), None at the read axis."""
+    read: SummaryRead
+    others: tuple
+    which: str
+
+
 @dataclass
-class IntervalCode:
-    lines: list = field(default_factory=list)
-    may: str = "True"
-    must: str = "False"
+class Classification:
+    """The program, the may and must it computes, and the summaries it reads."""
+    program: Program = field(default_factory=Program)
+    may: object = Lit(True)
+    must: object = Lit(False)
     summaries: list = field(default_factory=list)  # of SummaryRead
 
 
-class _Emitter:
-    def __init__(self, params: dict, inputs: dict, summary_code, prefix: str, wrapped=frozenset()):
+def _lift(x):
+    return Lit(x) if isinstance(x, (bool, int, float)) else x
+
+
+def _is(x, value: bool) -> bool:
+    return isinstance(x, Lit) and x.value is value
+
+
+class _Code:
+    """The interval algebra (operators.ALGEBRA) that writes a program: each operation an
+    Op, each value used twice (`let`) a step of its own."""
+
+    def __init__(self, program: Program, params: dict):
+        self.program = program
+        self.params = params
+
+    def named(self, x):
+        """x itself where it is a name or a plain literal, else a step naming it."""
+        x = _lift(x)
+        if isinstance(x, (Temp, Tile, ir.Var)):
+            return x
+        if isinstance(x, Lit) and repr(x.value).isalnum():
+            return x
+        return self.program.name(x)
+
+    let = named
+
+    def _op(self, fn, *args):
+        return Op(fn, tuple(_lift(a) for a in args))
+
+    def add(self, x, y):
+        return self._op("+", x, y)
+
+    def sub(self, x, y):
+        return self._op("-", x, y)
+
+    def mul(self, x, y):
+        return self._op("*", x, y)
+
+    def neg(self, x):
+        return self._op("neg", x)
+
+    def min(self, x, y):
+        return self._op("min", x, y)
+
+    def max(self, x, y):
+        return self._op("max", x, y)
+
+    def where(self, c, x, y):
+        return self._op("where", c, x, y)
+
+    def lt(self, x, y):
+        return self._op("<", x, y)
+
+    def le(self, x, y):
+        return self._op("<=", x, y)
+
+    def gt(self, x, y):
+        return self._op(">", x, y)
+
+    def ge(self, x, y):
+        return self._op(">=", x, y)
+
+    def eq(self, x, y):
+        return self._op("==", x, y)
+
+    def ne(self, x, y):
+        return self._op("!=", x, y)
+
+    def both(self, x, y):
+        return self._op("and", x, y)
+
+    def either(self, x, y):
+        return self._op("or", x, y)
+
+    def conj(self, x, y):
+        x, y = _lift(x), _lift(y)
+        if _is(x, False) or _is(y, False):
+            return Lit(False)
+        if _is(x, True):
+            return y
+        if _is(y, True):
+            return x
+        return self.both(x, y)
+
+    def disj(self, x, y):
+        x, y = _lift(x), _lift(y)
+        if _is(x, True) or _is(y, True):
+            return Lit(True)
+        if _is(x, False):
+            return y
+        if _is(y, False):
+            return x
+        return self.either(x, y)
+
+    def negate(self, x):
+        x = _lift(x)
+        if isinstance(x, Lit) and isinstance(x.value, bool):
+            return Lit(not x.value)
+        return self._op("not", x)
+
+    def known(self, t: Truth):
+        return self._op("known", t.may, t.must)
+
+    def fdiv(self, x, c):
+        return self._op("fdiv", x, c)
+
+    def mod(self, x, c):
+        return self._op("mod", x, c)
+
+    def positive_int(self, b: Bounds):
+        lo, hi = b
+        if lo == hi and isinstance(lo, Lit) and type(lo.value) is int and lo.value > 0:
+            return lo.value
+        return None
+
+    def increasing(self, fn, a, domain):
+        return UNKNOWN  # exp/log/tanh/sqrt, rounding: kept out of tile decisions (NaN-prone bounds)
+
+
+class _Classify(ir.Visitor):
+    """Bounds or Truth of each node over one tile, its code written into a program."""
+
+    def __init__(self, params: dict, inputs: dict, out: Classification, wrapped=frozenset()):
         self.params = params
         self.inputs = inputs
         self.wrapped = wrapped  # ids of nodes whose value may have wrapped (i64 arithmetic)
-        self.summary_code = summary_code  # (SummaryRead, other index codes, "lo"|"hi") -> code
-        self.prefix = prefix
-        self.out = IntervalCode()
-        self.n = 0
+        self.out = out
+        self.code = _Code(out.program, params)
 
-    def tmp(self, code: str) -> str:
-        if code.replace("_", "").isalnum() or code in ("True", "False"):
-            return code
-        name = f"{self.prefix}{self.n}"
-        self.n += 1
-        self.out.lines.append(f"{name} = {code}")
-        return name
-
-    # ---- numbers: (lo, hi) code, or UNKNOWN
-    def num(self, e):
+    def __call__(self, e):
         if id(e) in self.wrapped:
             return UNKNOWN  # a wrapped value is not between its operands' bounds
-        if isinstance(e, ir.Const):
-            v = int(e.value) if e.type == ir.INT else float(e.value)
-            return (repr(v), repr(v))
-        if isinstance(e, ir.Param):
-            v = self.params[e.name]
-            v = int(v) if isinstance(v, bool) else v
-            return (repr(v), repr(v))
-        if isinstance(e, ir.Var):
-            if e.name in ("q", "k"):
-                return (f"{e.name}_lo", f"{e.name}_hi")
-            name = {"b": "off_b", "h": "off_h", "dim": "HEAD_DIM"}.get(e.name, e.name)
-            return (name, name)
-        if isinstance(e, ir.Neg):
-            x = self.num(e.operand)
-            return UNKNOWN if x is UNKNOWN else (self.tmp(f"-{x[1]}"), self.tmp(f"-{x[0]}"))
-        if isinstance(e, ir.BinOp):
-            return self.binop(e)
-        if isinstance(e, ir.Call):
-            return self.call(e)
-        if isinstance(e, ir.Where):
-            c = self.cond(e.cond)
-            a, b = self.num(e.then), self.num(e.other)
-            if a is UNKNOWN or b is UNKNOWN:
-                return UNKNOWN
-            may, must = c
-            lo = self.tmp(f"_where({must}, {a[0]}, _where({may}, _min({a[0]}, {b[0]}), {b[0]}))")
-            hi = self.tmp(f"_where({must}, {a[1]}, _where({may}, _max({a[1]}, {b[1]}), {b[1]}))")
-            return (lo, hi)
-        if isinstance(e, ir.Load):
-            return self.load(e)
-        return UNKNOWN
+        return super().__call__(e)
+
+    def _named(self, r):
+        if isinstance(r, Truth):
+            return Truth(self.code.named(r.may), self.code.named(r.must))
+        if isinstance(r, Bounds):
+            return Bounds(self.code.named(r.lo), self.code.named(r.hi))
+        return r
+
+    def Const(self, e):
+        if e.type == ir.BOOL:
+            return Truth(Lit(e.value), Lit(e.value))
+        v = Lit(int(e.value) if e.type == ir.INT else float(e.value))
+        return Bounds(v, v)
+
+    def Param(self, e):
+        v = self.params[e.name]
+        if isinstance(v, bool):
+            return Truth(Lit(v), Lit(v))
+        return Bounds(Lit(v), Lit(v))
+
+    def Var(self, e):
+        if e.name in ("q", "k"):
+            return Bounds(Tile(e.name, "lo"), Tile(e.name, "hi"))
+        return Bounds(e, e)
 
     def exact(self, e):
-        """Code for an expression that is the same everywhere in the tile, else None."""
-        r = self.num(e)
-        if r is UNKNOWN or r[0] != r[1]:
+        """The value of an expression that is the same everywhere in the tile, else None."""
+        r = self(e)
+        if r is UNKNOWN or r.lo != r.hi:
             return None
-        return r[0]
+        return r.lo
 
-    def load(self, e: ir.Load):
+    def _summary(self, e: ir.Load):
+        """Bounds of a read from its per-block summary, or UNKNOWN.
+
+        Summarised when exactly one index is the bare position q or k, along a position
+        axis (of either extent: `doc[k]` with `doc: i32[q]` is the usual self-attention
+        document mask) or one of fixed size, and every other index is the same for the
+        whole tile. Positions past the axis read its last entry, as the kernels clamp."""
         decl = self.inputs[e.tensor]
         if decl.type == ir.FLOAT:
             return UNKNOWN  # float tensors rarely decide masks; not summarised
-        # Summarised when exactly one index is the bare position q or k, along a position
-        # axis (of either extent: `doc[k]` with `doc: i32[q]` is the usual self-attention
-        # document mask) or one of fixed size, and every other index is the same for the
-        # whole tile. Positions past the axis read its last entry, as the kernels clamp.
         pos = [i for i, x in enumerate(e.indices)
                if isinstance(x, ir.Var) and x.name in ("q", "k")
                and (decl.axes[i] in ("q", "k") or isinstance(decl.axes[i], int))]
@@ -119,159 +239,42 @@ class _Emitter:
             if i == axis:
                 others.append(None)
                 continue
-            code = self.exact(x)
-            if code is None:
+            value = self.exact(x)
+            if value is None:
                 return UNKNOWN
-            others.append(code)
+            others.append(value)
         read = SummaryRead(e.tensor, axis, e.indices[axis].name)
         if read not in self.out.summaries:
             self.out.summaries.append(read)
-        return (self.tmp(self.summary_code(read, others, "lo")),
-                self.tmp(self.summary_code(read, others, "hi")))
+        return Bounds(self.code.named(Summary(read, tuple(others), "lo")),
+                      self.code.named(Summary(read, tuple(others), "hi")))
 
-    def binop(self, e):
-        a, b = self.num(e.lhs), self.num(e.rhs)
-        if a is UNKNOWN or b is UNKNOWN:
-            return UNKNOWN
-        if e.op == "+":
-            return (self.tmp(f"{a[0]} + {b[0]}"), self.tmp(f"{a[1]} + {b[1]}"))
-        if e.op == "-":
-            return (self.tmp(f"{a[0]} - {b[1]}"), self.tmp(f"{a[1]} - {b[0]}"))
-        if e.op == "*":
-            p = [self.tmp(f"{x} * {y}") for x in a for y in b]
-            return (self.tmp(f"_min(_min({p[0]}, {p[1]}), _min({p[2]}, {p[3]}))"),
-                    self.tmp(f"_max(_max({p[0]}, {p[1]}), _max({p[2]}, {p[3]}))"))
-        const = self._positive_int_const(e.rhs)
-        if e.op == "//" and const:
-            return (self.tmp(f"_fdiv({a[0]}, {const})"), self.tmp(f"_fdiv({a[1]}, {const})"))
-        if e.op == "%" and const:
-            # One period: the residues are in order; otherwise anything in [0, c).
-            same = self.tmp(f"_fdiv({a[0]}, {const}) == _fdiv({a[1]}, {const})")
-            return (self.tmp(f"_where({same}, _mod({a[0]}, {const}), 0)"),
-                    self.tmp(f"_where({same}, _mod({a[1]}, {const}), {const - 1})"))
-        return UNKNOWN
+    def Load(self, e):
+        r = self._summary(e)
+        if self.inputs[e.tensor].type != ir.BOOL:
+            return r
+        if r is UNKNOWN:  # a bool tensor: its min is "all true", its max "any true"
+            return UNKNOWN_TRUTH
+        return self._named(Truth(Op("nonzero", (r.hi,)), Op("nonzero", (r.lo,))))
 
-    def _positive_int_const(self, e):
-        if isinstance(e, ir.Const) and e.type == ir.INT and e.value > 0:
-            return e.value
-        if isinstance(e, ir.Param):
-            v = self.params[e.name]
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                return v
-        return None
+    def Member(self, e):
+        return UNKNOWN_TRUTH
 
-    def call(self, e):
-        args = [self.num(a) for a in e.args]
-        if any(a is UNKNOWN for a in args):
-            return UNKNOWN
-        if e.fn == "abs":
-            (lo, hi), = args
-            return (self.tmp(f"_where({lo} >= 0, {lo}, _where({hi} <= 0, -{hi}, 0))"),
-                    self.tmp(f"_max(-{lo}, {hi})"))
-        if e.fn in ("min", "max"):
-            (alo, ahi), (blo, bhi) = args
-            f = "_min" if e.fn == "min" else "_max"
-            return (self.tmp(f"{f}({alo}, {blo})"), self.tmp(f"{f}({ahi}, {bhi})"))
-        return UNKNOWN  # exp/log/tanh/sqrt: kept out of tile decisions (NaN-prone bounds)
-
-    # ---- conditions: (may, must) code
-    def cond(self, e):
-        if isinstance(e, ir.Const):
-            return ("True", "True") if e.value else ("False", "False")
-        if isinstance(e, ir.Param):
-            v = "True" if self.params[e.name] else "False"
-            return (v, v)
-        if isinstance(e, ir.And):
-            (a_may, a_must), (b_may, b_must) = self.cond(e.lhs), self.cond(e.rhs)
-            return (self._and(a_may, b_may), self._and(a_must, b_must))
-        if isinstance(e, ir.Or):
-            (a_may, a_must), (b_may, b_must) = self.cond(e.lhs), self.cond(e.rhs)
-            return (self._or(a_may, b_may), self._or(a_must, b_must))
-        if isinstance(e, ir.Not):
-            may, must = self.cond(e.operand)
-            return (self._not(must), self._not(may))
-        if isinstance(e, ir.Cmp):
-            return self.cmp(e)
-        if isinstance(e, ir.Where):
-            c_may, c_must = self.cond(e.cond)
-            (a_may, a_must), (b_may, b_must) = self.cond(e.then), self.cond(e.other)
-            may = self.tmp(f"_where({c_must}, {a_may}, _where({c_may}, {a_may} | {b_may}, {b_may}))")
-            must = self.tmp(f"_where({c_must}, {a_must}, _where({c_may}, {a_must} & {b_must}, {b_must}))")
-            return (may, must)
-        if isinstance(e, ir.Load):
-            r = self.load(e)  # bool tensor: min is "all true", max is "any true"
-            if r is UNKNOWN:
-                return ("True", "False")
-            return (self.tmp(f"{r[1]} != 0"), self.tmp(f"{r[0]} != 0"))
-        return ("True", "False")
-
-    def _and(self, a, b):
-        if "False" in (a, b):
-            return "False"
-        if a == "True":
-            return b
-        if b == "True":
-            return a
-        return self.tmp(f"{a} & {b}")
-
-    def _or(self, a, b):
-        if "True" in (a, b):
-            return "True"
-        if a == "False":
-            return b
-        if b == "False":
-            return a
-        return self.tmp(f"{a} | {b}")
-
-    def _not(self, a):
-        if a in ("True", "False"):
-            return "False" if a == "True" else "True"
-        return self.tmp(f"{a} == 0")
-
-    def cmp(self, e):
-        if self._is_bool(e.lhs):
-            # Equality of two conditions: decided only when both are decided.
-            (a_may, a_must), (b_may, b_must) = self.cond(e.lhs), self.cond(e.rhs)
-            a_known = self.tmp(f"({a_may} == {a_must})")
-            b_known = self.tmp(f"({b_may} == {b_must})")
-            same = self.tmp(f"{a_known} & {b_known} & ({a_must} == {b_must})")
-            diff = self.tmp(f"{a_known} & {b_known} & ({a_must} != {b_must})")
-            if e.op == "==":
-                return (self._not(diff), same)
-            return (self._not(same), diff)
-        a, b = self.num(e.lhs), self.num(e.rhs)
-        if a is UNKNOWN or b is UNKNOWN:
-            return ("True", "False")
-        (alo, ahi), (blo, bhi) = a, b
-        if e.op == "<":
-            return (self.tmp(f"{alo} < {bhi}"), self.tmp(f"{ahi} < {blo}"))
-        if e.op == "<=":
-            return (self.tmp(f"{alo} <= {bhi}"), self.tmp(f"{ahi} <= {blo}"))
-        if e.op == ">":
-            return (self.tmp(f"{ahi} > {blo}"), self.tmp(f"{alo} > {bhi}"))
-        if e.op == ">=":
-            return (self.tmp(f"{ahi} >= {blo}"), self.tmp(f"{alo} >= {bhi}"))
-        overlap = self.tmp(f"({alo} <= {bhi}) & ({blo} <= {ahi})")
-        single = self.tmp(f"({alo} == {ahi}) & ({blo} == {bhi}) & ({alo} == {blo})")
-        if e.op == "==":
-            return (overlap, single)
-        return (self._not(single), self._not(overlap))  # !=
-
-    def _is_bool(self, e):
-        return isinstance(e, (ir.Cmp, ir.And, ir.Or, ir.Not)) or (
-            isinstance(e, ir.Const) and e.type == ir.BOOL) or (
-            isinstance(e, ir.Param) and isinstance(self.params[e.name], bool)) or (
-            isinstance(e, ir.Load) and self.inputs[e.tensor].type == ir.BOOL) or (
-            isinstance(e, ir.Where) and self._is_bool(e.then))
+    def other(self, e):
+        """An operation: its interval rule (attncc/operators.py) on its operands'."""
+        operands = [self(x) for x in ir.children(e)]
+        return self._named(entry_of(e).interval(self.code, *operands))
 
 
-def classify_code(mask, variant: ir.Variant, summary_code, prefix: str = "_iv") -> IntervalCode:
-    """Straight-line code computing `may` and `must` for one tile of `mask`."""
+def classify(mask, variant: ir.Variant) -> Classification:
+    """The program computing `may` and `must` for one tile of `mask`."""
     wrapped = ranges.wraps(mask, variant) if mask is not None else set()
-    em = _Emitter({p.name: p.value for p in variant.params}, {i.name: i for i in variant.inputs},
-                  summary_code, prefix, wrapped)
+    out = Classification()
     if mask is None:
-        em.out.may, em.out.must = "True", "True"
-    else:
-        em.out.may, em.out.must = em.cond(mask)
-    return em.out
+        out.may, out.must = Lit(True), Lit(True)
+        return out
+    walk = _Classify({p.name: p.value for p in variant.params}, {i.name: i for i in variant.inputs},
+                     out, wrapped)
+    truth = walk(mask)
+    out.may, out.must = (_lift(x) for x in truth)
+    return out

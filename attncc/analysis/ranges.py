@@ -27,6 +27,9 @@ From these, a variant is refused with a SpecError (located by the parser) where
 `int32_extent` is the largest extent at which every integer node of an expression fits
 in 32 bits: the generated module computes the expression in 64 bits on calls beyond
 it (and always, when no extent is small enough).
+
+Operations are bounded by their interval rules in attncc/operators.py, on Python
+numbers; the divisions are bounded here, where their divisors are checked.
 """
 from __future__ import annotations
 
@@ -35,6 +38,8 @@ from dataclasses import dataclass
 
 from .. import ir
 from ..errors import SpecError
+from ..operators import (FLOAT_FUNCTIONS, MIRRORED, NEGATED, NUMBERS, UNKNOWN_TRUTH, Bounds,
+                         entry_of, rounding, same_kind)
 
 MAX_EXTENT = 2 ** 31 - 1
 INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1
@@ -60,8 +65,9 @@ class Range:
         return lo <= self.lo and self.hi <= hi
 
 
-class _Analysis:
-    """Ranges of every integer node of one expression at one extent."""
+class _Analysis(ir.Visitor):
+    """Ranges of every integer node of one expression at one extent: visiting a node
+    with its children's ranges gives its own Range, or None (not an integer)."""
 
     def __init__(self, params: dict, inputs: dict, block, extent: int):
         self.params = params  # name -> value
@@ -89,50 +95,62 @@ class _Analysis:
 
     def _node(self, e):
         kids = [self._node(c) for c in ir.children(e)]
-        r = self._range(e, kids)
+        r = self(e, kids)
         if r is not None:
             self.ranges[id(e)] = r
         return r
 
-    def _range(self, e, kids):
-        """The Range of an integer node from its children's, or None (not an integer)."""
-        if isinstance(e, ir.Var):
-            return None if e.name == "s" else self._var(e.name)
-        if isinstance(e, ir.Const):
-            return Range(e.value, e.value) if e.type == ir.INT else None
-        if isinstance(e, ir.Param):
-            v = self.params[e.name]
-            return Range(v, v) if isinstance(v, int) and not isinstance(v, bool) else None
-        if isinstance(e, ir.Load):
-            decl = self.inputs[e.tensor]
-            if decl.dtype in DTYPE_RANGES:
-                return Range(*DTYPE_RANGES[decl.dtype], wide_data=decl.dtype == "i64")
-            return None
-        if isinstance(e, ir.Neg):
-            (a,) = kids
-            return None if a is None else self._result(e, -a.hi, -a.lo, kids)
-        if isinstance(e, ir.BinOp):
-            return self._binop(e, *kids)
-        if isinstance(e, ir.Call) and e.fn in ("abs", "min", "max") and all(k is not None for k in kids):
-            if e.fn == "abs":
-                (a,) = kids
-                lo = 0 if a.lo <= 0 <= a.hi else min(abs(a.lo), abs(a.hi))
-                return self._result(e, lo, max(abs(a.lo), abs(a.hi)), kids)
-            a, b = kids
-            f = min if e.fn == "min" else max
-            return self._result(e, f(a.lo, b.lo), f(a.hi, b.hi), kids)
-        if isinstance(e, ir.Call) and e.fn in ir.ROUNDING_FUNCTIONS:
+    def _ruled(self, e, kids):
+        """The table's interval rule on integer operands, checked for 64 bits."""
+        bounds = entry_of(e).interval(NUMBERS, *(Bounds(k.lo, k.hi) for k in kids))
+        return self._result(e, bounds.lo, bounds.hi, kids)
+
+    def Var(self, e, kids):
+        return None if e.name == "s" else self._var(e.name)
+
+    def Const(self, e, kids):
+        return Range(e.value, e.value) if e.type == ir.INT else None
+
+    def Param(self, e, kids):
+        v = self.params[e.name]
+        return Range(v, v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+    def Load(self, e, kids):
+        decl = self.inputs[e.tensor]
+        if decl.dtype in DTYPE_RANGES:
+            return Range(*DTYPE_RANGES[decl.dtype], wide_data=decl.dtype == "i64")
+        return None
+
+    def Neg(self, e, kids):
+        return None if kids[0] is None else self._ruled(e, kids)
+
+    def BinOp(self, e, kids):
+        if e.op in ("+", "-", "*"):
+            return None if None in kids else self._ruled(e, kids)
+        return self._division(e, *kids)
+
+    def Call(self, e, kids):
+        entry = entry_of(e)
+        if entry.types is same_kind and None not in kids:  # abs, min, max of integers
+            return self._ruled(e, kids)
+        if entry.types is rounding:
             return self._rounded(e)
-        if isinstance(e, ir.Where):
-            _, a, b = kids
-            if a is None or b is None:
-                return None
-            a = self._narrowed(e.cond, e.then, a, True)
-            b = self._narrowed(e.cond, e.other, b, False)
-            if a.lo > a.hi or b.lo > b.hi:  # a branch never taken: the other's range
-                a, b = (b, b) if a.lo > a.hi else (a, a)
-            return self._result(e, min(a.lo, b.lo), max(a.hi, b.hi), [a, b])
-        return None  # conditions, floats, chance, index lists
+        return None  # floats and chance
+
+    def Where(self, e, kids):
+        _, a, b = kids
+        if a is None or b is None:
+            return None
+        a = self._narrowed(e.cond, e.then, a, True)
+        b = self._narrowed(e.cond, e.other, b, False)
+        if a.lo > a.hi or b.lo > b.hi:  # a branch never taken: the other's range
+            a, b = (b, b) if a.lo > a.hi else (a, a)
+        # No condition is bounded here: the rule takes the hull of both branches.
+        bounds = entry_of(e).interval(NUMBERS, UNKNOWN_TRUTH, Bounds(a.lo, a.hi), Bounds(b.lo, b.hi))
+        return self._result(e, bounds.lo, bounds.hi, [a, b])
+
+    def other(self, e, kids):
+        return None  # conditions and index lists
 
     def _narrowed(self, cond, branch, r: Range, holds: bool) -> Range:
         """`branch`'s range where `cond` holds (or fails): `where(x < 8, x, 8)` is below 8.
@@ -140,12 +158,12 @@ class _Analysis:
         of a clamp written with where (T5's buckets); otherwise the range unchanged."""
         if not isinstance(cond, ir.Cmp) or r.wrapped or cond.op in ("==", "!="):
             return r
-        op = cond.op if holds else {"<": ">=", "<=": ">", ">": "<=", ">=": "<"}[cond.op]
+        op = cond.op if holds else NEGATED[cond.op]
         if cond.lhs == branch:
             other = self.ranges.get(id(cond.rhs))
         elif cond.rhs == branch:
             other = self.ranges.get(id(cond.lhs))
-            op = {"<": ">", "<=": ">=", ">": "<", ">=": "<="}[op]  # other op branch
+            op = MIRRORED[op]  # other op branch
         else:
             return r
         if other is None or other.wrapped:
@@ -174,41 +192,19 @@ class _Analysis:
         # IEEE + - * / round monotonically, so a bound their exact values respect is
         # respected by the float32 values up to a relative error. exp, log, tanh and sqrt
         # on a GPU are approximations, off by an absolute amount near 0 as well.
-        near_zero = float(any(isinstance(n, ir.Call) and n.fn in ir.FLOAT_FUNCTIONS
+        near_zero = float(any(isinstance(n, ir.Call) and n.fn in FLOAT_FUNCTIONS
                               for n in ir.walk(x)))
         lo, hi = lo - FLOAT_SLACK * (near_zero + abs(lo)), hi + FLOAT_SLACK * (near_zero + abs(hi))
-        rounding = {"floor": math.floor, "ceil": math.ceil, "int": math.trunc}[e.fn]
-        return self._result(e, rounding(lo), rounding(hi), [])
+        rounded = entry_of(e).interval(NUMBERS, Bounds(lo, hi))
+        return self._result(e, rounded.lo, rounded.hi, [])
 
     def _float_bounds(self, e):
         """(lo, hi) of a number-valued node, finite, or None where unknown."""
-        if id(e) in self.ranges:  # an integer node, promoted
-            r = self.ranges[id(e)]
-            return None if r.wrapped else (float(r.lo), float(r.hi))
-        if isinstance(e, ir.Const) and e.type == ir.FLOAT:
-            return _finite(e.value, e.value)
-        if isinstance(e, ir.Param):
-            v = self.params[e.name]
-            return _finite(v, v) if isinstance(v, float) else None
-        kids = [self._float_bounds(c) for c in ir.children(e)]
-        if isinstance(e, ir.Where):
-            kids = kids[1:]  # the condition
-        if not kids or any(k is None for k in kids):
-            return None
-        if isinstance(e, ir.Neg):
-            (lo, hi), = kids
-            return -hi, -lo
-        if isinstance(e, ir.Where):
-            (alo, ahi), (blo, bhi) = kids
-            return min(alo, blo), max(ahi, bhi)
-        if isinstance(e, ir.BinOp):
-            return _float_binop(e.op, *kids)
-        if isinstance(e, ir.Call):
-            return _float_call(e.fn, kids)
-        return None
+        return _FloatBounds(self)(e)
 
-    def _binop(self, e, a, b):
-        if e.op == "/" or (e.op in ("//", "%") and (a is None or b is None)):
+    def _division(self, e, a, b):
+        """`/`, `//` and `%`: refused where the divisor can be 0."""
+        if e.op == "/" or (a is None or b is None):
             # True division, or a float // or %: IEEE gives inf or NaN for a divisor that
             # happens to be 0, as the reference does; a constant 0 is a mistake.
             if _is_zero_constant(e.rhs, self.params) or (b is not None and b.lo == b.hi == 0):
@@ -217,13 +213,6 @@ class _Analysis:
         if a is None or b is None:
             return None
         kids = [a, b]
-        if e.op == "+":
-            return self._result(e, a.lo + b.lo, a.hi + b.hi, kids)
-        if e.op == "-":
-            return self._result(e, a.lo - b.hi, a.hi - b.lo, kids)
-        if e.op == "*":
-            corners = [x * y for x in (a.lo, a.hi) for y in (b.lo, b.hi)]
-            return self._result(e, min(corners), max(corners), kids)
         # // and %: the divisor must not be 0 on any call.
         if b.lo <= 0 <= b.hi:
             if b.lo == b.hi == 0:
@@ -270,41 +259,58 @@ def _finite(lo: float, hi: float):
     return None
 
 
-def _float_binop(op: str, a, b):
-    (alo, ahi), (blo, bhi) = a, b
-    if op == "+":
-        return _finite(alo + blo, ahi + bhi)
-    if op == "-":
-        return _finite(alo - bhi, ahi - blo)
-    if op == "*":
-        corners = [x * y for x in (alo, ahi) for y in (blo, bhi)]
-        return _finite(min(corners), max(corners))
-    if blo <= 0 <= bhi:
-        return None  # a divisor that can be 0
-    corners = [x / y for x in (alo, ahi) for y in (blo, bhi)]
-    if op == "/":
-        return _finite(min(corners), max(corners))
-    if op == "//":
-        return _finite(math.floor(min(corners)), math.floor(max(corners)))
-    return (0.0, bhi) if blo > 0 else (blo, 0.0)  # %: the sign of the divisor
+class _FloatBounds(ir.Visitor):
+    """(lo, hi) of a number-valued node, finite, or None where unknown; integer nodes
+    from their ranges, operations by the table's rules."""
 
+    def __init__(self, analysis: _Analysis):
+        self.analysis = analysis
 
-def _float_call(fn: str, kids):
-    (lo, hi) = kids[0]
-    if fn == "abs":
-        return (0.0 if lo <= 0 <= hi else min(abs(lo), abs(hi))), max(abs(lo), abs(hi))
-    if fn in ("min", "max"):
-        f = min if fn == "min" else max
-        return f(lo, kids[1][0]), f(hi, kids[1][1])
-    if fn == "exp":
-        return _finite(math.exp(lo), math.exp(hi)) if hi < 60 else None
-    if fn == "log":
-        return (math.log(lo), math.log(hi)) if lo > 0 else None
-    if fn == "sqrt":
-        return (math.sqrt(lo), math.sqrt(hi)) if lo >= 0 else None
-    if fn == "tanh":
-        return math.tanh(lo), math.tanh(hi)
-    return None
+    def __call__(self, e):
+        r = self.analysis.ranges.get(id(e))
+        if r is not None:  # an integer node, promoted
+            return None if r.wrapped else (float(r.lo), float(r.hi))
+        return super().__call__(e)
+
+    def Const(self, e):
+        return _finite(e.value, e.value) if e.type == ir.FLOAT else None
+
+    def Param(self, e):
+        v = self.analysis.params[e.name]
+        return _finite(v, v) if isinstance(v, float) else None
+
+    def Where(self, e):
+        kids = [self(e.then), self(e.other)]
+        return None if None in kids else self._ruled(e, UNKNOWN_TRUTH, *map(Bounds._make, kids))
+
+    def BinOp(self, e):
+        kids = [self(c) for c in ir.children(e)]
+        if None in kids:
+            return None
+        if e.op in ("+", "-", "*"):
+            return self._ruled(e, *map(Bounds._make, kids))
+        (alo, ahi), (blo, bhi) = kids
+        if blo <= 0 <= bhi:
+            return None  # a divisor that can be 0
+        corners = [x / y for x in (alo, ahi) for y in (blo, bhi)]
+        if e.op == "/":
+            return _finite(min(corners), max(corners))
+        if e.op == "//":
+            return _finite(math.floor(min(corners)), math.floor(max(corners)))
+        return (0.0, bhi) if blo > 0 else (blo, 0.0)  # %: the sign of the divisor
+
+    def Neg(self, e):
+        kids = [self(c) for c in ir.children(e)]
+        return None if not kids or None in kids else self._ruled(e, *map(Bounds._make, kids))
+
+    Call = Neg
+
+    def _ruled(self, e, *operands):
+        bounds = entry_of(e).interval(NUMBERS, *operands)
+        return _finite(*bounds) if isinstance(bounds, Bounds) else None  # chance: a truth
+
+    def other(self, e):
+        return None  # s, float inputs, conditions
 
 
 def _is_zero_constant(e, params: dict) -> bool:

@@ -56,7 +56,6 @@ class Backend(Protocol):
         """Why its kernel of `direction` cannot run `config` (head_dim None: before a
         call, the rules that do not depend on it), or None."""
 
-    def entry(self, module, kind: str, host) -> Callable:
+    def entry(self, module, kind: str) -> Callable:
         """The function of `module` (this backend's, rendered by `render`) that launches
-        role `kind`, called as the portable module's is; `host`, the variant's portable
-        module, for a backend that borrows its tile tables and argument values."""
+        role `kind`, called as the portable module's is."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from ..analysis import bounds
 from .. import ir
-from .elementwise import TritonEmitter, element_offset, input_arg_names, input_code
+from .elementwise import TritonEmitter, input_arg_names, input_code
+from .printed import Code
 
 
 class DecodeLayoutEmitter(TritonEmitter):
@@ -25,7 +26,8 @@ class DecodeLayoutEmitter(TritonEmitter):
         decl = self.inputs[e.tensor]
         base = input_code(decl.name)
         last = len(decl.axes) - 1  # the list axis: a fixed size (checker._type_of_member)
-        return (f"_in_list({self(e.item)}, {base}_ptr + {element_offset(self, decl, e.indices)}, "
+        self.use(("_in_list",), (f"{base}_ptr", f"{base}_stride{last}"))
+        return (f"_in_list({self(e.item)}, {base}_ptr + {self.offset(decl, e.indices)}, "
                 f"{decl.axes[last]}, {base}_stride{last})")
 
 
@@ -59,12 +61,18 @@ def decode_strategy(variant: ir.Variant, plan: bounds.LoopPlan) -> str:
     return text
 
 
-def decode_context(variant: ir.Variant, fwd_plan: bounds.LoopPlan, layout_wide=None) -> dict:
+def decode_layout(variant: ir.Variant, layout_wide=None) -> Code | None:
+    """The layout over a decode tile, `wide` as the main kernels' layout."""
+    if variant.layout is None:
+        return None
+    return DecodeLayoutEmitter(variant, layout_wide).code(variant.layout)
+
+
+def decode_context(variant: ir.Variant, fwd_plan: bounds.LoopPlan, layout: Code | None) -> dict:
     params = decode_params(variant)
     return dict(
         decode_classify=fwd_plan.needs_classify,
-        decode_layout=(DecodeLayoutEmitter(variant, layout_wide)(variant.layout)
-                       if variant.layout is not None else None),
+        decode_layout=layout.text if layout is not None else None,
         decode_args=", ".join(params),
         decode_param_list=params,
         decode_strategy=decode_strategy(variant, fwd_plan),

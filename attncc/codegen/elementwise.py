@@ -11,17 +11,15 @@ and no generated name starts with `in_` or `d_in_`. Params are inlined as values
 Integers: an expression whose integer values may leave 32 bits (attncc/analysis/ranges.py) is
 emitted with each integer leaf widened by `_int(x, FLAG)`: FLAG is the kernels'
 constexpr WIDE (64 bits on calls past the expression's int32 extent) or True (always).
+
+Operations are spelled as attncc/operators.py's `triton` column says; the emitter
+reports the helpers and names each expression uses (attncc/codegen/printed.py).
 """
 from __future__ import annotations
 
 from .. import ir
-from ..semantics import operators
-from ..semantics.random_blocks import probability, threshold
-
-
-def chance_threshold(e: ir.Call, params: dict) -> int:
-    """The integer a chance(p, ...) hash is compared with (attncc/semantics/random_blocks.py)."""
-    return threshold(probability(e, params))
+from ..operators import entry_of
+from .printed import Code, Printer
 
 VAR_CODE = {"q": "q_pos", "k": "k_pos", "b": "off_b", "h": "off_h", "s": "s",
             "dim": "HEAD_DIM", "len_q": "len_q", "len_k": "len_k"}
@@ -46,14 +44,6 @@ def grad_arg_name(decl: ir.InputDecl) -> str:
     return f"d_{input_code(decl.name)}_ptr"
 
 
-def element_offset(emit, decl: ir.InputDecl, indices) -> str:
-    """The offset of one element of an input: each index clamped into its axis, in 64
-    bits on calls whose tensors are too large for 32-bit offsets (WIDE)."""
-    base = input_code(decl.name)
-    return " + ".join(f"_index({emit(i)}, {base}_size{n}, WIDE) * {base}_stride{n}"
-                      for n, i in enumerate(indices))
-
-
 def _int_literal(v: int) -> str:
     # Triton types a literal past 32 bits as int32 where it meets an int32 tensor (and
     # fails): give it its 64-bit type. Such an expression is emitted wide (ranges.py).
@@ -62,24 +52,37 @@ def _int_literal(v: int) -> str:
     return f"tl.cast({v}, tl.int64)"
 
 
-class TritonEmitter:
+class TritonEmitter(Printer):
     """Emits an expression as one Triton expression string. `wide`: None (integers fit
-    32 bits), "WIDE" (64 bits on wide calls) or "True" (always 64 bits)."""
+    32 bits), "WIDE" (64 bits on wide calls) or "True" (always 64 bits). `var_code`
+    overrides index names' code: a name, or Code (an expression, with what it uses)."""
+
+    cast = "({}) * 1.0"  # an operand an operation takes as a float
 
     def __init__(self, variant: ir.Variant, var_code: dict | None = None, wide: str | None = None):
+        super().__init__()
         self.params = {p.name: p.value for p in variant.params}
         self.inputs = {i.name: i for i in variant.inputs}
         self.var_code = dict(VAR_CODE, **(var_code or {}))
         self.wide = wide
 
-    def __call__(self, e) -> str:
-        return getattr(self, type(e).__name__)(e)
+    @property
+    def int_type(self) -> str:
+        return "tl.int32" if self.wide is None else "tl.int64"
 
     def _int(self, code: str) -> str:
-        return code if self.wide is None else f"_int({code}, {self.wide})"
+        if self.wide is None:
+            return code
+        self.use(("_int",), (self.wide,))
+        return f"_int({code}, {self.wide})"
 
     def Var(self, e):
         code = self.var_code[e.name]
+        if isinstance(code, Code):
+            self.use(code.helpers, code.names)
+            code = code.text
+        else:
+            self.use(names=(code,))
         return code if e.name == "s" else self._int(code)
 
     def Const(self, e):
@@ -93,9 +96,19 @@ class TritonEmitter:
             return "True" if v else "False"
         return _int_literal(v) if isinstance(v, int) else repr(v)
 
+    def offset(self, decl: ir.InputDecl, indices) -> str:
+        """The offset of one element of an input: each index clamped into its axis, in 64
+        bits on calls whose tensors are too large for 32-bit offsets (WIDE)."""
+        base = input_code(decl.name)
+        self.use(("_index",), ["WIDE"] + [f"{base}_{kind}{n}" for n in range(len(indices))
+                                          for kind in ("size", "stride")])
+        return " + ".join(f"_index({self(i)}, {base}_size{n}, WIDE) * {base}_stride{n}"
+                          for n, i in enumerate(indices))
+
     def Load(self, e):
         decl = self.inputs[e.tensor]
-        value = f"tl.load({input_code(decl.name)}_ptr + {element_offset(self, decl, e.indices)})"
+        self.use(names=(f"{input_code(decl.name)}_ptr",))
+        value = f"tl.load({input_code(decl.name)}_ptr + {self.offset(decl, e.indices)})"
         if decl.type == ir.FLOAT:
             return f"{value}.to(tl.float32)"
         if decl.type == ir.BOOL:
@@ -104,54 +117,20 @@ class TritonEmitter:
             return value  # all 64 bits: ids 7 and 7 + 2**32 differ
         return self._int(f"{value}.to(tl.int32)")
 
-    def BinOp(self, e):
-        a, b = self(e.lhs), self(e.rhs)
-        if e.op == "/":
-            return f"(({a}) * 1.0 / ({b}))"
-        if e.op in operators.HELPERS:  # Python's // and % (semantics/operators.py)
-            return f"{operators.HELPERS[e.op][0]}({a}, {b})"
-        return f"({a} {e.op} {b})"
+    def spelling(self, entry):
+        return entry.triton
 
-    def Neg(self, e):
-        return f"(-{self(e.operand)})"
+    def helpers_of(self, entry, e) -> tuple:
+        return entry.helpers_of(e)
 
-    def Cmp(self, e):
-        return f"({self(e.lhs)} {e.op} {self(e.rhs)})"
-
-    def And(self, e):
-        return f"({self(e.lhs)} & {self(e.rhs)})"
-
-    def Or(self, e):
-        return f"({self(e.lhs)} | {self(e.rhs)})"
-
-    def Not(self, e):
-        return f"({self(e.operand)} == 0)"
-
-    def Call(self, e):
-        if e.fn == "chance":
-            # Keys may be compile-time ints (a seed param): adding a 0-d int32 tensor makes
-            # each a tensor, which .to(tl.uint32) needs.
-            keys = [f"(({self(a)}) + tl.zeros((), tl.int32))" for a in e.args[1:]]
-            h = f"_chance_start({keys[0]})"
-            for key in keys[1:]:
-                h = f"_chance_step({h}, {key})"
-            return f"_chance_keep({h}, {chance_threshold(e, self.params)})"
-        args = [self(a) for a in e.args]
-        if e.fn == "abs":
-            return f"tl.abs({args[0]})"
-        if e.fn == "min":
-            return f"tl.minimum({args[0]}, {args[1]})"
-        if e.fn == "max":
-            return f"tl.maximum({args[0]}, {args[1]})"
-        if e.fn == "tanh":
-            return f"_tanh(({args[0]}) * 1.0)"
-        if e.fn in ir.ROUNDING_FUNCTIONS:
-            # float -> int rounds toward zero (int()); floor and ceil round first. Straight
-            # to 64 bits where the expression may need them: an int32 cast would wrap.
-            x = f"(({args[0]}) * 1.0)"
-            rounded = x if e.fn == "int" else f"tl.{e.fn}({x})"
-            return f"{rounded}.to({'tl.int32' if self.wide is None else 'tl.int64'})"
-        return f"tl.{e.fn}(({args[0]}) * 1.0)"
-
-    def Where(self, e):
-        return f"tl.where({self(e.cond)}, {self(e.then)}, {self(e.other)})"
+    def other(self, e):
+        """An operation, as its spelling in attncc/operators.py writes it."""
+        entry = entry_of(e)
+        operands = [self(x) for x in ir.children(e)]
+        if entry.float_operands:
+            operands = [self.cast.format(x) for x in operands]
+        self.use(self.helpers_of(entry, e))
+        spelling = self.spelling(entry)
+        if callable(spelling):
+            return spelling(self, e, operands)
+        return spelling.format(*operands, int=self.int_type)

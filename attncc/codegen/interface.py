@@ -50,15 +50,14 @@ PORTABLE_WITH_TABLES = {
                            "-> (dq, dk, dv, dinputs)",
 }
 # The Gluon module (backends/gluon/templates/attention_gluon.py.jinja,
-# backends/gluon/codegen.py). Its entry points accept `host=` (the variant's portable
-# module, which runtime/kernel.py passes) and do not use it: the module builds its tile
-# tables and arguments itself.
+# backends/gluon/codegen.py): it builds its tile tables and arguments itself, from the
+# shared host template (codegen/templates/host_args.jinja).
 GLUON = {
-    "forward": "forward(q, k, v, inputs, *, host=None, q_offset, k_offset, seed, config, "
+    "forward": "forward(q, k, v, inputs, *, q_offset, k_offset, seed, config, "
                "tables) -> (out, lse)",
-    "backward_dq": "backward_dq(q, k, v, lse, delta, dout, inputs, *, host=None, ..., "
+    "backward_dq": "backward_dq(q, k, v, lse, delta, dout, inputs, *, ..., "
                    "out=None, dlse=None) -> (dq, {}) (runtime/kernel.py: backward_role)",
-    "backward_dkdv": "backward_dkdv(q, k, v, lse, delta, dout, inputs, *, host=None, ...) "
+    "backward_dkdv": "backward_dkdv(q, k, v, lse, delta, dout, inputs, *, ...) "
                      "-> (dk, dv)",
 }
 

@@ -1,78 +1,83 @@
-"""Which parameters the per-tile device functions are handed and never read, so that
-a generated module passes each of them only what its code uses.
+"""Which parameters the per-tile device functions take: of the names they could read,
+those their code reads.
 
 The step functions (`_fwd_step`, `_dq_step`, `_dkdv_step`, `_decode_allowed`,
 `_decode_step`) and the tile-run functions that call them (`_fwd_tiles`, ...) take their
 row and context arguments from name lists the templates spell once (`fwd_row`,
-`fwd_ctx`, ... in backends/portable/templates/macros.jinja and backends/portable/templates/decode.py.jinja), so
-that every signature and every call site agree. Those lists hold every name a variant's
-mask, score, layout or dropout might read: the query tile's index and bounds, the head,
-the offsets, the seed. A variant reads a few of them. Which ones is read from the module
-itself, as codegen/helpers.py reads which helpers it calls: rendered once with the full
-lists, a name that no such function reads (other than by handing it on to another of
-them) is dropped from the lists, and backends/portable/codegen.py renders again. Triton inlines
-these functions, so the unread parameters cost nothing at run time; leaving them out is
-for the reader of the generated module.
+`fwd_ctx`, ... in backends/portable/templates/macros.jinja and
+backends/portable/templates/decode.py.jinja), so that every signature and every call
+site agree. Those lists hold every name a variant's mask, score, layout or dropout
+might read: the query tile's index and bounds, the head, the offsets, the seed. A
+variant reads a few of them: those its code reads, as the printers report
+(attncc/codegen/printed.py), and those the templates' own code in the functions reads
+under the variant's flags (READS). A list keeps the names some function taking it
+reads. Triton inlines these functions, so the unread parameters would cost nothing at
+run time; leaving them out is for the reader of the generated module.
 """
 from __future__ import annotations
 
-import ast
-
-# The functions that take each template list as parameters, and hand it on to each
-# other (a step function and the tile-run function that calls it).
+# The families of per-tile functions that take each template list (a step function
+# and the tile-run function that calls it), and hand it on to each other.
 USERS = {
-    "fwd_row": ("_fwd_step", "_fwd_tiles"),
-    "fwd_ctx": ("_fwd_step", "_fwd_tiles", "_dq_step", "_dq_tiles"),
-    "dq_row": ("_dq_step", "_dq_tiles"),
-    "dkdv_ctx": ("_dkdv_step", "_dkdv_tiles"),
-    "dkdv_col": ("_dkdv_step", "_dkdv_tiles"),
-    "dec_row": ("_decode_allowed", "_decode_step", "_decode_tiles"),
-    "dec_ctx": ("_decode_allowed", "_decode_step", "_decode_tiles"),
+    "fwd_row": ("fwd",),
+    "fwd_ctx": ("fwd", "dq"),
+    "dq_row": ("dq",),
+    "dkdv_ctx": ("dkdv",),
+    "dkdv_col": ("dkdv",),
+    "dec_row": ("decode",),
+    "dec_ctx": ("decode",),
 }
-PASSING = tuple(sorted(set().union(*USERS.values())))
-NOTHING = {name: frozenset() for name in USERS}  # the first rendering drops nothing
+
+# What each family's template code reads of the lists: always, and under each flag of
+# the variant that adds code ("score": a score is computed, "no score": the scale is
+# folded into qk_scale; "dropout"; "decode layout": the layout over decode rows).
+READS = {
+    "fwd": {
+        "always": {"q", "m_valid", "K", "V", "stride_kn", "stride_kd", "stride_vn",
+                   "stride_vd", "k_offset", "len_k"},
+        "dropout": {"seed", "pid_bh", "offs_m", "q_offset"},
+        "score": {"sm_scale"}, "no score": {"qk_scale"},
+    },
+    "dq": {
+        "always": {"q", "do", "lse2", "delta", "m_valid", "K", "V", "stride_kn",
+                   "stride_kd", "stride_vn", "stride_vd", "k_offset", "len_k"},
+        "dropout": {"seed", "pid_bh", "offs_m", "q_offset"},
+        "score": {"sm_scale"}, "no score": {"qk_scale"},
+    },
+    "dkdv": {
+        "always": {"k", "v", "k_valid", "Q", "DO", "LSE", "DELTA", "stride_qm", "stride_qd",
+                   "stride_dom", "stride_dod", "len_q", "q_offset"},
+        "dropout": {"seed", "pid_bh", "offs_n", "k_offset"},
+        "score": {"sm_scale"}, "no score": {"qk_scale"},
+    },
+    "decode": {
+        "always": {"q", "row_ok", "K", "V", "BT", "stride_kb", "stride_kn", "stride_kd",
+                   "stride_vb", "stride_vn", "stride_vd", "stride_btn", "num_pages", "len_k"},
+        "decode layout": {"q_pos"},
+        "score": {"sm_scale"}, "no score": {"qk_scale"},
+    },
+}
 
 
-class _Reads(ast.NodeVisitor):
-    """Names a function reads, not counting the arguments it hands to PASSING functions."""
+class Unread:
+    """The names of a list that no function taking it reads: all but `read`."""
 
-    def __init__(self):
-        self.names: set = set()
+    def __init__(self, read):
+        self.read = frozenset(read)
 
-    def visit_Name(self, node):
-        self.names.add(node.id)
-
-    def visit_Call(self, node):
-        if isinstance(node.func, ast.Name) and node.func.id in PASSING:
-            return  # handing the lists on is not reading them
-        self.generic_visit(node)
+    def __contains__(self, name) -> bool:
+        return name not in self.read
 
 
-def unread(source: str) -> dict:
-    """For each template list (USERS), the names none of the functions taking it reads."""
-    functions = {node.name: node for node in ast.parse(source).body
-                 if isinstance(node, ast.FunctionDef) and node.name in PASSING}
-    params, read = {}, {}
-    for name, f in functions.items():
-        params[name] = {a.arg for a in f.args.args if not _is_constexpr(a)}
-        reads = _Reads()
-        for statement in f.body:
-            reads.visit(statement)
-        read[name] = reads.names
-    out = {}
-    for listed, users in USERS.items():
-        present = [u for u in users if u in functions]
-        if not present:
-            out[listed] = frozenset()
-            continue
-        # A parameter of every user that no user reads.
-        taken = set.intersection(*(params[u] for u in present))
-        out[listed] = frozenset(taken - set().union(*(read[u] for u in present)))
-    return out
-
-
-def _is_constexpr(arg: ast.arg) -> bool:
-    return arg.annotation is not None and "constexpr" in ast.unparse(arg.annotation)
+def unread(flags, code_reads: dict) -> dict:
+    """For each template list, its names no function taking it reads. `flags`: the
+    variant's (READS' keys); `code_reads`: {family: names the variant's code there reads}."""
+    reads = {family: set().union(*(names for flag, names in kinds.items()
+                                   if flag == "always" or flag in flags))
+             | set(code_reads.get(family, ()))
+             for family, kinds in READS.items()}
+    return {listed: Unread(set().union(*(reads[f] for f in families)))
+            for listed, families in USERS.items()}
 
 
 def without(names: str, dropped) -> str:

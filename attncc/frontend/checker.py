@@ -10,10 +10,10 @@ import math
 import re
 
 from .. import ir
+from ..operators import FUNCTIONS, entry_of
 from ..reserved import call_keywords
 from ..analysis import ranges, reads
 from ..errors import SpecError, SpecWarning, did_you_mean, warn
-from ..semantics.random_blocks import probability
 
 # A name as the grammar's NAME token spells it; the decorator's names must match it too,
 # since names end up in generated code and module names.
@@ -45,7 +45,7 @@ WHY_NOT = {
 # variant is more than a few operators deep.
 MAX_DEPTH = 128
 
-TYPE_WORDS = {ir.INT: "an integer", ir.FLOAT: "a number", ir.BOOL: "a condition (true/false)"}
+TYPE_WORDS = ir.TYPE_WORDS
 
 DECL_NAMES = ("heads", "scale", "param", "input", "mask", "layout", "block", "score", "dropout")
 
@@ -59,7 +59,7 @@ class Scope:
         self.inputs = inputs  # name -> InputDecl
 
     def all_names(self):
-        return set(ALLOWED_VARS[self.decl]) | set(self.params) | set(self.inputs) | set(ir.FUNCTIONS)
+        return set(ALLOWED_VARS[self.decl]) | set(self.params) | set(self.inputs) | set(FUNCTIONS)
 
     def resolve(self, name: str):
         """The IR node a bare name stands for, or a SpecError."""
@@ -78,7 +78,7 @@ class Scope:
             raise SpecError(f"'{name}' is a tensor with {len(inp.axes)} "
                             f"ax{'is' if len(inp.axes) == 1 else 'es'}; index it, "
                             f"as in {name}[{', '.join(_axis_hint(a) for a in inp.axes)}]")
-        if name in ir.FUNCTIONS:
+        if name in FUNCTIONS:
             raise SpecError(f"'{name}' is a function; call it, as in {name}(...)")
         hint = did_you_mean(name, self.all_names())
         if not hint:
@@ -95,13 +95,27 @@ def _axis_hint(axis) -> str:
 
 def type_of(node, child_types: list, scope: Scope) -> str:
     """The type of `node` given its children's types; raises SpecError on a mismatch."""
-    if isinstance(node, ir.Var):
+    return _Types(scope)(node, child_types)
+
+
+class _Types(ir.Visitor):
+    """The type of one node from its children's: names and reads here, operations by
+    their rules in attncc/operators.py."""
+
+    def __init__(self, scope: Scope):
+        self.scope = scope
+
+    def Var(self, node, child_types):
         return ir.FLOAT if node.name == "s" else ir.INT
-    if isinstance(node, ir.Const):
+
+    def Const(self, node, child_types):
         return node.type
-    if isinstance(node, ir.Param):
-        return scope.params[node.name].type
-    if isinstance(node, ir.Load):
+
+    def Param(self, node, child_types):
+        return self.scope.params[node.name].type
+
+    def Load(self, node, child_types):
+        scope = self.scope
         inp = scope.inputs.get(node.tensor)
         if inp is None:
             raise SpecError(f"unknown tensor '{node.tensor}'"
@@ -119,60 +133,17 @@ def type_of(node, child_types: list, scope: Scope) -> str:
                 raise SpecError(f"index {i + 1} of '{node.tensor}' must be an integer, "
                                 f"not {TYPE_WORDS[t]}")
         return inp.type
-    if isinstance(node, ir.Member):
-        return _type_of_member(node, child_types, scope)
-    if isinstance(node, ir.BinOp):
-        lt, rt = child_types
-        for t in (lt, rt):
-            if t == ir.BOOL:
-                raise SpecError(f"'{node.op}' needs numbers, not a condition; "
-                                "use where(cond, a, b) to turn a condition into a number")
-        if node.op == "/":
-            return ir.FLOAT
-        return ir.INT if lt == rt == ir.INT else ir.FLOAT
-    if isinstance(node, ir.Neg):
-        if child_types[0] == ir.BOOL:
-            raise SpecError("'-' needs a number, not a condition; did you mean `not`?")
-        return child_types[0]
-    if isinstance(node, ir.Cmp):
-        lt, rt = child_types
-        if node.op in ("==", "!=") and lt == rt == ir.BOOL:
-            return ir.BOOL
-        if ir.BOOL in (lt, rt):
-            raise SpecError(f"'{node.op}' compares numbers, not conditions")
-        return ir.BOOL
-    if isinstance(node, (ir.And, ir.Or, ir.Not)):
-        word = {ir.And: "and", ir.Or: "or", ir.Not: "not"}[type(node)]
-        for t in child_types:
-            if t != ir.BOOL:
-                raise SpecError(f"`{word}` needs conditions, not {TYPE_WORDS[t]}; "
-                                "compare it first, as in `x != 0`")
-        return ir.BOOL
-    if isinstance(node, ir.Call) and node.fn == "chance":
-        return _chance_type(node, child_types, scope)
-    if isinstance(node, ir.Call):
-        if any(t == ir.BOOL for t in child_types):
-            raise SpecError(f"{node.fn}() needs numbers, not a condition")
-        if node.fn in ir.FLOAT_FUNCTIONS:
-            return ir.FLOAT
-        if node.fn in ir.ROUNDING_FUNCTIONS:
-            if child_types[0] == ir.INT:
-                raise SpecError(f"{node.fn}() of an integer is that integer: its argument is "
-                                f"already one, so drop {node.fn}() (it rounds numbers, as in "
-                                f"{node.fn}(q / 8.0))")
-            return ir.INT
-        return ir.INT if all(t == ir.INT for t in child_types) else ir.FLOAT
-    if isinstance(node, ir.Where):
-        ct, at, bt = child_types
-        if ct != ir.BOOL:
-            raise SpecError(f"the first argument of where() must be a condition, not {TYPE_WORDS[ct]}")
-        if at == bt:
-            return at
-        if ir.BOOL in (at, bt):
-            raise SpecError("where(cond, a, b) needs a and b of the same kind: both conditions "
-                            "or both numbers")
-        return ir.FLOAT
-    raise SpecError(f"internal: unknown expression node {type(node).__name__}")
+
+    def Member(self, node, child_types):
+        return _type_of_member(node, child_types, self.scope)
+
+    def other(self, node, child_types):
+        """An operation: its rule in the table."""
+        try:
+            entry = entry_of(node)
+        except (TypeError, KeyError):
+            raise SpecError(f"internal: {node!r} is no operation of the language") from None
+        return entry.types(node, child_types, self.scope)
 
 
 def _type_of_member(node: ir.Member, child_types: list, scope: Scope) -> str:
@@ -337,32 +308,13 @@ def check_identifier(name, what: str):
                         "not starting with a digit")
 
 
-def _chance_type(node: ir.Call, child_types: list, scope: Scope) -> str:
-    """chance(p, key, ...): a random tile pattern. Only in a layout: it is drawn per layout
-    block, and an element mask of it would leave no tile empty or full."""
-    if scope.decl != "layout":
-        raise SpecError(f"chance() can be used only in a `layout` (a random pattern of blocks), "
-                        f"not in `{scope.decl}`; for random elements use `dropout`")
-    p = probability(node, {n: d.value for n, d in scope.params.items()})
-    if p is None:
-        raise SpecError("the first argument of chance() is its probability: a number or a "
-                        "number param, known when the kernel is compiled, as in chance(0.1, ...)")
-    if not 0 <= p <= 1:
-        raise SpecError(f"chance() takes a probability between 0 and 1, got {p!r}")
-    for t in child_types[1:]:
-        if t != ir.INT:
-            raise SpecError(f"chance() draws from integer keys (a seed param, b, h, qb, kb), "
-                            f"not {TYPE_WORDS[t]}")
-    return ir.BOOL
-
-
 def check_name_free(name: str, taken: set):
     check_identifier(name, "the name")
     if name in KEYWORDS:
         raise SpecError(f"'{name}' is a keyword of the language; choose another name")
     if name in ir.INDEX_VARS:
         raise SpecError(f"'{name}' is an index name ({ir.INDEX_VARS[name]}); choose another name")
-    if name in ir.FUNCTIONS:
+    if name in FUNCTIONS:
         raise SpecError(f"'{name}' is a function; choose another name")
     if name in taken:
         raise SpecError(f"'{name}' is declared twice")

@@ -10,9 +10,10 @@
 Each function names what it reads by its parameters (index names, params, inputs) and
 is called once with symbolic values, so it must be a single expression in disguise:
 `&`, `|`, `~` stand for and, or, not (Python's own keywords cannot be traced), and
-attncc.where/minimum/maximum/exp/log/tanh/sqrt for the language's functions. A
-function alone (not a class) is the mask. The result is the same IR that the .attn
-text gives, so both compile to byte-identical kernels.
+attncc.where/minimum/maximum/exp/... for the language's functions (FUNCTIONS: one for
+each function of attncc/operators.py, under its `python` name). A function alone (not a
+class) is the mask. The result is the same IR that the .attn text gives, so both compile
+to byte-identical kernels.
 """
 from __future__ import annotations
 
@@ -23,77 +24,21 @@ import re
 from . import checker
 from .. import ir
 from ..errors import SpecError, did_you_mean
+from .. import operators
 
 
 class Sym:
-    """A symbolic value while tracing: operators build IR instead of computing."""
+    """A symbolic value while tracing: operators build IR instead of computing. Its
+    operator methods are the table's (attncc/operators.py), set below the class."""
     __slots__ = ("node",)
 
     def __init__(self, node):
         self.node = node
 
-    def _bin(self, op, other, reflected=False):
-        a, b = self.node, lift(other)
-        return Sym(ir.BinOp(op, b, a) if reflected else ir.BinOp(op, a, b))
-
-    __add__ = lambda s, o: s._bin("+", o)
-    __radd__ = lambda s, o: s._bin("+", o, True)
-    __sub__ = lambda s, o: s._bin("-", o)
-    __rsub__ = lambda s, o: s._bin("-", o, True)
-    __mul__ = lambda s, o: s._bin("*", o)
-    __rmul__ = lambda s, o: s._bin("*", o, True)
-    __truediv__ = lambda s, o: s._bin("/", o)
-    __rtruediv__ = lambda s, o: s._bin("/", o, True)
-    __floordiv__ = lambda s, o: s._bin("//", o)
-    __rfloordiv__ = lambda s, o: s._bin("//", o, True)
-    __mod__ = lambda s, o: s._bin("%", o)
-    __rmod__ = lambda s, o: s._bin("%", o, True)
-
-    def __neg__(self):
-        return Sym(ir.Neg(self.node))
-
     def __pos__(self):
         return self
 
-    def __abs__(self):
-        return Sym(ir.Call("abs", (self.node,)))
-
-    # math.floor, math.ceil and math.trunc return what these return (int() must return
-    # an int, so the language's int(x) is math.trunc(x) or attncc.trunc(x) here).
-    def __floor__(self):
-        return Sym(ir.Call("floor", (self.node,)))
-
-    def __ceil__(self):
-        return Sym(ir.Call("ceil", (self.node,)))
-
-    def __trunc__(self):
-        return Sym(ir.Call("int", (self.node,)))
-
-    def _cmp(self, op, other):
-        return Sym(ir.Cmp(op, self.node, lift(other)))
-
-    __lt__ = lambda s, o: s._cmp("<", o)
-    __le__ = lambda s, o: s._cmp("<=", o)
-    __gt__ = lambda s, o: s._cmp(">", o)
-    __ge__ = lambda s, o: s._cmp(">=", o)
-    __eq__ = lambda s, o: s._cmp("==", o)
-    __ne__ = lambda s, o: s._cmp("!=", o)
     __hash__ = None
-
-    def __and__(self, other):
-        return Sym(ir.And(self.node, lift(other)))
-
-    def __rand__(self, other):
-        return Sym(ir.And(lift(other), self.node))
-
-    def __or__(self, other):
-        return Sym(ir.Or(self.node, lift(other)))
-
-    def __ror__(self, other):
-        return Sym(ir.Or(lift(other), self.node))
-
-    def __invert__(self):
-        return Sym(ir.Not(self.node))
 
     def __bool__(self):
         raise SpecError("a traced value has no truth value while the variant is being built: "
@@ -116,26 +61,70 @@ class Sym:
         return f"Sym({print_expr(self.node)})"
 
 
-FUNCTIONS = ", ".join(f"attncc.{f}" for f in ("where", "minimum", "maximum", "exp", "log", "tanh",
-                                                "sqrt", "floor", "ceil", "trunc"))
+def _method(entry, reflected: bool):
+    """A special method of Sym building `entry`'s node; `reflected`: the traced value is
+    the right operand (`1 - q`)."""
+    if entry.arity == 1:
+        return lambda self: Sym(entry.make(self.node))
+    if reflected:
+        return lambda self, other: Sym(entry.make(lift(other), self.node))
+    return lambda self, other: Sym(entry.make(self.node, lift(other)))
+
+
+def _install_methods():
+    """Sym's operators, and what abs(), math.floor, math.ceil and math.trunc call (int()
+    must return an int, so the language's int(x) is math.trunc(x) or attncc.trunc(x))."""
+    for entry in (*operators.OPERATORS.values(), *operators.FUNCTIONS.values()):
+        for i, name in enumerate(n for n in entry.python if n.startswith("__")):
+            setattr(Sym, name, _method(entry, reflected=i == 1))
+
+
+_install_methods()
+
+
+def _traced(entry, name: str):
+    """attncc.<name>: the language's function `entry` on traced values."""
+    def function(*args):
+        problem = entry.arity_problem(len(args))
+        if problem:
+            raise SpecError(problem)
+        return Sym(entry.make(*(lift(a) for a in args)))
+    function.__name__ = function.__qualname__ = name
+    function.__doc__ = f"The language's {entry.name}{entry.signature} on traced values: {entry.doc}."
+    return function
+
+
+# attncc.where, attncc.minimum, attncc.exp, ...: every function of the language that
+# Python has no syntax or builtin for (attncc/__init__.py exports them).
+FUNCTIONS = {name: _traced(entry, name) for entry in operators.FUNCTIONS.values()
+             for name in entry.python if not name.startswith("__")}
+globals().update(FUNCTIONS)
+_FUNCTION_LIST = ", ".join(f"attncc.{name}" for name in FUNCTIONS)
 NOT_A_NUMBER = ("a traced value is not a number while the variant is being built: math.exp, "
                 "math.log, float() and int() cannot take it; use attncc's functions "
-                f"({FUNCTIONS}), which build the expression (math.floor, math.ceil and "
+                f"({_FUNCTION_LIST}), which build the expression (math.floor, math.ceil and "
                 "math.trunc work too; the language's int(x) is attncc.trunc(x))")
-_ATTNCC_FOR_TORCH = {"where": "attncc.where(c, a, b)", "exp": "attncc.exp(x)",
-                     "log": "attncc.log(x)", "tanh": "attncc.tanh(x)", "sqrt": "attncc.sqrt(x)",
-                     "minimum": "attncc.minimum(a, b)", "min": "attncc.minimum(a, b)",
-                     "maximum": "attncc.maximum(a, b)", "max": "attncc.maximum(a, b)",
-                     "abs": "abs(x)", "isin": "attncc.isin(tile, row)",
-                     "floor": "attncc.floor(x)", "ceil": "attncc.ceil(x)",
-                     "trunc": "attncc.trunc(x)"}
+
+
+def _attncc_for_torch() -> dict:
+    """torch.<name> of a traced value -> what to write instead (torch.min and
+    torch.minimum -> attncc.minimum(a, b); torch.abs -> abs(x))."""
+    hints = {"isin": "attncc.isin(tile, row)"}
+    for entry in operators.FUNCTIONS.values():
+        named = [n for n in entry.python if not n.startswith("__")]
+        spelling = f"attncc.{named[0]}{entry.signature}" if named else f"{entry.name}{entry.signature}"
+        hints.update({name: spelling for name in (entry.name, *named)})
+    return hints
+
+
+_ATTNCC_FOR_TORCH = _attncc_for_torch()
 
 
 def _torch_hint(func) -> str:
     """torch.where(...) on a traced value: which attncc function to write instead."""
     name = getattr(func, "__name__", str(func))
     instead = _ATTNCC_FOR_TORCH.get(name)
-    fix = f"write {instead}" if instead else f"use attncc's functions ({FUNCTIONS})"
+    fix = f"write {instead}" if instead else f"use attncc's functions ({_FUNCTION_LIST})"
     return (f"torch.{name} cannot take a traced value: a variant's functions build an "
             f"expression, not tensors; {fix}")
 
@@ -182,61 +171,6 @@ def isin(tile, row):
     if not isinstance(row, ir.Load):
         raise SpecError("isin(tile, row): row must be an indexed input, as in top[b, h, qb]")
     return Sym(ir.Member(lift(tile), row.tensor, row.indices))
-
-
-def _call(fn, *args):
-    return Sym(ir.Call(fn, tuple(lift(a) for a in args)))
-
-
-def where(cond, a, b):
-    return Sym(ir.Where(lift(cond), lift(a), lift(b)))
-
-
-def chance(p, *keys):
-    """The language's chance(p, key, ...) in a layout: a block is on with probability p
-    (a number, or a number param), drawn from a hash of the integer keys, as in
-    attncc.chance(0.1, seed, h, qb, kb)."""
-    if not 1 <= len(keys) <= ir.CHANCE_MAX_KEYS:
-        raise SpecError(f"chance() takes a probability and 1 to {ir.CHANCE_MAX_KEYS} integer keys, "
-                        f"as in chance(0.1, seed, h, qb, kb); got {len(keys)} keys")
-    return _call("chance", p, *keys)
-
-
-def minimum(a, b):
-    return _call("min", a, b)
-
-
-def maximum(a, b):
-    return _call("max", a, b)
-
-
-def exp(x):
-    return _call("exp", x)
-
-
-def log(x):
-    return _call("log", x)
-
-
-def tanh(x):
-    return _call("tanh", x)
-
-
-def sqrt(x):
-    return _call("sqrt", x)
-
-
-def floor(x):
-    return _call("floor", x)
-
-
-def ceil(x):
-    return _call("ceil", x)
-
-
-def trunc(x):
-    """The language's int(x): x rounded toward zero, as an integer."""
-    return _call("int", x)
 
 
 _INPUT_TYPE = re.compile(r"^\s*([a-z0-9]+)\s*\[\s*([^\]]*)\]\s*$")
@@ -320,7 +254,7 @@ def _trace(fn, decl: str, params: dict, inputs: dict):
     except Exception as err:  # numpy, a torch method, a typo: say what tracing needs
         raise SpecError(f"calling it with symbolic values raised {type(err).__name__}: {err}; a "
                         "variant's functions are called once to build an expression, from "
-                        f"operators and attncc's functions ({FUNCTIONS})") from None
+                        f"operators and attncc's functions ({_FUNCTION_LIST})") from None
     return lift(result)
 
 

@@ -17,6 +17,7 @@ from lark import Token, Tree
 from . import checker
 from .. import ir
 from ..analysis import ranges, reads
+from ..operators import FUNCTIONS
 from ..errors import SpecError, SpecWarning, did_you_mean, warn
 from ..resources import grammar_path
 
@@ -556,24 +557,17 @@ class _Builder:
     def x_call(self, t):
         fn_tok, *arg_trees = t.children
         fn = str(fn_tok)
-        if fn not in ir.FUNCTIONS:
+        entry = FUNCTIONS.get(fn)
+        if entry is None:
             if fn in self.inputs:
                 raise self.fail(f"'{fn}' is a tensor; index it with [ ], not ( )", fn_tok)
-            raise self.fail(f"unknown function '{fn}': the functions are {', '.join(ir.FUNCTIONS)}"
-                            f"{did_you_mean(fn, ir.FUNCTIONS)}", fn_tok)
-        arity, _ = ir.FUNCTIONS[fn]
-        if arity is None:  # chance(p, key, ...): one to CHANCE_MAX_KEYS keys
-            if not 2 <= len(arg_trees) <= ir.CHANCE_MAX_KEYS + 1:
-                raise self.fail(f"{fn}() takes a probability and 1 to {ir.CHANCE_MAX_KEYS} integer "
-                                f"keys, as in chance(0.1, seed, h, qb, kb); got {len(arg_trees)} "
-                                f"argument{'s' if len(arg_trees) != 1 else ''}", t)
-        elif len(arg_trees) != arity:
-            raise self.fail(f"{fn}() takes {arity} argument{'s' if arity > 1 else ''}, "
-                            f"not {len(arg_trees)}", t)
+            raise self.fail(f"unknown function '{fn}': the functions are {', '.join(FUNCTIONS)}"
+                            f"{did_you_mean(fn, FUNCTIONS)}", fn_tok)
+        problem = entry.arity_problem(len(arg_trees))
+        if problem:
+            raise self.fail(problem, t)
         args = tuple(self.expr(a) for a in arg_trees)
-        if fn == "where":
-            return ir.Where(*args), args
-        return ir.Call(fn, args), args
+        return entry.make(*args), args
 
     def x_member(self, t):
         item_tree, name_tok, *index_trees = t.children

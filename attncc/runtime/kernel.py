@@ -129,7 +129,7 @@ class Kernel:
         return dispatch.Role("bwd", {portable.name: run}, dispatch.one_launch_reason())
 
     def _entry(self, backend, kind: str):
-        return backend.entry(self.module_of(backend.name), kind, self.module)
+        return backend.entry(self.module_of(backend.name), kind)
 
     def choose(self, role: dispatch.Role, problem, dtype, tune=(None, None, None)) -> tuple:
         """(run, config) of `role` for this call: the backend and tile config the tuner

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from .. import backends, ir
 from ..backends.tile_config import TileConfig
+from ..operators import FLOAT_FUNCTIONS
 from . import configs
 
 WINNERS_FILE = Path(__file__).with_name("known_winners.json")
@@ -49,7 +50,7 @@ def variant_class(variant: ir.Variant, uses_tables: bool, density_bucket: str) -
     else:
         kind = "full"
     if variant.score is not None:
-        heavy = any(isinstance(e, ir.Call) and e.fn in ir.FLOAT_FUNCTIONS
+        heavy = any(isinstance(e, ir.Call) and e.fn in FLOAT_FUNCTIONS
                     for e in ir.walk(variant.score))
         kind += "+heavyscore" if heavy else "+score"
     return f"{kind}@{density_bucket}"

@@ -1,8 +1,9 @@
 """Dense evaluation of IR expressions with PyTorch, broadcasting over index grids.
 
 The reference computes attention with it, and the tests use it as the dense ground
-truth for tile classification. Semantics match the kernels: `//` floors and `%` takes
-the sign of the divisor (as in Python), `/` is true division.
+truth for tile classification. Each operation means what its `torch` column in
+attncc/operators.py says (`//` floors and `%` takes the sign of the divisor, as in
+Python; `/` is true division), as the kernels compute it.
 """
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ import torch
 
 from .. import ir
 from ..errors import CallError
-from . import operators
-from .random_blocks import chance, probability
+from ..operators import entry_of
 
 
 def check_index_list(name: str, tensor: torch.Tensor, n_tiles: int):
@@ -37,14 +37,13 @@ def evaluate(e, env: dict, *, float_dtype=torch.float64):
     return _Evaluator(env, float_dtype).run(e)
 
 
-class _Evaluator:
+class _Evaluator(ir.Visitor):
     def __init__(self, env, float_dtype):
         self.env = env
         self.float_dtype = float_dtype
 
     def run(self, e):
-        method = getattr(self, type(e).__name__)
-        return method(e)
+        return self(e)
 
     def _num(self, x):
         return x if isinstance(x, torch.Tensor) else torch.tensor(x)
@@ -90,42 +89,16 @@ class _Evaluator:
             return a.to(self.float_dtype), b.to(self.float_dtype)
         return a, b
 
-    def BinOp(self, e):
-        a, b = self._promote(self.run(e.lhs), self.run(e.rhs))
-        return operators.apply(e.op, a, b, self.float_dtype)
-
-    def Neg(self, e):
-        return -self.run(e.operand)
-
-    def Cmp(self, e):
-        a, b = self._promote(self.run(e.lhs), self.run(e.rhs))
-        return {"<": torch.lt, "<=": torch.le, ">": torch.gt, ">=": torch.ge,
-                "==": torch.eq, "!=": torch.ne}[e.op](a, b)
-
-    def And(self, e):
-        return self.run(e.lhs) & self.run(e.rhs)
-
-    def Or(self, e):
-        return self.run(e.lhs) | self.run(e.rhs)
-
-    def Not(self, e):
-        return ~self.run(e.operand)
-
-    def Call(self, e):
-        if e.fn == "chance":
-            return chance(probability(e, self.env["params"]), *(self.run(a) for a in e.args[1:]))
-        args = [self.run(a) for a in e.args]
-        if e.fn == "abs":
-            return args[0].abs()
-        if e.fn in ("min", "max"):
-            a, b = self._promote(*args)
-            return torch.minimum(a, b) if e.fn == "min" else torch.maximum(a, b)
-        x = args[0].to(self.float_dtype)
-        if e.fn in ir.ROUNDING_FUNCTIONS:  # to int64, as the language's integers are
-            return {"floor": torch.floor, "ceil": torch.ceil, "int": torch.trunc}[e.fn](x).long()
-        return {"exp": torch.exp, "log": torch.log, "tanh": torch.tanh, "sqrt": torch.sqrt}[e.fn](x)
-
     def Where(self, e):
         c = self.run(e.cond)
         a, b = self._promote(self.run(e.then), self.run(e.other))
-        return torch.where(c, a, b)
+        return entry_of(e).torch(c, a, b, float_dtype=self.float_dtype)
+
+    def other(self, e):
+        """An operation (attncc/operators.py). The two operands of a binary one (an
+        operator, a comparison, min, max) meet in one dtype: a float makes both floats."""
+        entry = entry_of(e)
+        operands = [self.run(x) for x in ir.children(e)]
+        if entry.arity == 2:
+            operands = self._promote(*operands)
+        return entry.torch(*operands, float_dtype=self.float_dtype)

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from . import dropout as dropout_bits
+from .. import dropout as dropout_bits
 from .. import ir
 from ..arguments import Problem, as_bhsd, bind, check_seed, refuse_positional
 from ..errors import CallError

@@ -4,52 +4,14 @@ tensors FlexAttention's mask_mod and score_mod receive, `flex_mods` builds the p
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import ir
-from ..semantics import operators, random_blocks
+from ..operators import entry_of
 
 
 def _is_tensor(x) -> bool:
     return isinstance(x, torch.Tensor)
-
-
-def _to_float(x):
-    return x.to(torch.float32) if _is_tensor(x) and not x.is_floating_point() else (
-        float(x) if not _is_tensor(x) else x)
-
-
-def _min(a, b):
-    if _is_tensor(a) or _is_tensor(b):
-        return torch.where(a < b, a, b)
-    return min(a, b)
-
-
-def _max(a, b):
-    if _is_tensor(a) or _is_tensor(b):
-        return torch.where(a > b, a, b)
-    return max(a, b)
-
-
-def _unary(fn, name):
-    def f(x):
-        return fn(_to_float(x)) if _is_tensor(x) else getattr(math, name)(x)
-    return f
-
-
-def _rounding(fn, py):
-    def f(x):
-        return fn(_to_float(x)).long() if _is_tensor(x) else py(x)
-    return f
-
-
-_CALLS = {"abs": lambda x: x.abs() if _is_tensor(x) else abs(x), "min": _min, "max": _max,
-          "exp": _unary(torch.exp, "exp"), "log": _unary(torch.log, "log"),
-          "tanh": _unary(torch.tanh, "tanh"), "sqrt": _unary(torch.sqrt, "sqrt"),
-          "floor": _rounding(torch.floor, math.floor), "ceil": _rounding(torch.ceil, math.ceil),
-          "int": _rounding(torch.trunc, math.trunc)}
 
 
 def lower(e, variant: ir.Variant, inputs: dict):
@@ -57,69 +19,50 @@ def lower(e, variant: ir.Variant, inputs: dict):
 
     Unlike attncc.evaluate it does no data-dependent checks, so it runs under torch.vmap
     and torch.compile (FlexAttention calls mask_mod / score_mod on batched 0-d index
-    tensors): loads clamp their indices into range, as the kernels do."""
-    params = {d.name: d.value for d in variant.params}
+    tensors): loads clamp their indices into range, as the kernels do. Operations mean
+    what attncc/operators.py says, on tensors and on Python numbers alike."""
+    return _Lower(variant, inputs)(e)
 
-    def go(e):
-        if isinstance(e, ir.Var):
-            name = e.name
-            return lambda env: env[name]
-        if isinstance(e, ir.Const):
-            value = e.value
-            return lambda env: value
-        if isinstance(e, ir.Param):
-            value = params[e.name]
-            return lambda env: value
-        if isinstance(e, ir.Load):
-            tensor = inputs[e.tensor]
-            idx = [go(i) for i in e.indices]
-            sizes = tensor.shape
 
-            def load(env):
-                at = tuple(torch.clamp(torch.as_tensor(f(env)), 0, n - 1) for f, n in zip(idx, sizes))
-                return tensor[at]
-            return load
-        if isinstance(e, ir.Member):
-            tensor, item = inputs[e.tensor], go(e.item)
-            idx, sizes = [go(i) for i in e.indices], inputs[e.tensor].shape
+class _Lower(ir.Visitor):
+    """Each node as a function of the env."""
 
-            def member(env):
-                at = tuple(torch.clamp(torch.as_tensor(f(env)), 0, n - 1) for f, n in zip(idx, sizes))
-                return (tensor[at] == torch.as_tensor(item(env)).unsqueeze(-1)).any(-1)
-            return member
-        if isinstance(e, ir.BinOp):
-            a, b, op = go(e.lhs), go(e.rhs), e.op
-            return lambda env: operators.apply(op, a(env), b(env))
-        if isinstance(e, ir.Neg):
-            a = go(e.operand)
-            return lambda env: -a(env)
-        if isinstance(e, ir.Cmp):
-            a, b = go(e.lhs), go(e.rhs)
-            fn = {"<": lambda x, y: x < y, "<=": lambda x, y: x <= y, ">": lambda x, y: x > y,
-                  ">=": lambda x, y: x >= y, "==": lambda x, y: x == y,
-                  "!=": lambda x, y: x != y}[e.op]
-            return lambda env: fn(a(env), b(env))
-        if isinstance(e, ir.And):
-            a, b = go(e.lhs), go(e.rhs)
-            return lambda env: a(env) & b(env)
-        if isinstance(e, ir.Or):
-            a, b = go(e.lhs), go(e.rhs)
-            return lambda env: a(env) | b(env)
-        if isinstance(e, ir.Not):
-            a = go(e.operand)
-            return lambda env: (~x) if _is_tensor(x := a(env)) else (not x)
-        if isinstance(e, ir.Call) and e.fn == "chance":
-            p = random_blocks.probability(e, {d.name: d.value for d in variant.params})
-            keys = [go(x) for x in e.args[1:]]
-            return lambda env: random_blocks.chance(p, *(f(env) for f in keys))
-        if isinstance(e, ir.Call):
-            args, fn = [go(x) for x in e.args], _CALLS[e.fn]
-            return lambda env: fn(*(f(env) for f in args))
-        if isinstance(e, ir.Where):
-            c, a, b = go(e.cond), go(e.then), go(e.other)
-            return lambda env: torch.where(torch.as_tensor(c(env)), a(env), b(env))
-        raise TypeError(f"cannot lower {type(e).__name__} for FlexAttention")
-    return go(e)
+    def __init__(self, variant: ir.Variant, inputs: dict):
+        self.params = {d.name: d.value for d in variant.params}
+        self.inputs = inputs
+
+    def Var(self, e):
+        name = e.name
+        return lambda env: env[name]
+
+    def Const(self, e):
+        value = e.value
+        return lambda env: value
+
+    def Param(self, e):
+        value = self.params[e.name]
+        return lambda env: value
+
+    def _clamped(self, tensor, indices):
+        idx, sizes = [self(i) for i in indices], tensor.shape
+        return lambda env: tuple(torch.clamp(torch.as_tensor(f(env)), 0, n - 1)
+                                 for f, n in zip(idx, sizes))
+
+    def Load(self, e):
+        tensor = self.inputs[e.tensor]
+        at = self._clamped(tensor, e.indices)
+        return lambda env: tensor[at(env)]
+
+    def Member(self, e):
+        tensor, item = self.inputs[e.tensor], self(e.item)
+        at = self._clamped(tensor, e.indices)
+        return lambda env: (tensor[at(env)] == torch.as_tensor(item(env)).unsqueeze(-1)).any(-1)
+
+    def other(self, e):
+        """An operation, in FlexAttention's float32."""
+        fn = entry_of(e).torch
+        operands = [self(x) for x in ir.children(e)]
+        return lambda env: fn(*(f(env) for f in operands), float_dtype=torch.float32)
 
 
 def flex_mods(variant: ir.Variant, *, len_q: int, len_k: int, dim: int, inputs: dict):

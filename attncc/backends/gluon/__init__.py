@@ -70,9 +70,8 @@ class GluonBackend:
             return f"the Gluon backend has no {KERNEL_NAMES[direction]} kernel of one launch"
         return tiles.CHECKS[direction](config, head_dim)
 
-    def entry(self, module, kind: str, host):
-        # The Gluon module borrows the portable one's tile tables and argument values.
-        return functools.partial(getattr(module, ENTRY_POINTS[kind]), host=host)
+    def entry(self, module, kind: str):
+        return getattr(module, ENTRY_POINTS[kind])
 
 
 @functools.lru_cache(maxsize=1)

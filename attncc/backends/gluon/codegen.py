@@ -19,11 +19,22 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 
 def generate(variant: ir.Variant):
-    """The Gluon module source for `variant` (no GPU needed: rendering only)."""
-    from ...codegen import templating
+    """The Gluon module source for `variant` (no GPU needed: rendering only). It defines
+    the expression helpers its kernels call, as the printed code reports them: the
+    mask, score, layout and derivative in the tile loops, and the loop bounds where no
+    tile tables replace them (its own code calls none of the optional helpers)."""
+    import re
+
+    from ...codegen import helpers, templating
     from ...codegen.generated import Generated, module_name
-    from ..portable.codegen import template_context
-    context = template_context(variant)
+    from ...codegen.printed import used
+    from ..portable.codegen import template_context, variant_code
+    code = variant_code(variant)
+    d_score = code.d_score if code.score is not None else None
+    called, _ = used([code.mask, code.score, d_score, code.layout_elem,
+                      *([] if code.uses_tables else [*code.k_segments, *code.q_segments])])
+    context = dict(template_context(variant, code), emit=helpers.needed(called).__contains__)
     source = templating.environment(TEMPLATES).get_template("attention_gluon.py.jinja").render(**context)
+    source = re.sub(r"\n{4,}", "\n\n\n", source)  # where left-out helpers were
     return Generated(source=source, strategy=context["strategy"],
                      module_name=module_name(variant, "gluon"))

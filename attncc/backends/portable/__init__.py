@@ -39,5 +39,5 @@ class PortableBackend:
     def check_config(self, config: TileConfig, direction: str, head_dim: int | None) -> str | None:
         return tiles.check_config(config)
 
-    def entry(self, module, kind: str, host):
+    def entry(self, module, kind: str):
         return getattr(module, ENTRY_POINTS[kind])

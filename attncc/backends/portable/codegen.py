@@ -3,29 +3,33 @@
 Everything the template needs is computed here from the checked IR: the mask, score
 and derivative code, the loop plans of both directions, the tile-classification code
 (in Triton for the kernels and in PyTorch for the host-side tile tables), and the one
-list of kernel parameters that every call site is generated from. Same variant, same
-bytes: nothing here depends on the machine, the time or dict order.
+list of kernel parameters that every call site is generated from. Each piece is printed
+once, with the helpers and names it uses (attncc/codegen/printed.py); from those the
+module is rendered once, defining the helpers it calls and passing its per-tile
+functions the names they read. Same variant, same bytes: nothing here depends on the
+machine, the time or dict order.
 """
 from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
 
-from ... import ir
+from ... import dropout, ir
 from ...analysis import bounds, intervals, ranges
 from ...codegen.derivative import score_gradients
 from ...ir import print_variant
-from ...semantics import dropout, operators
 from ...codegen import helpers, interface, parameters, templating
-from ...codegen.decode import decode_context
-from ...codegen.elementwise import (TritonEmitter, chance_threshold, element_offset, grad_arg_name,
-                          input_arg_names, input_code)
+from ...codegen.decode import decode_context, decode_layout
+from ...codegen.elementwise import TritonEmitter, grad_arg_name, input_arg_names, input_code
 from ...codegen.generated import Generated, module_name
+from ...codegen.plan_code import (ClassificationCode, bound_code, classification_code,
+                                  segment_code)
+from ...codegen.printed import Code, used
 
-BIG = str(1 << 62)  # "unbounded" inside loop-bound code, which runs in 64 bits
 # An expression whose integers fit 32 bits only below an extent this small is always
 # computed in 64 bits: one compiled kernel, not two, for variants that are wide anyway.
 ALWAYS_WIDE_BELOW = 1 << 16
@@ -40,7 +44,10 @@ def _environment() -> jinja2.Environment:
 
 # --------------------------------------------------------------- PyTorch emission (host)
 class TorchEmitter(TritonEmitter):
-    """The layout and the scale as PyTorch code for the host (tile tables, sm_scale)."""
+    """The layout and the scale as PyTorch code for the host (tile tables, sm_scale):
+    operations in the `host` spelling of attncc/operators.py."""
+
+    cast = "torch.as_tensor({}) * 1.0"
 
     def __init__(self, variant, var_code):
         super().__init__(variant, var_code)
@@ -53,6 +60,7 @@ class TorchEmitter(TritonEmitter):
 
     def Load(self, e):
         name = input_code(e.tensor)
+        self.use(("_h_clamp",), (name,))
         idx = ", ".join(f"_h_clamp({self(i)}, {name}.shape[{n}])" for n, i in enumerate(e.indices))
         # Integers in 64 bits, as the language's are: an i32 read times a constant must not
         # wrap in int32 here either.
@@ -60,45 +68,20 @@ class TorchEmitter(TritonEmitter):
 
     def Member(self, e):
         rows = self.Load(ir.Load(e.tensor, e.indices))
+        self.use(("_h_tile_in",))
         return f"_h_tile_in({self(e.item)}, {rows})"
 
-    def BinOp(self, e):
-        a, b = self(e.lhs), self(e.rhs)
-        if e.op in operators.HELPERS:  # Python's // and % (semantics/operators.py)
-            return f"{operators.HELPERS[e.op][1]}({a}, {b})"
-        if e.op == "/":
-            return f"(torch.as_tensor({a}) * 1.0 / ({b}))"
-        return f"({a} {e.op} {b})"
+    def spelling(self, entry):
+        return entry.host
 
-    def Not(self, e):
-        return f"(~torch.as_tensor({self(e.operand)}))"
-
-    def Call(self, e):
-        if e.fn == "chance":
-            keys = ", ".join(self(a) for a in e.args[1:])
-            return f"_h_chance({chance_threshold(e, self.params)}, {keys})"
-        args = [self(a) for a in e.args]
-        if e.fn in ("min", "max"):
-            return f"_h_{e.fn}({args[0]}, {args[1]})"
-        if e.fn == "abs":
-            return f"torch.abs(torch.as_tensor({args[0]}))"
-        if e.fn in ir.ROUNDING_FUNCTIONS:
-            rounding = {"floor": "floor", "ceil": "ceil", "int": "trunc"}[e.fn]
-            return f"torch.{rounding}(torch.as_tensor({args[0]}) * 1.0).long()"
-        return f"torch.{e.fn}(torch.as_tensor({args[0]}) * 1.0)"
-
-    def Where(self, e):
-        return f"_h_where({self(e.cond)}, {self(e.then)}, {self(e.other)})"
+    def helpers_of(self, entry, e) -> tuple:
+        return entry.host_helpers
 
 
 # --------------------------------------------------------------- the plan
-def _segment_code(seg: bounds.Segment) -> bounds.Segment:
-    # Loop bounds run in 64 bits (once per program): a window of 2**31 - 1 must not wrap.
-    # The template defines len_q64 and len_k64; q_lo, q_hi, k_lo, k_hi are 64-bit there.
-    fix = lambda c: None if c is None else re.sub(r"\blen_(q|k)\b", r"len_\g<1>64",
-                                                  c.replace("_BIG", BIG))
-    return bounds.Segment(fix(seg.reach_lo), fix(seg.reach_hi), fix(seg.full_lo),
-                          fix(seg.full_hi), seg.full_known)
+def segment_end_names(bound) -> set:
+    """The names a loop bound reads."""
+    return set(bound_code(bound).names)
 
 
 def heavy_tiles_last(plan: bounds.LoopPlan, other: str) -> bool:
@@ -106,7 +89,8 @@ def heavy_tiles_last(plan: bounds.LoopPlan, other: str) -> bool:
     dK/dV) reaches more tiles: some segment's upper reach follows the other side's
     position while its lower reach does not (causal), and no segment shrinks that way.
     The kernels then launch their tiles last-first (see the template's tile_order)."""
-    follows = lambda code: code is not None and re.search(rf"\b{other}_(lo|hi)\b", code) is not None
+    position = {f"{other}_lo", f"{other}_hi"}
+    follows = lambda bound: bound is not None and bool(position & segment_end_names(bound))
     grows = [follows(s.reach_hi) and not follows(s.reach_lo) for s in plan.segments]
     shrinks = [follows(s.reach_lo) and not follows(s.reach_hi) for s in plan.segments]
     return any(grows) and not any(shrinks)
@@ -117,21 +101,31 @@ def _summary_base(read: intervals.SummaryRead) -> str:
     return f"blocks_{input_code(read.tensor)}_a{read.axis}{read.var}"
 
 
-def _torch_summary(read, others, which):
+def torch_summary(read, others, which):
     base = _summary_base(read)
     idx = ", ".join(f"tile_{read.var}" if code is None else code for code in others)
     return f"{base}_{which}[{idx}]"
+
+
+@dataclass(frozen=True)
+class InputGradient:
+    """The gradient of one learnable read, as the dQ kernel accumulates it."""
+    name: str
+    ptr: str  # the gradient's kernel argument
+    d_code: Code  # d score / d the element
+    offset: Code  # the element's offset
+    reduce: str  # what it sums over the tile: "all", "cols", "rows" or "none"
 
 
 def _input_grads(variant, emit: TritonEmitter, grads) -> list:
     out = []
     for load, d_code in grads.d_inputs:
         decl = variant.input(load.tensor)
-        used = set().union(*(ir.free_vars(i) for i in load.indices)) if load.indices else set()
+        varies = set().union(*(ir.free_vars(i) for i in load.indices)) if load.indices else set()
         reduce = {(False, False): "all", (True, False): "cols", (False, True): "rows",
-                  (True, True): "none"}[("q" in used, "k" in used)]
-        out.append({"name": decl.name, "ptr": grad_arg_name(decl), "d_code": d_code,
-                    "offset": element_offset(emit, decl, load.indices), "reduce": reduce})
+                  (True, True): "none"}[("q" in varies, "k" in varies)]
+        out.append(InputGradient(decl.name, grad_arg_name(decl), d_code,
+                                 emit.capture(lambda: emit.offset(decl, load.indices)), reduce))
     return out
 
 
@@ -184,67 +178,141 @@ def describe_strategy(variant: ir.Variant, plan: bounds.LoopPlan, summary_reads,
     return "; ".join(parts)
 
 
+@dataclass(frozen=True)
+class VariantCode:
+    """A variant's code, printed once for every backend's templates; each piece says
+    what it uses (attncc/codegen/printed.py)."""
+    mask: Code | None
+    score: Code | None
+    d_score: Code  # d score / d s
+    input_grads: list  # of InputGradient
+    layout_elem: Code | None  # the layout per element, in tiles larger than its blocks
+    decode_layout: Code | None  # the layout over a decode tile's rows
+    layout_torch: Code | None  # the layout on the host's block grid
+    scale: Code  # sm_scale, on the host
+    classification: ClassificationCode  # the mask's tile classes, on the host
+    summary_reads: list  # of intervals.SummaryRead
+    fwd_plan: bounds.LoopPlan
+    bwd_plan: bounds.LoopPlan
+    k_segments: list  # of SegmentCode, the forward's key loops
+    q_segments: list  # the dK/dV kernel's query loops
+    int32_extent: int
+
+    @property
+    def uses_tables(self) -> bool:
+        # Tiles the analytic plan cannot decide are classified on the device into tables.
+        return self.fwd_plan.needs_classify or self.bwd_plan.needs_classify
+
+
+def variant_code(variant: ir.Variant) -> VariantCode:
+    # Each expression in 32-bit integers where that cannot wrap, else in 64 (ranges.py).
+    widths = {decl: integer_width(getattr(variant, decl), variant)
+              for decl in ("mask", "score", "layout")}
+    emit = TritonEmitter(variant, wide=widths["score"][0])  # the score and its derivatives
+    grads = score_gradients(variant, emit)
+    fwd_plan = bounds.plan_loops(variant, "k")
+    bwd_plan = bounds.plan_loops(variant, "q")
+    classes = intervals.classify(variant.mask, variant)
+    layout_torch = layout_elem = None
+    if variant.layout is not None:
+        layout_torch = TorchEmitter(variant, {"qb": "qb", "kb": "kb", "b": "off_b", "h": "off_h",
+                                              "dim": "HEAD_DIM"}).code(variant.layout)
+    # A kernel tile larger than the layout's block covers several blocks, some of which
+    # may be off: its partial tiles evaluate the layout per element. Index lists
+    # (`kb in t[...]`) have no per-element form; their tiles stay within one block.
+    if variant.layout is not None and not ir.index_lists(variant.layout):
+        blocks = {var: Code(f"_fdiv({var}_pos, {variant.block})", frozenset({"_fdiv"}),
+                            frozenset({f"{var}_pos"})) for var in "qk"}
+        layout_elem = TritonEmitter(variant, {"qb": blocks["q"], "kb": blocks["k"]},
+                                    wide=widths["layout"][0]).code(variant.layout)
+    if variant.scale is None:
+        scale = Code("1.0 / math.sqrt(dim)")
+    else:
+        printer = TorchEmitter(variant, {"dim": "dim"})
+        scale = printer.capture(lambda: f"float({printer(variant.scale)})")
+    return VariantCode(
+        mask=(TritonEmitter(variant, wide=widths["mask"][0]).code(variant.mask)
+              if variant.mask is not None else None),
+        score=emit.code(variant.score) if variant.score is not None else None,
+        d_score=grads.d_ds,
+        input_grads=_input_grads(variant, emit, grads),
+        layout_elem=layout_elem,
+        decode_layout=decode_layout(variant, widths["layout"][0]),
+        layout_torch=layout_torch,
+        scale=scale,
+        classification=classification_code(classes, torch_summary, temp_prefix="_c"),
+        summary_reads=classes.summaries,
+        fwd_plan=fwd_plan,
+        bwd_plan=bwd_plan,
+        k_segments=[segment_code(s) for s in fwd_plan.segments],
+        q_segments=[segment_code(s) for s in bwd_plan.segments],
+        int32_extent=min(extent for _, extent in widths.values()),
+    )
+
+
+# The module names these in decode_reach_tiles, which binds its own host versions: the
+# device definitions stay in every module beside them, as they always have.
+ALWAYS_DEFINED = ("_min", "_max", "_where")
+
+
+def _pruning(variant: ir.Variant, code: VariantCode) -> dict:
+    """What the portable module defines and passes, from what its code uses: `emit`
+    (the helpers to define), `host_aliases` (the kernels' helper names tile_tables binds
+    to the host's) and `unread` (the names each per-tile function list leaves out)."""
+    grads = [piece for g in code.input_grads for piece in (g.d_code, g.offset)]
+    d_score = code.d_score if code.score is not None else None
+    # Where each piece is placed: the loop bounds of the main kernels without tables, of
+    # decode_split always; the rest in the per-tile functions they read names of.
+    device, _ = used([code.mask, code.score, d_score, code.layout_elem, code.decode_layout,
+                      *grads, *code.k_segments, *([] if code.uses_tables else code.q_segments)])
+    if variant.dropout:
+        device |= {"_dropout_keep", "_dropout_keep_t"}
+    aliases = helpers.host_aliases(code.classification.helpers)
+    host, _ = used([code.layout_torch, code.scale])
+    host |= {helpers.host_helper(a) for a in aliases}
+    forward = used([code.mask, code.score, code.layout_elem])[1]
+    reads = {
+        "fwd": forward,
+        "dq": forward | used([d_score, *grads])[1] | {g.ptr for g in code.input_grads},
+        "dkdv": forward | used([d_score])[1],
+        "decode": used([code.mask, code.score, code.decode_layout])[1],
+    }
+    flags = {"score" if code.score is not None else "no score"}
+    flags |= {"dropout"} if variant.dropout else set()
+    flags |= {"decode layout"} if code.decode_layout is not None else set()
+    return dict(emit=helpers.needed(device | host | set(ALWAYS_DEFINED)).__contains__,
+                host_aliases=aliases, unread=parameters.unread(flags, reads))
+
+
 def generate(variant: ir.Variant) -> Generated:
     """The Triton module source for `variant`."""
     context = template_context(variant)
-    template = _environment().get_template("attention.py.jinja")
-    first = template.render(**context)  # every helper, every parameter
-    used, aliases = helpers.needed(first)
-    source = template.render(**dict(context, emit=used.__contains__, host_aliases=aliases,
-                                    unread=parameters.unread(first)))
+    source = _environment().get_template("attention.py.jinja").render(**context)
     source = re.sub(r"\n{4,}", "\n\n\n", source)  # where left-out helpers were
     return Generated(source=source, strategy=context["strategy"], module_name=module_name(variant))
 
 
-def template_context(variant: ir.Variant) -> dict:
+def template_context(variant: ir.Variant, code: VariantCode | None = None) -> dict:
     """Everything the templates fill in for `variant`: the expressions, the loop plans,
-    the tile-classification code and the kernel parameter list. Every backend's
-    template renders from this one dict, so the pieces exist once."""
-    # Each expression in 32-bit integers where that cannot wrap, else in 64 (ranges.py).
-    widths = {decl: integer_width(getattr(variant, decl), variant)
-              for decl in ("mask", "score", "layout")}
-    int32_extent = min(extent for _, extent in widths.values())
-    emit_mask = TritonEmitter(variant, wide=widths["mask"][0])
-    emit = TritonEmitter(variant, wide=widths["score"][0])  # the score and its derivatives
-    fwd_plan = bounds.plan_loops(variant, "k")
-    bwd_plan = bounds.plan_loops(variant, "q")
-    # Tiles the analytic plan cannot decide are classified on the device into tables.
-    uses_tables = fwd_plan.needs_classify or bwd_plan.needs_classify
-    host_cls = intervals.classify_code(variant.mask, variant, _torch_summary, prefix="_c")
-    summary_reads = host_cls.summaries
-    grads = score_gradients(variant, emit)
+    the tile-classification code and the kernel parameter list, and what the portable
+    module defines and passes of them. Every backend's template renders from this one
+    dict (`code`: the variant's, printed already), so the pieces exist once."""
+    code = code or variant_code(variant)
+    uses_tables = code.uses_tables
+    summary_reads = code.summary_reads
     params = common_params(variant, uses_tables)
     spec_text = print_variant(variant)
-    key = variant.key()
-    layout_torch = None
-    if variant.layout is not None:
-        layout_torch = TorchEmitter(variant, {"qb": "qb", "kb": "kb", "b": "off_b", "h": "off_h",
-                                              "dim": "HEAD_DIM"})(variant.layout)
-    if variant.scale is None:
-        scale_code = "1.0 / math.sqrt(dim)"
-    else:
-        scale_code = f"float({TorchEmitter(variant, {'dim': 'dim'})(variant.scale)})"
-    strategy = describe_strategy(variant, fwd_plan, summary_reads, uses_tables)
-    # A kernel tile larger than the layout's block covers several blocks, some of which
-    # may be off: its partial tiles evaluate the layout per element. Index lists
-    # (`kb in t[...]`) have no per-element form; their tiles stay within one block.
-    layout_elem = None
-    if variant.layout is not None and not ir.index_lists(variant.layout):
-        layout_elem = TritonEmitter(variant, {"qb": f"_fdiv(q_pos, {variant.block})",
-                                              "kb": f"_fdiv(k_pos, {variant.block})"},
-                                    wide=widths["layout"][0])(variant.layout)
     context = dict(
-        # every helper: generate() renders a second time with only those used (helpers.py)
-        emit=lambda name: True, host_aliases=helpers.HOST_ALIASES, unread=parameters.NOTHING,
+        **_pruning(variant, code),
         version=_package_version(),
         spec_comment="\n".join(f"#   {line}" for line in spec_text.rstrip().splitlines()),
         spec_text=spec_text,
-        strategy=strategy,
+        strategy=describe_strategy(variant, code.fwd_plan, summary_reads, uses_tables),
         variant_name=variant.name,
-        key=key,
+        key=variant.key(),
         input_names=[i.name for i in variant.inputs],
         input_codes={i.name: input_code(i.name) for i in variant.inputs},
-        int32_extent=int32_extent,
+        int32_extent=code.int32_extent,
         learnable_names=[i.name for i in variant.learnable_inputs],
         dropout=bool(variant.dropout),
         dropout_p=repr(float(variant.dropout or 0.0)),
@@ -253,28 +321,29 @@ def template_context(variant: ir.Variant) -> dict:
         table_fields=interface.TABLE_FIELDS,
         table_inputs=sorted({r.tensor for r in summary_reads}
                             | (ir.loaded_tensors(variant.layout) if variant.layout is not None else set())),
-        host_classify_lines=host_cls.lines,
-        host_classify_may=host_cls.may,
-        host_classify_must=host_cls.must,
-        mask=emit_mask(variant.mask) if variant.mask is not None else None,
-        score=emit(variant.score) if variant.score is not None else None,
+        host_classify_lines=code.classification.lines,
+        host_classify_may=code.classification.may,
+        host_classify_must=code.classification.must,
+        mask=_text(code.mask),
+        score=_text(code.score),
         # A score that does not vary over both q and k (`score 0.0`, `score x[h]`) is
         # broadcast to the tile: the softmax sums over the tile's columns.
         score_is_tile=variant.score is not None and (
             "s" in ir.free_vars(variant.score) or {"q", "k"} <= ir.free_vars(variant.score)),
-        d_score=grads.d_ds,
+        d_score=code.d_score.text,
         # d score / d s at a masked pair may be inf or NaN (`s * sqrt(q - k)` past a
         # causal mask) and multiplies a dS of 0 there: the backward zeroes those pairs.
-        d_score_finite=_is_constant(grads.d_ds),
-        input_grads=_input_grads(variant, emit, grads),
+        d_score_finite=_is_constant(code.d_score.text),
+        input_grads=[{"name": g.name, "ptr": g.ptr, "d_code": g.d_code.text,
+                      "offset": g.offset.text, "reduce": g.reduce} for g in code.input_grads],
         layout=variant.layout is not None,
         block=variant.block,
-        layout_torch=layout_torch,
-        layout_elem=layout_elem,
-        k_segments=[_segment_code(s) for s in fwd_plan.segments],
-        q_segments=[_segment_code(s) for s in bwd_plan.segments],
-        heavy_rows_last=heavy_tiles_last(fwd_plan, "q"),
-        heavy_cols_last=heavy_tiles_last(bwd_plan, "k"),
+        layout_torch=_text(code.layout_torch),
+        layout_elem=_text(code.layout_elem),
+        k_segments=code.k_segments,
+        q_segments=code.q_segments,
+        heavy_rows_last=heavy_tiles_last(code.fwd_plan, "q"),
+        heavy_cols_last=heavy_tiles_last(code.bwd_plan, "k"),
         common_args=", ".join(params),
         # What the per-tile step and tile-run functions take of them: not the tile
         # tables, which only the programs' loops over listed tiles read.
@@ -286,10 +355,14 @@ def template_context(variant: ir.Variant) -> dict:
         common_param_list=params,
         summary_specs=[[r.tensor, r.axis, r.var] for r in summary_reads],
         summary_bases=[_summary_base(r) for r in summary_reads],
-        scale_code=scale_code,
-        **decode_context(variant, fwd_plan, widths["layout"][0]),
+        scale_code=code.scale.text,
+        **decode_context(variant, code.fwd_plan, code.decode_layout),
     )
     return context
+
+
+def _text(code: Code | None):
+    return None if code is None else code.text
 
 
 def _package_version() -> str:

@@ -1,7 +1,7 @@
 """chance(p, key, ...): a random block pattern drawn from a seed, as a layout expression.
 
 The keys (a seed param, b, h, qb, kb: integers) are hashed with dropout's 32-bit
-finaliser (attncc/semantics/dropout.py), one after another from a fixed start, and a block is on
+finaliser (attncc/dropout.py), one after another from a fixed start, and a block is on
 when the hash's top 24 bits fall under round(p * 2**24). The host's tile tables, the
 kernels (for tiles spanning several blocks) and the reference compute the same bits,
 so the pattern is exact everywhere; an integer threshold, not a float comparison,
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import ir
+from . import ir
 from .dropout import MASK32, fmix32
 
 START = 0x2545F491  # below 2**31, like dropout's multipliers, so Triton keeps it uint32

@@ -1,0 +1,140 @@
+"""attncc/operators.py, the one table of the language's operations: it covers every
+operator the grammar has and every function the parser takes, each with every column;
+its spellings report the helpers they call; and a function added to it is picked up by
+the checker, the reference, the emitters, both interval analyses and the sympy bridge,
+with nothing else changed."""
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import sympy
+import torch
+
+import attncc
+from attncc import ir, operators
+from attncc.analysis import intervals, ranges
+from attncc.backends.portable import codegen
+from attncc.codegen import derivative
+from attncc.codegen.elementwise import TritonEmitter
+from attncc.frontend import decorator
+from attncc.semantics.evaluate import evaluate
+
+GRAMMAR = (Path(__file__).parent.parent / "grammar" / "attn.lark").read_text()
+COLUMNS = [f.name for f in dataclasses.fields(operators.Operation)]
+ENTRIES = [*operators.OPERATORS.values(), *operators.FUNCTIONS.values()]
+
+
+def test_every_operator_of_the_grammar_has_an_entry_and_no_other():
+    tokens = set()
+    for terminal in ("COMP_OP", "ADD_OP", "MUL_OP"):
+        line = re.search(rf"^{terminal}: (.*)$", GRAMMAR, re.M).group(1)
+        tokens |= set(re.findall(r'"([^"]+)"', line))
+    words = {w for w in ("and", "or", "not") if f'"{w}"' in GRAMMAR}
+    assert "-> neg" in GRAMMAR  # unary minus
+    assert tokens | words | {"neg"} == set(operators.OPERATORS)
+
+
+def test_the_parser_takes_the_table_s_functions_and_no_others():
+    for name, entry in operators.FUNCTIONS.items():
+        n = entry.arity if isinstance(entry.arity, int) else entry.arity[0]
+        with pytest.raises(attncc.SpecError) as err:  # the wrong count: the call was read
+            attncc.parse(f"attention a {{ mask {name}({', '.join(['q'] * (n + 1))}) }}")
+        assert "unknown function" not in str(err.value)
+    with pytest.raises(attncc.SpecError, match="unknown function 'sigmoidal'"):
+        attncc.parse("attention a { score sigmoidal(s) }")
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
+def test_every_entry_fills_every_column(entry):
+    for column in COLUMNS:
+        value = getattr(entry, column)
+        if column == "sympy":
+            # None only where there is no form: // and % (no derivative, no loop bound).
+            assert value is not None or entry.name in ("//", "%")
+        elif column == "arity_words":
+            assert bool(value) == isinstance(entry.arity, tuple)
+        elif column in ("helpers", "host_helpers", "python", "float_operands"):
+            assert value is not None
+        else:
+            assert value, column
+    assert entry.python, "the decorator spells it somehow"
+
+
+def test_both_interval_algebras_offer_all_a_rule_may_ask():
+    symbolic_code = intervals._Code(None, {})
+    for name in operators.ALGEBRA:
+        assert callable(getattr(operators.NUMBERS, name)), name
+        assert callable(getattr(symbolic_code, name)), name
+
+
+def _sample(entry):
+    """A node of `entry` on integer positions (chance: on a probability and keys)."""
+    q, k = ir.Var("q"), ir.Var("k")
+    if entry.name == "chance":
+        return entry.make(ir.Const(0.5, ir.FLOAT), ir.Var("h"), q)
+    if entry.name in ("and", "or", "not"):
+        return entry.make(*[ir.Cmp("<", q, k)] * entry.arity)
+    if entry.name == "where":
+        return entry.make(ir.Cmp("<", q, k), q, k)
+    return entry.make(*[q, k][:entry.arity])
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
+def test_spellings_report_the_helpers_they_call(entry):
+    variant = attncc.parse("attention a { }")
+    node = _sample(entry)
+    for printer in (TritonEmitter(variant), codegen.TorchEmitter(variant, {})):
+        code = printer.code(node)
+        assert set(re.findall(r"(?<![\w.])(_\w+)\(", code.text)) <= code.helpers, code.text
+
+
+# ------------------------------------------------------------------ a toy function
+def _double_bounds(m, a):
+    return operators.Bounds(m.mul(2, a.lo), m.mul(2, a.hi))
+
+
+DOUBLE = operators.Operation(
+    "double", 1, "(x)", "twice x", lambda x: ir.Call("double", (x,)), operators.same_kind,
+    lambda x, *, float_dtype: 2 * x, lambda sp, x: 2 * x, _double_bounds, False,
+    "(2 * {0})", "(2 * {0})", (), (), ("double",))
+
+
+@pytest.fixture
+def double(monkeypatch):
+    """The table with one more function, for one test."""
+    monkeypatch.setitem(operators.FUNCTIONS, "double", DOUBLE)
+    return DOUBLE
+
+
+def test_a_toy_function_is_picked_up_everywhere(double):
+    # The checker (through the parser): its type rule, its arity, its name.
+    v = attncc.parse("attention a { mask double(q) >= k  score s * double(s) }")
+    assert v.mask == ir.Cmp(">=", ir.Call("double", (ir.Var("q"),)), ir.Var("k"))
+    with pytest.raises(attncc.SpecError, match=r"double\(\) needs numbers"):
+        attncc.parse("attention a { mask double(q >= k) }")
+    with pytest.raises(attncc.SpecError, match=r"double\(\) takes 1 argument, not 2"):
+        attncc.parse("attention a { mask double(q, k) >= k }")
+    # The reference.
+    q = torch.arange(5).view(-1, 1)
+    assert torch.equal(evaluate(v.mask.lhs, {"q": q}), 2 * q)
+    # The Triton and PyTorch emitters, and the generated module.
+    assert TritonEmitter(v)(v.mask) == "((2 * q_pos) >= k_pos)"
+    assert codegen.TorchEmitter(v, {})(v.mask.lhs) == "(2 * q_pos)"
+    # 2q leaves 32 bits before q does: the module computes the mask in 64 on wide calls.
+    source = codegen.generate(v).source
+    assert "((2 * _int(q_pos, WIDE)) >= _int(k_pos, WIDE))" in source
+    assert "((s * (2 * s)))" in source
+    # The range analysis (over calls) and the tile classification (per tile).
+    assert ranges.ranges_at(v.mask.lhs, v, extent=100)[id(v.mask.lhs)].hi == 198
+    program = intervals.classify(v.mask, v).program
+    assert (intervals.Temp(1), intervals.Op("*", (intervals.Lit(2), intervals.Tile("q", "hi")))) \
+        in program.steps
+    # The sympy bridge: s * double(s) reads as 2 s**2, whose derivative is 4 s.
+    s = sympy.Symbol("s", real=True)
+    assert derivative._Score(v)(v.score) == 2 * s ** 2
+    grads = derivative.score_gradients(v, TritonEmitter(v))
+    assert grads.d_ds.text == "(4.0 * s)"
+    # The decorator: attncc.<name> is made from the table (when attncc is imported).
+    traced = decorator._traced(double, "double")(decorator.Sym(ir.Var("q")))
+    assert traced.node == v.mask.lhs
