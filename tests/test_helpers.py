@@ -65,7 +65,10 @@ def called(source: str) -> tuple[set, tuple]:
     outside = "\n".join(line for line in outside.splitlines() if ALIAS_MARK not in line)
     tables = _definition(outside, "tile_tables")
     aliases = tuple(name for name in helpers.HOST_ALIASES if re.search(rf"\b{name}\(", tables))
-    used = _calls(outside) | {helpers.host_helper(name) for name in aliases}
+    # In tile_tables a kernel helper's name is bound to the host's helper (the alias line):
+    # a call of it there calls the host helper, not the kernels'.
+    used = (_calls(outside.replace(tables, "")) | (_calls(tables) - set(aliases))
+            | {helpers.host_helper(name) for name in aliases})
     while True:
         more = set().union(*(_calls(definitions[name]) for name in used)) - used
         if not more:
@@ -125,5 +128,8 @@ def test_every_helper_a_module_calls_is_defined(name):
     for backend in (portable, gluon):
         source = backend.generate(attncc.parse(SPECS[name])).source
         calls = set(re.findall(r"(?<![\w.])(_\w+)\(", source))
-        assert not {c for c in calls & set(OPTIONAL) if c not in defined(source)}
+        # tile_tables binds the kernels' helper names it calls to the host's (the alias line)
+        bound = {name for line in re.findall(rf"^\s+(.*) = .*{ALIAS_MARK}", source, re.M)
+                 for name in line.split(", ")}
+        assert not {c for c in calls & set(OPTIONAL) if c not in defined(source) | bound}
         compile(source, name, "exec")  # and it is Python

@@ -22,17 +22,21 @@ def generate(variant: ir.Variant):
     """The Gluon module source for `variant` (no GPU needed: rendering only). It defines
     the expression helpers its kernels call, as the printed code reports them: the
     mask, score, layout and derivative in the tile loops, and the loop bounds where no
-    tile tables replace them (its own code calls none of the optional helpers)."""
+    tile tables replace them; and those of the shared host side (its own code calls
+    none of the optional helpers)."""
     import re
 
     from ...codegen import helpers, templating
     from ...codegen.generated import Generated, module_name
     from ...codegen.printed import used
-    from ..portable.codegen import template_context, variant_code
+    from ..portable.codegen import host_helpers, template_context, variant_code
     code = variant_code(variant)
     d_score = code.d_score if code.score is not None else None
     called, _ = used([code.mask, code.score, d_score, code.layout_elem,
                       *([] if code.uses_tables else [*code.k_segments, *code.q_segments])])
+    # The shared host side (tile tables, launch arguments) is rendered into this module
+    # too: its helpers are the portable module's.
+    called |= host_helpers(code)
     context = dict(template_context(variant, code), emit=helpers.needed(called).__contains__)
     source = templating.environment(TEMPLATES).get_template("attention_gluon.py.jinja").render(**context)
     source = re.sub(r"\n{4,}", "\n\n\n", source)  # where left-out helpers were

@@ -255,6 +255,14 @@ def variant_code(variant: ir.Variant) -> VariantCode:
 ALWAYS_DEFINED = ("_min", "_max", "_where")
 
 
+def host_helpers(code: VariantCode) -> set:
+    """The helpers the shared host side (codegen/templates/host_args.jinja: the tile
+    tables, the scale) calls for this variant, in every backend's module."""
+    aliases = helpers.host_aliases(code.classification.helpers)
+    host, _ = used([code.layout_torch, code.scale])
+    return host | {helpers.host_helper(a) for a in aliases}
+
+
 def _pruning(variant: ir.Variant, code: VariantCode) -> dict:
     """What the portable module defines and passes, from what its code uses: `emit`
     (the helpers to define), `host_aliases` (the kernels' helper names tile_tables binds
@@ -268,8 +276,6 @@ def _pruning(variant: ir.Variant, code: VariantCode) -> dict:
     if variant.dropout:
         device |= {"_dropout_keep", "_dropout_keep_t"}
     aliases = helpers.host_aliases(code.classification.helpers)
-    host, _ = used([code.layout_torch, code.scale])
-    host |= {helpers.host_helper(a) for a in aliases}
     forward = used([code.mask, code.score, code.layout_elem])[1]
     reads = {
         "fwd": forward,
@@ -280,7 +286,7 @@ def _pruning(variant: ir.Variant, code: VariantCode) -> dict:
     flags = {"score" if code.score is not None else "no score"}
     flags |= {"dropout"} if variant.dropout else set()
     flags |= {"decode layout"} if code.decode_layout is not None else set()
-    return dict(emit=helpers.needed(device | host | set(ALWAYS_DEFINED)).__contains__,
+    return dict(emit=helpers.needed(device | host_helpers(code) | set(ALWAYS_DEFINED)).__contains__,
                 host_aliases=aliases, unread=parameters.unread(flags, reads))
 
 
