@@ -52,7 +52,7 @@ class Stand:
     def check_config(self, config, direction, head_dim):
         return None
 
-    def entry(self, module, kind, host):
+    def entry(self, module, kind):
         fn = getattr(module, ENTRY_POINTS[kind])
 
         def launch(*args, **kwargs):

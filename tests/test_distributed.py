@@ -456,9 +456,9 @@ def test_piece_pairs_run_the_forward_the_kernel_chooses(world_of_one, monkeypatc
     kernel = attncc.compile(SPECS["causal"])
     calls = []
 
-    def gluon_forward(q, k, v, values, *, host, config, **common):
+    def gluon_forward(q, k, v, values, *, config, **common):
         calls.append((common["q_offset"], common["k_offset"]))
-        return host.forward(q, k, v, values, config=config, **common)
+        return kernel.module.forward(q, k, v, values, config=config, **common)
 
     monkeypatch.setattr(gluon, "_call_unsupported", lambda q, k, v: None)
     monkeypatch.setattr(kernel, "backends", (backends.named("gluon"),))

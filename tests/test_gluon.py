@@ -172,18 +172,20 @@ def _stand_in_gluon(kernel, monkeypatch, calls):
     portable kernels and records what it was asked (the CPU cannot run Hopper kernels)."""
     from types import SimpleNamespace
 
-    def forward(q, k, v, values, *, host, config, **common):
+    portable = kernel.module
+
+    def forward(q, k, v, values, *, config, **common):
         calls.append("forward")
-        return host.forward(q, k, v, values, config=config, **common)
+        return portable.forward(q, k, v, values, config=config, **common)
 
-    def backward_dkdv(q, k, v, lse, delta, dout, values, *, host, config, **common):
+    def backward_dkdv(q, k, v, lse, delta, dout, values, *, config, **common):
         calls.append("dkdv")
-        return host.backward_dkdv(q, k, v, lse, delta, dout, values, config=config, **common)
+        return portable.backward_dkdv(q, k, v, lse, delta, dout, values, config=config, **common)
 
-    def backward_dq(q, k, v, lse, delta, dout, values, *, host, config, out=None, **common):
+    def backward_dq(q, k, v, lse, delta, dout, values, *, config, out=None, **common):
         calls.append("dq")
-        return host.backward_dq(q, k, v, lse, delta, dout, values, config=config, out=out,
-                                **common)
+        return portable.backward_dq(q, k, v, lse, delta, dout, values, config=config, out=out,
+                                    **common)
 
     monkeypatch.setattr(gluon_backend, "_call_unsupported", lambda q, k, v: None)
     monkeypatch.setattr(kernel, "backends", (GLUON,))
