@@ -48,7 +48,7 @@ def test_gluon_module_renders_parses_and_stands_alone(name):
     assert source == gluon.generate(variant).source
     tree = ast.parse(source)
     # The standard library, torch, triton: no other module, the portable one included.
-    assert _imports(tree) <= {"functools", "math", "torch", "triton"}
+    assert _imports(tree) <= {"functools", "math", "threading", "torch", "triton"}
     assert "host." not in source
     defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     assert {"attn_fwd", "attn_fwd_ws", "_ws_loader", "_ws_consumer", "forward",
