@@ -15,12 +15,9 @@ class AttnccError(Exception):
     """Base class of every error attncc raises on purpose."""
 
 
-class SpecError(AttnccError):
-    """A malformed or meaningless variant: a sentence, and where it is when we know.
-
-    Printed as `file:line:col: error: sentence`, then the source line and a caret under
-    the offending text — the form compilers use, so editors can jump to it.
-    """
+class _Located:
+    """A message and, when known, where in a spec it is (file, line, column, the source
+    line and the width of the text to underline): what SpecError and SpecWarning share."""
 
     def __init__(self, message: str, *, path: str | None = None, line: int | None = None,
                  column: int | None = None, source_line: str | None = None, width: int = 1):
@@ -31,6 +28,14 @@ class SpecError(AttnccError):
         self.column = column
         self.source_line = source_line
         self.width = max(1, width)
+
+
+class SpecError(_Located, AttnccError):
+    """A malformed or meaningless variant: a sentence, and where it is when we know.
+
+    Printed as `file:line:col: error: sentence`, then the source line and a caret under
+    the offending text — the form compilers use, so editors can jump to it.
+    """
 
     def located(self, *, path, line, column, source_line, width=1) -> "SpecError":
         """This error with a position attached (the first position given wins)."""
@@ -43,21 +48,11 @@ class SpecError(AttnccError):
         return _located_text(self, "error")
 
 
-class SpecWarning(UserWarning):
+class SpecWarning(_Located, UserWarning):
     """A variant that compiles but likely does not mean what it says (a read of a
     fixed-size table that can leave it). A Python warning, so it can be filtered or made
     an error: `warnings.simplefilter("error", attncc.SpecWarning)`. Printed located, as
     SpecError is, with `warning:` instead of `error:`."""
-
-    def __init__(self, message: str, *, path: str | None = None, line: int | None = None,
-                 column: int | None = None, source_line: str | None = None, width: int = 1):
-        super().__init__(message)
-        self.message = message
-        self.path = path
-        self.line = line
-        self.column = column
-        self.source_line = source_line
-        self.width = max(1, width)
 
     def __str__(self) -> str:
         return _located_text(self, "warning")
