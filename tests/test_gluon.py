@@ -420,3 +420,37 @@ def test_a_pinned_config_is_checked_by_the_backend_it_pins():
         attncc.compile(spec, config=ws)
     with pytest.raises(ValueError, match="num_warps must be an int from 1 to 16"):
         attncc.compile(spec, config=dict(ws, num_warps=32))
+
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernels run on Hopper GPUs")
+def test_a_gluon_launch_in_a_fresh_thread_finds_a_context():
+    """A Gluon launch whose kernel is compiled and loaded already, made from a thread
+    where nothing has touched CUDA yet (autograd's backward thread in a warm process),
+    builds its TMA descriptors with a context current: before the launchers bound it,
+    this failed with "Failed to create tensor map descriptor: invalid device context"
+    (benchmarks/RESULTS.md run 134)."""
+    import threading
+    kernel = attncc.compile(str(EXAMPLES / "causal.attn"), backend="gluon")
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 256, 64, generator=gen, dtype=torch.float16).cuda()
+               for _ in range(3))
+    module = kernel.module_of("gluon")
+    config = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+    want, _ = module.forward(q, k, v, {}, config=config)  # compiled and loaded here
+    torch.cuda.synchronize()
+    got, failure = [], []
+
+    def launch():
+        try:
+            got.append(module.forward(q, k, v, {}, config=config)[0])
+            torch.cuda.synchronize()
+        except Exception as e:  # reported below, with its message
+            failure.append(e)
+    thread = threading.Thread(target=launch)
+    thread.start()
+    thread.join()
+    assert not failure, failure
+    assert torch.equal(got[0], want)
