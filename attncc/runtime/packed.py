@@ -71,44 +71,53 @@ def _term(side: str, coefs: dict) -> Term:
                 side, tuple((v, coefs[v]) for v in SEQUENCE_VALUES if coefs.get(v)))
 
 
-def _linear(e):
+class _LinearForm(ir.Visitor):
     """`e` as an integer linear form {symbol: coefficient} (1 keys the constant; q, k,
     len_q, len_k are positions; h, dim and int params pass through as IR nodes), or None
     when it is not one."""
-    if isinstance(e, ir.Const):
+
+    def Const(self, e):
         return {1: e.value} if e.type == ir.INT else None
-    if isinstance(e, ir.Param):
+
+    def Param(self, e):
         return None  # its value is not known here; kept as it is by the caller
-    if isinstance(e, ir.Var):
+
+    def Var(self, e):
         if e.name in POSITIONS:
             return {e.name: 1}
         return {e: 1} if e.name in ("h", "dim") else None
-    if isinstance(e, ir.Neg):
-        x = _linear(e.operand)
+
+    def Neg(self, e):
+        x = self(e.operand)
         return None if x is None else {key: -c for key, c in x.items()}
-    if isinstance(e, ir.BinOp) and e.op in ("+", "-"):
-        a, b = _linear(e.lhs), _linear(e.rhs)
+
+    def BinOp(self, e):
+        if e.op not in ("+", "-", "*"):
+            return None
+        a, b = self(e.lhs), self(e.rhs)
         if a is None or b is None:
             return None
+        if e.op == "*":
+            if set(a) <= {1}:
+                a, b = b, a
+            if not set(b) <= {1}:
+                return None
+            c = b.get(1, 0)
+            return {key: c * x for key, x in a.items() if c * x}
         sign = 1 if e.op == "+" else -1
         out = dict(a)
         for key, c in b.items():
             out[key] = out.get(key, 0) + sign * c
         return {key: c for key, c in out.items() if c}
-    if isinstance(e, ir.BinOp) and e.op == "*":
-        a, b = _linear(e.lhs), _linear(e.rhs)
-        if a is None or b is None:
-            return None
-        if set(a) <= {1}:
-            a, b = b, a
-        if not set(b) <= {1}:
-            return None
-        c = b.get(1, 0)
-        return {key: c * x for key, x in a.items() if c * x}
-    return None
+
+    def other(self, e):
+        return None
 
 
-class _Rewrite:
+_linear = _LinearForm()
+
+
+class _Rewrite(ir.Visitor):
     """Rewrites one variant's expressions into in-sequence form, noting what it reads.
 
     Within sequence s, query q and key k sit at positions q - start_q(s) and
@@ -162,35 +171,49 @@ class _Rewrite:
         return expr if expr is not None else ir.Const(0, ir.INT)
 
     def __call__(self, e):
-        if isinstance(e, ir.Cmp):
-            lhs, rhs = _linear(e.lhs), _linear(e.rhs)
-            if lhs is not None and rhs is not None:
-                form = dict(lhs)
-                for key, c in rhs.items():
-                    form[key] = form.get(key, 0) - c
-                form = {key: c for key, c in form.items() if c}
-                if any(key in POSITIONS for key in form):
-                    op = e.op
-                    if form.get("q", 0) < 0 or (not form.get("q") and form.get("k", 0) < 0):
-                        # q first and positive (`k <= q` reads `q - k >= 0`), so that
-                        # the same difference is the same Term.
-                        form = {key: -c for key, c in form.items()}
-                        op = FLIPPED[op]
-                    return ir.Cmp(op, self.linear(form, with_constant=False),
-                                  ir.Const(-form.get(1, 0), ir.INT))
+        # A linear integer form in the positions becomes a Term whatever its node (a
+        # comparison of two such forms is one linear form too: Cmp below).
         form = _linear(e)
         if form is not None and any(key in POSITIONS for key in form):
             return self.linear(form)
-        if isinstance(e, ir.Var):
-            mapped = {"q": "pos_q", "k": "pos_k", "len_q": "len_q", "len_k": "len_k",
-                      "b": "seq_q"}.get(e.name)
-            return self.read(mapped) if mapped else e
-        if isinstance(e, ir.Load):
-            return self.load(e)
-        if isinstance(e, ir.Member):  # only in layouts, which varlen refuses
-            raise CallError("index lists (`kb in t[...]`) have no meaning in a packed stream")
-        if isinstance(e, (ir.Const, ir.Param)):
-            return e
+        return super().__call__(e)
+
+    def Cmp(self, e):
+        lhs, rhs = _linear(e.lhs), _linear(e.rhs)
+        if lhs is not None and rhs is not None:
+            form = dict(lhs)
+            for key, c in rhs.items():
+                form[key] = form.get(key, 0) - c
+            form = {key: c for key, c in form.items() if c}
+            if any(key in POSITIONS for key in form):
+                op = e.op
+                if form.get("q", 0) < 0 or (not form.get("q") and form.get("k", 0) < 0):
+                    # q first and positive (`k <= q` reads `q - k >= 0`), so that the
+                    # same difference is the same Term.
+                    form = {key: -c for key, c in form.items()}
+                    op = FLIPPED[op]
+                return ir.Cmp(op, self.linear(form, with_constant=False),
+                              ir.Const(-form.get(1, 0), ir.INT))
+        return self.other(e)
+
+    def Var(self, e):
+        mapped = {"q": "pos_q", "k": "pos_k", "len_q": "len_q", "len_k": "len_k",
+                  "b": "seq_q"}.get(e.name)
+        return self.read(mapped) if mapped else e
+
+    def Load(self, e):
+        return self.load(e)
+
+    def Member(self, e):  # only in layouts, which varlen refuses
+        raise CallError("index lists (`kb in t[...]`) have no meaning in a packed stream")
+
+    def Const(self, e):
+        return e
+
+    Param = Const
+
+    def other(self, e):
+        """Any other node, rebuilt from its rewritten parts."""
         fields = {f.name: getattr(e, f.name) for f in dataclasses.fields(e)}
         for name, value in fields.items():
             if isinstance(value, tuple):
