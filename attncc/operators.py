@@ -36,6 +36,7 @@ attncc/analysis/ranges.py refuses a `//` or `%` whose divisor can be 0.
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import dataclass
@@ -381,6 +382,25 @@ def _max_bounds(m, a, b):
     return Bounds(m.max(a.lo, b.lo), m.max(a.hi, b.hi))
 
 
+def _logistic(x: float) -> float:
+    """1 / (1 + e^-x), written so that neither branch overflows (e^-x would for x far
+    below 0)."""
+    return 1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))
+
+
+@functools.lru_cache(maxsize=None)
+def _sympy_sigmoid(sp):
+    """sigmoid as a sympy function of its own (made on first use: attncc is imported
+    without sympy), whose derivative is written in itself, σ(1 − σ): the form sympy would
+    derive from 1 / (1 + e^-x), e^-x / (1 + e^-x)², is inf / inf in fp32 for x below
+    about -88, where σ(1 − σ) is 0."""
+    class sigmoid(sp.Function):
+        def fdiff(self, argindex=1):
+            value = self.func(*self.args)
+            return value * (1 - value)
+    return sigmoid
+
+
 def _increasing(fn, domain=lambda lo, hi: True):
     """A function increasing where `domain(lo, hi)` holds of the operand's bounds."""
     @_numeric
@@ -555,6 +575,9 @@ FUNCTIONS = {e.name: e for e in [
               _on_floats(torch.tanh, math.tanh), lambda sp, x: sp.tanh(x),
               _increasing(math.tanh), "_tanh({0})", "torch.tanh({0})", ("tanh",),
               helpers=("_tanh",)),
+    _function("sigmoid", 1, "(x)", "the logistic function 1 / (1 + e^-x)", to_float,
+              _on_floats(torch.sigmoid, _logistic), lambda sp, x: _sympy_sigmoid(sp)(x),
+              _increasing(_logistic), "tl.sigmoid({0})", "torch.sigmoid({0})", ("sigmoid",)),
     _function("sqrt", 1, "(x)", "square root", to_float, _on_floats(torch.sqrt, math.sqrt),
               lambda sp, x: sp.sqrt(x), _increasing(math.sqrt, lambda lo, hi: lo >= 0),
               "tl.sqrt({0})", "torch.sqrt({0})", ("sqrt",)),

@@ -13,6 +13,7 @@ import torch
 
 import attncc
 from attncc import ir, operators
+from attncc.operators import FUNCTIONS
 from attncc.analysis import intervals, ranges
 from attncc.backends.portable import codegen
 from attncc.codegen import derivative
@@ -138,3 +139,50 @@ def test_a_toy_function_is_picked_up_everywhere(double):
     # The decorator: attncc.<name> is made from the table (when attncc is imported).
     traced = decorator._traced(double, "double")(decorator.Sym(ir.Var("q")))
     assert traced.node == v.mask.lhs
+
+
+# --------------------------------------------------------------------------- sigmoid
+SIGMOID = "attention gate { mask q >= k score s * sigmoid(60.0 * s) }"
+
+
+def test_sigmoid_in_a_score_against_its_formula_where_its_argument_is_huge():
+    """sigmoid(x) = 1 / (1 + e^-x), its derivative σ(1 − σ). The argument reaches ±200
+    here: sympy's own derivative of 1 / (1 + e^-x), e^-x / (1 + e^-x)², would be
+    inf / inf = NaN in fp32 there; σ(1 − σ) is 0. Causal, len_q ≠ len_k, lengths off the
+    tile, three heads; kernels and gradients against float64 written from the formula."""
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 3, 37, 16, generator=gen, dtype=torch.float32) * 1.5
+    k = torch.randn(2, 3, 53, 16, generator=gen, dtype=torch.float32) * 1.5
+    v = torch.randn(2, 3, 53, 16, generator=gen, dtype=torch.float32)
+    dout = torch.randn(2, 3, 37, 16, generator=gen, dtype=torch.float32)
+    kernel = attncc.compile(SIGMOID)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = kernel(*leaves)
+    out.backward(dout)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    s = q64 @ k64.transpose(-1, -2) / 4.0  # the default scale, 1/sqrt(16)
+    assert s.abs().max() * 60.0 > 150.0  # the argument is huge somewhere
+    s = s * (1.0 / (1.0 + torch.exp(-60.0 * s)))
+    allowed = torch.arange(37)[:, None] >= torch.arange(53)[None, :]
+    want = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1) @ v64
+    want.backward(dout.double())
+    for got, ref in ((out, want), *zip((t.grad for t in leaves), (q64.grad, k64.grad, v64.grad))):
+        assert torch.isfinite(got).all()
+        error = (got.double() - ref).abs().max().item()
+        assert error <= 1e-3 * (1.0 + ref.abs().max().item()), error
+
+
+def test_sigmoid_is_one_table_entry_the_decorator_and_reference_read():
+    @attncc.variant
+    class gate:
+        def mask(q, k):
+            return q >= k
+
+        def score(s):
+            return s * attncc.sigmoid(60.0 * s)
+    assert attncc.parse(SIGMOID).score == gate.score
+    x = torch.tensor([-800.0, -30.0, 0.0, 2.5, 800.0], dtype=torch.float64)
+    sigmoid = lambda t: FUNCTIONS["sigmoid"].torch(t, float_dtype=torch.float64)
+    assert torch.allclose(sigmoid(x), 1.0 / (1.0 + torch.exp(-x)))
+    # On numbers (the interval rule's ends): finite where e^800 is not.
+    assert [sigmoid(t) for t in (-800.0, 0.0, 800.0)] == [0.0, 0.5, 1.0]
