@@ -41,6 +41,8 @@ PORTABLE = {
                    "block_n, device) -> {field: tensor}",
     # decoding (runtime/decoding.py)
     "decode": "decode(q, k_cache, v_cache, lens, inputs, *, ...) -> (out, lse)",
+    "decode_plan": "decode_plan(q, k_cache, v_cache, lens, inputs, *, ..., launcher) -> "
+                   "run(q, k_cache, v_cache, lens, inputs, k_new, v_new, block_table)",
     "decode_append_kv": "writes k_new, v_new into the cache in place",
     "decode_reach_tiles": "the key tiles a decode step's rows can reach",
 }

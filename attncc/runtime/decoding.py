@@ -386,10 +386,20 @@ class DecodeOptions(CallRecord):
 def decode(kernel, q, k_cache, v_cache, /, *, cache_seqlens=None, k_new=None, v_new=None,
            block_table=None, return_lse: bool = False, num_splits: int | None = None,
            config: dict | None = None, rows_before_start: bool = False, **inputs):
-    """See Kernel.decode. Checks the call here (what torch.compile traces: shapes, dtypes,
-    devices and ints, no tensor values), then runs the variant's decode op
-    (attncc/runtime/ops.py), which calls run_decode. rows_before_start is attncc.flash's:
-    see the generated module's decode."""
+    """See Kernel.decode. An eager call like an earlier one (plan_key) runs that call's
+    launch plan at once. Otherwise the call is checked here (what torch.compile traces:
+    shapes, dtypes, devices and ints, no tensor values); an eager one then makes its plan
+    and runs it, a traced one runs the variant's decode op (attncc/runtime/ops.py), which
+    calls run_decode. rows_before_start is attncc.flash's: see the generated module's
+    decode."""
+    key = None
+    if type(return_lse) is bool and _eager():
+        key = plan_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, num_splits,
+                       config, rows_before_start, inputs)
+        plan = kernel._decode_plans.get(key)
+        if plan is not None:
+            out, lse = plan(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, inputs)
+            return (out, lse) if return_lse else out
     for name in _NOT_DECODE_ARGUMENTS:  # no input has these names (attncc/calls.py)
         if name in inputs:
             raise CallError(f"decode takes no {name}=: {_NOT_DECODE_ARGUMENTS[name]}")
@@ -397,7 +407,14 @@ def decode(kernel, q, k_cache, v_cache, /, *, cache_seqlens=None, k_new=None, v_
         raise CallError(f"return_lse must be True or False, got {return_lse!r}")
     _, seqlens = check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                    block_table, inputs)
-    options = DecodeOptions.of(num_splits, check_pins(num_splits, config), rows_before_start)
+    pinned = check_pins(num_splits, config)
+    if key is not None and q.shape[2]:
+        plan = make_plan(kernel, q, k_cache, v_cache, seqlens, k_new, v_new, block_table, inputs,
+                         num_splits=num_splits, config=pinned, rows_before_start=rows_before_start)
+        keep_plan(kernel, key, plan)
+        out, lse = plan(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, inputs)
+        return (out, lse) if return_lse else out
+    options = DecodeOptions.of(num_splits, pinned, rows_before_start)
     values = [inputs[d.name] for d in kernel.variant.inputs]
     out, lse = kernel._decode_op(kernel._op_id, q, k_cache, v_cache, seqlens, k_new, v_new,
                                  block_table, values, *options.op_arguments())
@@ -408,22 +425,125 @@ def run_decode(kernel, q, k_cache, v_cache, seqlens, k_new, v_new, block_table, 
                num_splits=None, config=None, rows_before_start=False):
     """The decode op's implementation: the append, the config (pinned, fixed under the
     interpreter, or tuned) and the launches, on a call `decode` has checked."""
+    B, Hq, n_q, D = q.shape
+    if n_q == 0:
+        with torch.no_grad():
+            if k_new is not None and k_new.shape[2]:  # no query: only the append
+                kernel.module.decode_append_kv(k_new, v_new, k_cache, v_cache, seqlens, block_table)
+        out = q.new_zeros((B, Hq, 0, D))
+        lse = torch.zeros((B, Hq, 0), device=q.device, dtype=torch.float32)
+        return out, lse
+    # The op runs on real tensors (a compiled graph's step): plans serve it too.
+    key = plan_key(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, num_splits, config,
+                   rows_before_start, values)
+    plan = kernel._decode_plans.get(key) if key is not None else None
+    if plan is None:
+        plan = make_plan(kernel, q, k_cache, v_cache, seqlens, k_new, v_new, block_table, values,
+                         num_splits=num_splits, config=config, rows_before_start=rows_before_start)
+        if key is not None:
+            keep_plan(kernel, key, plan)
+    return plan(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, values)
+
+
+# ---------------------------------------------------------------------------- launch plans
+# An eager decode step repeats the previous step's call but for the tensors' values
+# (and, in a generation loop, a cache length one longer, which lives on the device).
+# Its checks, config, grids, strides and argument lists are those of the first call of
+# its kind, so they are worked out once into a plan (the generated module's
+# decode_plan) and a later call with the same plan_key only allocates its outputs and
+# launches, each kernel relaunched without Triton's per-call binding
+# (attncc/runtime/launch.py). The key holds everything the checks, the config and the
+# kernels' specialization read: each tensor's type, shape, strides, dtype, device and
+# 16-byte alignment, the inputs' names, the options, the current CUDA device and
+# ATTNCC_TUNE. An int cache_seqlens is checked by the plan on each call (its value
+# changes every step); a tensor's values are never read, as on the checked path.
+MAX_PLANS = 64  # per kernel: a model decodes with a handful of shapes
+
+
+def _eager() -> bool:
+    """Whether a call may skip the decode op: not traced by torch.compile, no tensor or
+    function mode active (FakeTensorMode, a flop counter), no profiler recording ops."""
+    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+                or torch._C._is_torch_function_mode_enabled()
+                or torch._C._autograd._profiler_enabled())
+
+
+def _tensor_key(t) -> tuple:
+    """A plain tensor's part of a plan key; TypeError for anything else (a subclass goes
+    through the op, which dispatches to it)."""
+    if type(t) is not torch.Tensor:
+        raise TypeError
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0
+
+
+def _typed(value) -> tuple:
+    return type(value), value  # True and 1 are equal keys, but not equal options
+
+
+def plan_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, num_splits, config,
+             rows_before_start, inputs) -> tuple | None:
+    """What a decode call's plan depends on, hashable; None when the call holds something
+    that is not a plain tensor where a tensor goes (the checked path names it)."""
+    try:
+        return (_tensor_key(q), _tensor_key(k_cache), _tensor_key(v_cache),
+                int if type(cache_seqlens) is int else _tensor_key(cache_seqlens),
+                None if k_new is None else _tensor_key(k_new),
+                None if v_new is None else _tensor_key(v_new),
+                None if block_table is None else _tensor_key(block_table),
+                _typed(num_splits), _typed(rows_before_start),
+                None if config is None else tuple([(k, _typed(v)) for k, v in config.items()]),
+                tuple([(name, _tensor_key(t)) for name, t in inputs.items()]),
+                torch.cuda.current_device() if q.is_cuda else None,
+                os.environ.get("ATTNCC_TUNE"))
+    except (TypeError, AttributeError):
+        return None
+
+
+def keep_plan(kernel, key: tuple, plan) -> None:
+    plans = kernel._decode_plans
+    if len(plans) >= MAX_PLANS:
+        del plans[next(iter(plans))]  # the oldest
+    plans[key] = plan
+
+
+class DecodePlan:
+    """The launches of decode calls alike (plan_key): the generated module's plan, run on
+    each call's tensors. An int cache_seqlens becomes the (batch,) tensor the kernels read,
+    after the check the checked path makes."""
+    __slots__ = ("run", "batch", "capacity", "n_new", "device")
+
+    def __init__(self, run, p: DecodeProblem, device):
+        self.run = run
+        self.batch, self.capacity, self.n_new, self.device = p.batch, p.capacity, p.n_new, device
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, inputs):
+        if type(cache_seqlens) is int:
+            _check_int_length(cache_seqlens, self.capacity, self.n_new)
+            cache_seqlens = torch.full((self.batch,), cache_seqlens, dtype=torch.int32,
+                                       device=self.device)
+        return self.run(q, k_cache, v_cache, cache_seqlens, inputs, k_new, v_new, block_table)
+
+
+def make_plan(kernel, q, k_cache, v_cache, seqlens, k_new, v_new, block_table, values: dict, *,
+              num_splits=None, config=None, rows_before_start=False) -> DecodePlan:
+    """The plan of a checked call with n_q >= 1 (seqlens a tensor): its config (pinned,
+    fixed under the interpreter, or tuned, which runs candidates on the call's tensors)
+    and the module's plan for it, each kernel launched through launch.Launch."""
+    from .launch import Launch
     precompile.wait_for_triton()
     module = kernel.module
-    B, Hq, n_q, D = q.shape
-    with torch.no_grad():  # inference only: nothing here builds an autograd graph
-        if n_q == 0:
-            if k_new is not None and k_new.shape[2]:  # no query: only the append
-                module.decode_append_kv(k_new, v_new, k_cache, v_cache, seqlens, block_table)
-            out = q.new_zeros((B, Hq, 0, D))
-            lse = torch.zeros((B, Hq, 0), device=q.device, dtype=torch.float32)
-            return out, lse
-        p = decode_problem(q, k_cache, k_new, block_table)
-        run = lambda cfg: module.decode(q, k_cache, v_cache, seqlens, values, k_new=k_new,
-                                        v_new=v_new, block_table=block_table, config=cfg,
-                                        rows_before_start=rows_before_start)
-        cfg = decode_config(kernel, p, q.dtype, run, num_splits=num_splits, config=config)
-        return run(cfg)
+    p = decode_problem(q, k_cache, k_new, block_table)
+
+    def plan_of(cfg):
+        return module.decode_plan(q, k_cache, v_cache, seqlens, values, k_new=k_new, v_new=v_new,
+                                  block_table=block_table, config=cfg,
+                                  rows_before_start=rows_before_start, launcher=Launch)
+
+    def run(cfg):  # a tuning candidate: its own plan, run once
+        return plan_of(cfg)(q, k_cache, v_cache, seqlens, values, k_new, v_new, block_table)
+
+    cfg = decode_config(kernel, p, q.dtype, run, num_splits=num_splits, config=config)
+    return DecodePlan(plan_of(cfg), p, q.device)
 
 
 # ---------------------------------------------------------------------------- reference

@@ -63,6 +63,7 @@ class Kernel:
         self._op_id = ops.register_kernel(self)  # how the operator finds this kernel
         # kernel.decode's operator, defined now: torch.compile cannot trace its definition.
         self._decode_op = ops.decode_operator(self)  # torch.ops.attncc.<name>_<key>_<revision>_decode
+        self._decode_plans: dict = {}  # plan key -> DecodePlan (runtime/decoding.py)
         # The same variant without dropout, for training=False: its module is generated on
         # first use, but the Kernel exists now, so that torch.compile can trace a call of
         # it (a kernel made at trace time would be file reads and writes, untraceable).
