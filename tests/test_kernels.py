@@ -153,6 +153,65 @@ def test_kernels_launched_longest_tiles_first_cover_every_tile(spec, reversed_ke
     compare(variant, B=1, H=2, Lq=70, Lk=53, D=16)
 
 
+class _Grid:
+    """tl / gl for a program's tile-order lines run in Python: one program of a 1D grid."""
+
+    def __init__(self, pid: int, size: int):
+        self.pid, self.size = pid, size
+
+    program_id = lambda self, axis: self.pid
+    num_programs = lambda self, axis: self.size
+    cdiv = staticmethod(lambda a, b: -(-a // b))
+    minimum, maximum = staticmethod(min), staticmethod(max)
+
+
+def _tile_order_lines(source: str, kernel: str) -> str:
+    """The lines of `kernel` that pick its program's tile and batch·head."""
+    body = source[source.index(f"def {kernel}("):]
+    body = body[body.index("pid = "):]
+    return "\n".join(line.strip() for line in body[:body.index("longest first")].splitlines())
+
+
+@pytest.mark.parametrize("backend", ["portable", "gluon"])
+@pytest.mark.parametrize("spec,kernel,tile,bh", [
+    (CAUSAL, "attn_fwd", "tile_q", "pid_bh"),
+    ("attention anti_causal { mask q <= k }", "attn_bwd_dkdv", "tile_k", "pid_bhk"),
+])
+def test_longest_tiles_run_first_across_heads_in_groups_that_fit_l2(backend, spec, kernel, tile,
+                                                                    bh):
+    # The rendered lines run in Python over every program of grids whose heads fall in
+    # one group, several, and several with a smaller last one: each (tile, batch·head)
+    # is taken once; the groups hold the heads whose other side (K and V, or Q and dO, 2
+    # bytes each) fits 32 MiB, in order; within a group the tiles run longest first with
+    # the heads varying fastest.
+    variant = attncc.parse(spec)
+    if backend == "gluon":
+        from attncc.backends.gluon.codegen import generate as generate_gluon
+        source = generate_gluon(variant).source
+    else:
+        source = generate(variant).source
+    lines = _tile_order_lines(source, kernel) + "  # longest first"
+    for n_bh, n_tiles, length, dim in [(6, 5, 64, 128), (8, 7, 20000, 128), (7, 3, 70000, 64),
+                                      (5, 4, 1 << 20, 128)]:
+        group = 1
+        while group < n_bh and (group + 1) * length * dim * 4 <= 32 * 2 ** 20:
+            group += 1
+        seen = []
+        for pid in range(n_bh * n_tiles):
+            own, other = ("len_q", "len_k") if tile == "tile_q" else ("len_k", "len_q")
+            names = {"tl": _Grid(pid, n_bh * n_tiles), "gl": _Grid(pid, n_bh * n_tiles),
+                     "HEAD_DIM": dim, "BLOCK_M": 16, "BLOCK_N": 16, own: n_tiles * 16,
+                     other: length}
+            exec(lines, {}, names)
+            seen.append((names[bh], names[tile]))
+        assert sorted(seen) == [(h, t) for h in range(n_bh) for t in range(n_tiles)]
+        expected = []  # both variants' heavy tiles are their last ones
+        for first in range(0, n_bh, group):
+            heads = range(first, min(first + group, n_bh))
+            expected += [(h, t) for t in reversed(range(n_tiles)) for h in heads]
+        assert seen == expected, (n_bh, n_tiles, length, dim, group)
+
+
 def test_bottom_right_causal_with_more_keys_than_queries():
     compare(attncc.parse("attention br { mask q + len_k - len_q >= k }"), Lq=20, Lk=50)
 
