@@ -9,7 +9,8 @@ keyed on every shape, stride, dtype, alignment and option: attncc/runtime/decodi
 can hand the arguments straight to the `CompiledKernel` the JIT returned. Its
 `run(grid_x, grid_y, grid_z, stream, function, packed_metadata, launch_metadata,
 enter_hook, exit_hook, *arguments)` is what the JIT itself calls, with the same
-arguments, on Triton 3.6 and 3.9 alike (triton/runtime/jit.py, JITFunction.run).
+arguments, on Triton 3.6 and 3.9 alike (Triton's JITFunction.run, in its runtime/jit
+module).
 
 The JIT path is kept where the shortcut would not be the same launch: under the
 interpreter (nothing is compiled), when a launch hook is installed (a profiler such as
