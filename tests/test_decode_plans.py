@@ -28,6 +28,7 @@ from attncc.semantics.tolerance import max_abs_error, within_tolerance
 CAUSAL = "attention causal { mask q >= k }"
 ALIBI = "attention alibi { input slopes: f32[h]  mask q >= k  score s + slopes[h] * (k - q) }"
 B, HQ, HKV, CAPACITY, D = 1, 2, 1, 24, 16
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: the compiled relaunch
 
 
 def tensors(seed, *, dtype=torch.float32, n_q=1, batch=B):
@@ -37,7 +38,7 @@ def tensors(seed, *, dtype=torch.float32, n_q=1, batch=B):
     v = torch.randn(batch, HKV, CAPACITY, D, generator=gen).to(dtype)
     lens = torch.randint(1, CAPACITY - 2, (batch,), generator=gen).to(torch.int32)
     slopes = torch.rand(HQ, generator=gen) * 0.5
-    return q, k, v, lens, slopes
+    return tuple(t.to(DEVICE) for t in (q, k, v, lens, slopes))
 
 
 def assert_matches_reference(variant, out, lse, q, k, v, **call):
@@ -66,6 +67,18 @@ def test_a_repeated_call_runs_its_plan_on_its_own_tensors():
         decoding.make_plan = original
     assert made == [] and len(kernel._decode_plans) == 1
     assert_matches_reference(kernel.variant, out, lse, q, k, v, cache_seqlens=lens, slopes=slopes)
+    # On a GPU the second call relaunched the kernels the first compiled; the interpreter
+    # compiles nothing, and its launches stay on the JIT.
+    plan = next(iter(kernel._decode_plans.values()))
+    cells = []
+    for cell in plan.run.__closure__:
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:  # decode_append's launch, unbound in a plan that appends nothing
+            pass
+    launches = [c for c in cells if isinstance(c, launch.Launch)]
+    assert len(launches) == 2  # decode_split and decode_merge
+    assert all((run.compiled is not None) == (DEVICE == "cuda") for run in launches)
 
 
 def test_appending_through_a_plan_writes_each_calls_tokens():
@@ -73,7 +86,7 @@ def test_appending_through_a_plan_writes_each_calls_tokens():
     q, k, v, lens, _ = tensors(2)
     for step in range(3):  # a generation loop: one token appended per step
         gen = torch.Generator().manual_seed(10 + step)
-        k_new, v_new = (torch.randn(B, HKV, 1, D, generator=gen) for _ in range(2))
+        k_new, v_new = (torch.randn(B, HKV, 1, D, generator=gen).to(DEVICE) for _ in range(2))
         before_k, before_v = k.clone(), v.clone()
         out, lse = kernel.decode(q, k, v, cache_seqlens=lens, k_new=k_new, v_new=v_new,
                                  return_lse=True)
@@ -90,8 +103,8 @@ def _variations():
     q2, k2, v2, lens2, _ = tensors(4, n_q=2)
     qh, kh, vh, _, _ = tensors(5, dtype=torch.float16)
     qb, kb, vb, lensb, _ = tensors(6, batch=2)
-    wide = torch.randn(B, HQ, 1, 2 * D)[..., :D]  # strides of a (..., 2D) tensor
-    storage = torch.randn(q.numel() + 1)
+    wide = torch.randn(B, HQ, 1, 2 * D, device=DEVICE)[..., :D]  # strides of a (..., 2D) tensor
+    storage = torch.randn(q.numel() + 1, device=DEVICE)
     shifted = storage[1:].view(q.shape)  # 4 bytes off a 16-byte boundary
     return {
         "n_q": dict(base, q=q2),
