@@ -81,6 +81,18 @@ def test_a_repeated_call_runs_its_plan_on_its_own_tensors():
     assert all((run.compiled is not None) == (DEVICE == "cuda") for run in launches)
 
 
+def test_a_plan_keeps_no_tensor_of_the_call_it_was_made_from():
+    import gc
+    import weakref
+    kernel = attncc.compile(ALIBI)
+    q, k, v, lens, slopes = tensors(11)
+    kernel.decode(q, k, v, cache_seqlens=lens, slopes=slopes)
+    made_from = [weakref.ref(t) for t in (q, k, v, lens, slopes)]
+    del q, k, v, lens, slopes
+    gc.collect()
+    assert len(kernel._decode_plans) == 1 and all(ref() is None for ref in made_from)
+
+
 def test_appending_through_a_plan_writes_each_calls_tokens():
     kernel = attncc.compile(CAUSAL)
     q, k, v, lens, _ = tensors(2)
