@@ -412,7 +412,7 @@ def decode(kernel, q, k_cache, v_cache, /, *, cache_seqlens=None, k_new=None, v_
         plan = make_plan(kernel, q, k_cache, v_cache, seqlens, k_new, v_new, block_table, inputs,
                          num_splits=num_splits, config=pinned, rows_before_start=rows_before_start)
         keep_plan(kernel, key, plan)
-        out, lse = plan(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, inputs)
+        out, lse = plan(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, inputs)
         return (out, lse) if return_lse else out
     options = DecodeOptions.of(num_splits, pinned, rows_before_start)
     values = [inputs[d.name] for d in kernel.variant.inputs]
