@@ -77,7 +77,9 @@ def test_a_repeated_call_runs_its_plan_on_its_own_tensors():
         except ValueError:  # decode_append's launch, unbound in a plan that appends nothing
             pass
     launches = [c for c in cells if isinstance(c, launch.Launch)]
-    assert len(launches) == 2  # decode_split and decode_merge
+    # decode_split, and decode_merge where the plan splits the cache (the GPU's untuned
+    # config can take the whole cache in one split: the H200 did, run 137).
+    assert 1 <= len(launches) <= 2
     assert all((run.compiled is not None) == (DEVICE == "cuda") for run in launches)
 
 
