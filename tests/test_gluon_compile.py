@@ -39,14 +39,16 @@ def load(example, path):
     return variant, module
 
 
-POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "O": "*bf16", "DO": "*bf16"}
+POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "O": "*bf16", "DO": "*bf16",
+            "DQ": "*fp32"}
 DTYPES = {"f32": "*fp32", "i32": "*i32", "bool": "*i1"}
 # kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages, other constexprs); BLOCK_M is the
 # query tile's rows (the warp-specialized forward's consumers take half each).
 KERNELS = {"attn_fwd": (128, 128, 8, 2, {}),
            "attn_fwd_ws": (128, 128, 4, 2, {}),
            "attn_bwd_dq": (64, 64, 4, 2, {"DELTA_FROM_O": True, "HAS_DLSE": True}),
-           "attn_bwd_dkdv": (64, 64, 4, 2, {})}
+           "attn_bwd_dkdv": (64, 64, 4, 2, {}),
+           "attn_bwd_fused": (64, 64, 4, 2, {})}
 
 
 def signature(variant, module, fn, consts, dim, rows):
@@ -73,7 +75,7 @@ def signature(variant, module, fn, consts, dim, rows):
 def report(example, name, dim, compiled):
     ttgir = compiled.asm["ttgir"]
     ops = ("ttng.async_tma_copy_global_to_local", "ttng.wait_barrier", "ttng.warp_group_dot",
-           "ttng.async_tma_copy_local_to_global", "ttg.warp_specialize")
+           "ttng.async_tma_copy_local_to_global", "ttg.warp_specialize", "tt.atomic_rmw")
     print(json.dumps({"example": example, "kernel": name, "dim": dim,
                       "shared": compiled.metadata.shared, "cubin": len(compiled.asm["cubin"]),
                       "ops": {op: op in ttgir for op in ops}}), flush=True)
@@ -108,7 +110,7 @@ def _compile(examples: list, head_dims: list, tmp_path) -> list:
 
 def _check(results: list, examples: list, head_dims: list):
     from attncc.backends.gluon.tiles import SMEM_LIMIT
-    kernels = ("attn_fwd", "attn_fwd_ws", "attn_bwd_dq", "attn_bwd_dkdv")
+    kernels = ("attn_fwd", "attn_fwd_ws", "attn_bwd_dq", "attn_bwd_dkdv", "attn_bwd_fused")
     assert sorted((Path(r["example"]).name, r["kernel"], r["dim"]) for r in results) == sorted(
         (e, k, d) for e in examples for k in kernels for d in head_dims)
     for r in results:
@@ -121,6 +123,8 @@ def _check(results: list, examples: list, head_dims: list):
         assert ops["ttng.async_tma_copy_global_to_local"] and ops["ttng.wait_barrier"], what
         assert ops["ttng.warp_group_dot"] and ops["ttng.async_tma_copy_local_to_global"], what
         assert ops["ttg.warp_specialize"] == (r["kernel"] == "attn_fwd_ws"), what
+        # Only the fused backward sums dQ with atomic adds (the others are deterministic).
+        assert ops["tt.atomic_rmw"] == (r["kernel"] == "attn_bwd_fused"), what
 
 
 def test_gluon_kernels_compile_for_hopper(tmp_path):

@@ -123,10 +123,13 @@ def fused_candidates(head_dim: int) -> list:
     """Fused backward tile configs (BLOCK_M query rows stream past BLOCK_N key rows),
     most likely winner first. Each thread holds the dK/dV kernel's tiles and, after them,
     its part of the dQ partial [BLOCK_M, HEAD_DIM]."""
-    # FlashAttention-3's shape at head dim 128 (64 queries past 128 keys, two consumer
-    # warpgroups) first; not yet timed on a GPU.
-    shapes = {64: [(64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2)],
-              128: [(64, 128, 8, 2), (64, 64, 4, 2), (64, 128, 8, 3)]}
+    # Not yet timed on a GPU; ordered by ptxas's spills on Triton 3.6 (benchmarks/
+    # gluon_compile.py --backward --all-configs, causal and softcap): at head dim 128,
+    # 64x64 w4 spills 104 and 404 bytes (the dK/dV kernel's 56 and 356 at the same
+    # tiles), FlashAttention-3's shape 64x128 w8 296 and 564; at 64 neither spills
+    # causal (softcap: 88 and 24 bytes), and 128x128 w8 spilled 192 and 1024.
+    shapes = {64: [(64, 128, 8, 2), (64, 64, 4, 2)],
+              128: [(64, 64, 4, 2), (64, 128, 8, 2)]}
     configs = [TileConfig(*shape) for shape in shapes.get(head_dim, [])]
     return [c for c in configs if check_fused_config(c, head_dim) is None]
 
