@@ -101,8 +101,11 @@ def dq_candidates(head_dim: int) -> list:
 
 
 def _fused_smem(config: TileConfig, head_dim: int) -> int:
-    """The dK/dV kernel's tiles plus dS^T [BLOCK_N, BLOCK_M], in 16-bit elements."""
-    return _backward_smem("dkdv", config, head_dim) + 2 * config.block_m * config.block_n
+    """The dK/dV kernel's tiles plus dS^T [BLOCK_N, BLOCK_M] in 16-bit elements, and the
+    float32 dQ partial [BLOCK_M, HEAD_DIM] that a Triton with the bulk reduce-add stages
+    (counted always: a config must fit under either Triton)."""
+    return (_backward_smem("dkdv", config, head_dim) + 2 * config.block_m * config.block_n
+            + 4 * config.block_m * head_dim)
 
 
 def check_fused_config(config: TileConfig, head_dim: int | None) -> str | None:
