@@ -299,7 +299,7 @@ def test_deterministic_false_runs_the_fused_backward(monkeypatch):
     calls = []
     _stand_in_gluon(kernel, monkeypatch, calls)
     gen = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, 2, 40, 64, generator=gen) for _ in range(3))
+    q, k, v = (torch.randn(1, 1, 20, 64, generator=gen) for _ in range(3))
     fused = _grads(kernel, q, k, v, deterministic=False)
     assert calls == ["forward", "fused"]
     backend, why = kernel.last_backward["fused"]
