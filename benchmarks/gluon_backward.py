@@ -1,30 +1,20 @@
 """GPU script for the Gluon backend's backward (issue 18, stage 3): the dQ and dK/dV
-kernels and the fused backward (issue 32) checked against the float64 reference, then
-timed against the portable ones, in one call.
+kernels checked against the float64 reference, then timed against the portable ones, in
+one call.
 
     python benchmarks/gluon_backward.py [--part correctness|speed|all] [--variants full,causal]
-    python benchmarks/gluon_backward.py --part fused [--variants full,causal,...]
 
 Correctness: each example variant the Gluon backward takes, on awkward shapes (300
 tokens over two batches with GQA 4/2; len_q 200 != len_k 517; one query token; head dim
 64 too; fp16 too), the other configs on a few; dQ (computing delta itself), dK and dV of
 the Gluon kernels, fed the portable forward's output and LSE, held to
-attncc/semantics/tolerance.py's rule against attncc.reference in float64; the fused
-backward's dQ, dK and dV (deterministic=False) on every case too, and on a few through
-the public call, kernel(..., deterministic=False) under autograd, with its LSE's
-gradient. A watchdog names a case that hangs.
+attncc/semantics/tolerance.py's rule against attncc.reference in float64. A watchdog names a
+case that hangs.
 
 Speed: the ANCHORS shape (bf16, 16 heads, 16384 tokens, head dim --dim): each kernel's
 portable candidates (the four the tuner times) against every Gluon config, the same
 inputs, medians of do_bench, ms. Full results go to $OUT/gluon_backward-PART.json; a short
 table is printed last.
-
-Fused: the same shape (bf16, 16 heads, 16384 tokens, head dim 128; --variants, default
-full, causal, causal_gqa 32/8, sliding_window 1024, softcap 30): the whole backward as
-three schedules, each launch the runtime makes: the fused Gluon backward (delta pass,
-one kernel, dQ's cast) per config; the split Gluon kernels (dQ computing delta, then
-dK/dV) at their first configs; the portable split kernels at theirs. Also each fused
-config's largest difference from the split Gluon gradients.
 """
 from __future__ import annotations
 
@@ -80,18 +70,14 @@ def dq_candidates(D):
     return _dicts(tiles.dq_candidates(D))
 
 
-def fused_candidates(D):
-    return _dicts(tiles.fused_candidates(D))
-
-
 def _label(c):
     return f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}"
 
 
-def check_dkdv(variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, config, dq_config, fused_config,
-               seed=0, q_offset=0, k_offset=0):
+def check_dkdv(variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, config, dq_config, seed=0, q_offset=0,
+               k_offset=0):
     """Rows (tensor, err, eager_err, ok) for the Gluon dQ (with its delta) and dK/dV
-    kernels, and the fused backward ("fused dq" ...), on one problem."""
+    kernels on one problem."""
     dev = "cuda"
     torch.manual_seed(seed)
     if variant.heads:
@@ -112,8 +98,6 @@ def check_dkdv(variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, config, dq_config, fuse
     own_delta = host.new_delta(q)
     dq, _ = glu.backward_dq(q, k, v, lse, own_delta, dout, inputs, config=dq_config,
                             out=out, **offsets)
-    fused = glu.backward_fused(q, k, v, lse, delta, dout, inputs, config=fused_config,
-                               **offsets)
     rows = [dict(tensor="delta", err=(own_delta - delta).abs().max().item(),
                  ok=bool(torch.allclose(own_delta, delta, rtol=1e-4, atol=1e-4)))]
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
@@ -124,52 +108,10 @@ def check_dkdv(variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, config, dq_config, fuse
     egrads = torch.autograd.grad(eager, (qe, ke, ve), dout)
     from attncc.semantics.reference import scale_value
     scales = gradient_scales(qr, kr, ref, dout, scale_value(variant, D), Hq // Hkv)
-    for what, grads in (("", (dq, dk, dv)), ("fused ", fused)):
-        for n, g, rg, eg in zip("qkv", grads, rgrads, egrads):
-            err, eerr = max_abs_error(g, rg), max_abs_error(eg, rg)
-            ok = within_tolerance(err, eerr, dtype, rg, scales.get(f"d{n}", 1.0))
-            rows.append(dict(tensor=f"{what}d{n}", err=err, eager_err=eerr, ok=bool(ok)))
-    return rows
-
-
-def check_public_call(variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, seed=0):
-    """Rows for kernel(..., deterministic=False) under autograd, a loss reading the LSE
-    too: its gradients against the reference's, and that the fused backward ran."""
-    dev = "cuda"
-    torch.manual_seed(seed)
-    if variant.heads:
-        Hq, Hkv = variant.heads.q, variant.heads.kv
-    p = Problem(B, Hq, Hkv, Lq, Lk, D, D, 0, 0)
-    inputs = sample_inputs(variant, p, seed=seed, device=dev)
-    base = [torch.randn(B, h, n, D, device=dev, dtype=torch.float64)
-            for h, n in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk))]
-    kernel = attncc.compile(variant, backend="gluon")
-    dout = torch.randn(B, Hq, Lq, D, device=dev, dtype=torch.float64)
-    dlse = torch.randn(B, Hq, Lq, device=dev, dtype=torch.float64)
-
-    def grads(fn, dtype):
-        leaves = [t.to(dtype).requires_grad_() for t in base]
-        out, lse = fn(*leaves)
-        loss = (out * dout.to(dtype)).sum() + (torch.where(lse.isinf(), 0.0, lse) * dlse.to(lse.dtype)).sum()
-        return torch.autograd.grad(loss, leaves), leaves
-
-    got, leaves = grads(lambda q, k, v: kernel(q, k, v, return_lse=True, deterministic=False,
-                                               **inputs), dtype)
-    ran = kernel.last_backward
-    ref, ref_leaves = grads(lambda q, k, v: attncc.reference(variant, q, k, v, return_lse=True,
-                                                             **inputs), torch.float64)
-    eager, _ = grads(lambda q, k, v: attncc.reference(variant, q, k, v, return_lse=True,
-                                                      **inputs), dtype)
-    from attncc.semantics.reference import scale_value
-    out64 = attncc.reference(variant, *ref_leaves, **inputs)
-    scales = gradient_scales(ref_leaves[0], ref_leaves[1], out64, dout,
-                             scale_value(variant, D), Hq // Hkv)
-    rows = [dict(tensor="ran the fused backward", err=0.0,
-                 ok=bool(list(ran) == ["fused"] and ran["fused"][0] == "gluon"), ran=str(ran))]
-    for n, g, rg, eg in zip("qkv", got, ref, eager):
+    for n, g, rg, eg in zip("qkv", (dq, dk, dv), rgrads, egrads):
         err, eerr = max_abs_error(g, rg), max_abs_error(eg, rg)
         ok = within_tolerance(err, eerr, dtype, rg, scales.get(f"d{n}", 1.0))
-        rows.append(dict(tensor=f"public d{n}", err=err, eager_err=eerr, ok=bool(ok)))
+        rows.append(dict(tensor=f"d{n}", err=err, eager_err=eerr, ok=bool(ok)))
     return rows
 
 
@@ -183,67 +125,35 @@ def correctness(args, dog):
     bf, fp = torch.bfloat16, torch.float16
     first = backward_candidates(128)[0]
     first_dq = {d: dq_candidates(d)[0] for d in (64, 128)}
-    first_fused = {d: fused_candidates(d)[0] for d in (64, 128)}
-    c128 = (first, first_dq[128], first_fused[128])
-    cases = []  # (variant name, shape, dtype, (dK/dV config, dQ config, fused config))
+    cases = []  # (variant name, shape, dtype, dK/dV config, dQ config)
     for n in taken:
-        cases.append((n, dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128), bf, c128))
+        cases.append((n, dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128), bf, first, first_dq[128]))
         if n in ("full", "causal", "causal_bottom_right", "prefix_lm", "alibi", "sliding_window",
                  "softcap", "bigbird_seeded"):
-            cases.append((n, dict(B=1, Hq=3, Hkv=3, Lq=200, Lk=517, D=128), bf, c128))
+            cases.append((n, dict(B=1, Hq=3, Hkv=3, Lq=200, Lk=517, D=128), bf, first, first_dq[128]))
     for n in ("full", "causal", "document", "gqa_causal"):
         if n in taken:
             cases.append((n, dict(B=1, Hq=4, Hkv=1, Lq=257, Lk=257, D=64), bf,
-                          (backward_candidates(64)[0], first_dq[64], first_fused[64])))
+                          backward_candidates(64)[0], first_dq[64]))
     for n in ("causal", "softcap", "alibi"):
         if n in taken:
-            cases.append((n, dict(B=1, Hq=4, Hkv=4, Lq=333, Lk=333, D=128), fp, c128))
+            cases.append((n, dict(B=1, Hq=4, Hkv=4, Lq=333, Lk=333, D=128), fp, first, first_dq[128]))
     for n in ("full", "causal_bottom_right"):
         if n in taken:
-            cases.append((n, dict(B=2, Hq=2, Hkv=2, Lq=1, Lk=300, D=128), bf, c128))
-    for n in ("causal", "sliding_window"):  # positions offset: a chunk of a longer sequence
-        if n in taken:
-            cases.append((n, dict(B=1, Hq=2, Hkv=1, Lq=200, Lk=517, D=128, q_offset=317,
-                                  k_offset=0), bf, c128))
-    others = list(zip(backward_candidates(128)[1:], dq_candidates(128)[1:]))
+            cases.append((n, dict(B=2, Hq=2, Hkv=2, Lq=1, Lk=300, D=128), bf, first, first_dq[128]))
+    others = zip(backward_candidates(128)[1:], dq_candidates(128)[1:])
     for config, dq_config in others:
         for n in ("full", "causal", "document"):
             if n in taken:
-                cases.append((n, dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128), bf,
-                              (config, dq_config, first_fused[128])))
-    for d in (64, 128):
-        for fused_config in fused_candidates(d)[1:]:
-            for n in ("full", "causal", "document", "softcap"):
-                if n in taken:
-                    cases.append((n, dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=d), bf,
-                                  (backward_candidates(d)[0], first_dq[d], fused_config)))
+                cases.append((n, dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128), bf, config,
+                              dq_config))
     failures = 0
-    for name, shape, dtype, (config, dq_config, fused_config) in cases:
-        label = (f"{name} {shape} {str(dtype)[6:]} dK/dV {_label(config)} dQ {_label(dq_config)} "
-                 f"fused {_label(fused_config)}")
+    for name, shape, dtype, config, dq_config in cases:
+        label = f"{name} {shape} {str(dtype)[6:]} dK/dV {_label(config)} dQ {_label(dq_config)}"
         dog.start(label, 90)
         try:
             rows = check_dkdv(taken[name], dtype=dtype, config=config, dq_config=dq_config,
-                              fused_config=fused_config, **shape)
-            ok = all(r["ok"] for r in rows)
-        except Exception as e:
-            rows, ok = [dict(error=f"{type(e).__name__}: {str(e)[:600]}")], False
-            traceback.print_exc()
-        failures += not ok
-        RESULTS["correctness"].append(dict(case=label, ok=ok, rows=rows))
-        _write()
-        worst = max((r.get("err", math.nan) for r in rows), default=math.nan)
-        print(f"{'ok  ' if ok else 'FAIL'} {label}: max err {worst:.3g}", flush=True)
-    # Through the public call: kernel(..., deterministic=False), the LSE's gradient too.
-    for n, shape in (("causal", dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128)),
-                     ("gqa_causal", dict(B=1, Hq=4, Hkv=1, Lq=200, Lk=517, D=64)),
-                     ("softcap", dict(B=1, Hq=3, Hkv=3, Lq=257, Lk=300, D=128))):
-        if n not in taken:
-            continue
-        label = f"{n} {shape} bf16 public call, deterministic=False"
-        dog.start(label, 300)
-        try:
-            rows = check_public_call(taken[n], dtype=bf, **shape)
+                              **shape)
             ok = all(r["ok"] for r in rows)
         except Exception as e:
             rows, ok = [dict(error=f"{type(e).__name__}: {str(e)[:600]}")], False
@@ -322,73 +232,15 @@ def speed(args, dog):
     return rows
 
 
-def fused_speed(args, dog):
-    """The whole backward three ways on each --variants anchor (see the docstring)."""
-    from gpu_suite import anchor_problem
-    rows = []
-    for name in args.variants.split(","):
-        dog.start(f"fused {name}", 500)
-        variant, q, k, v, inputs = anchor_problem(name, 16384, D=args.dim)
-        q, k, v = (t.detach() for t in (q, k, v))
-        D = args.dim
-        kernel = attncc.compile(variant, backend="gluon")
-        host, glu = kernel.module, kernel.module_of("gluon")
-        out, lse = host.forward(q, k, v, inputs, config=portable_candidates(variant, D, "fwd")[0])
-        dout = torch.randn_like(out)
-        entry = dict(variant=name, dim=D, heads=f"{q.shape[1]}/{k.shape[1]}", times={}, diffs={})
-
-        def split(module, dq_config, dkdv_config):
-            delta = host.new_delta(q)
-            dq, _ = module.backward_dq(q, k, v, lse, delta, dout, inputs, config=dq_config, out=out)
-            return (dq, *module.backward_dkdv(q, k, v, lse, delta, dout, inputs, config=dkdv_config))
-
-        def fused(config):
-            delta = host.backward_delta(out, dout)
-            return glu.backward_fused(q, k, v, lse, delta, dout, inputs, config=config)
-
-        runs = {"gluon split": lambda: split(glu, dq_candidates(D)[0], backward_candidates(D)[0]),
-                "portable split": lambda: split(host, portable_candidates(variant, D, "dq")[0],
-                                                portable_candidates(variant, D, "dkdv")[0])}
-        runs.update({f"gluon fused {_label(c)}": (lambda c=c: fused(c))
-                     for c in fused_candidates(D)})
-        reference = None
-        for label, run in runs.items():
-            try:
-                grads = run()
-                if reference is None:
-                    reference = grads  # the split Gluon kernels', first in `runs`
-                else:
-                    entry["diffs"][label] = max((a.float() - b.float()).abs().max().item()
-                                                for a, b in zip(grads, reference))
-                entry["times"][label] = _median_ms(run)
-            except Exception as e:
-                entry["times"][label] = f"{type(e).__name__}: {str(e)[:300]}"
-                traceback.print_exc()
-        rows.append(entry)
-        RESULTS["fused"] = RESULTS.get("fused", []) + [entry]
-        _write()
-        split_ms = entry["times"].get("gluon split")
-        print(f"{name}: " + ", ".join(
-            f"{k} {t:.3f} ms" + (f" ({split_ms / t:.2f}x split)" if isinstance(split_ms, float)
-                                  and k.startswith("gluon fused") else "")
-            for k, t in entry["times"].items() if isinstance(t, float)), flush=True)
-    return rows
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", default="all", choices=["correctness", "speed", "fused", "all"])
-    ap.add_argument("--variants", default=None,
-                    help="speed: ANCHORS variants (default full,causal; fused: "
-                         "full,causal,causal_gqa,sliding_window,softcap)")
+    ap.add_argument("--part", default="all", choices=["correctness", "speed", "all"])
+    ap.add_argument("--variants", default="full,causal", help="speed: ANCHORS variants")
     ap.add_argument("--dim", type=int, default=128, help="speed: head dim")
     ap.add_argument("--sweep", default="", help="correctness: only these examples")
     args = ap.parse_args()
     global PART
     PART = args.part
-    if args.variants is None:
-        args.variants = ("full,causal,causal_gqa,sliding_window,softcap" if args.part == "fused"
-                         else "full,causal")
     print(f"torch {torch.__version__}, triton {__import__('triton').__version__}, "
           f"{torch.cuda.get_device_name()}", flush=True)
     RESULTS["versions"] = dict(torch=torch.__version__, triton=__import__("triton").__version__,
@@ -400,8 +252,6 @@ def main():
         failures = correctness(args, dog)
     if args.part in ("speed", "all"):
         rows = speed(args, dog)
-    if args.part == "fused":
-        fused_speed(args, dog)
     dog.start("done", math.inf)
     _write()
     print(f"\ncorrectness failures: {failures}")

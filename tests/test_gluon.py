@@ -187,20 +187,12 @@ def _stand_in_gluon(kernel, monkeypatch, calls):
         return portable.backward_dq(q, k, v, lse, delta, dout, values, config=config, out=out,
                                     **common)
 
-    def backward_fused(q, k, v, lse, delta, dout, values, *, config, **common):
-        # The split kernels on the delta given: it must carry the LSE's gradient.
-        calls.append("fused")
-        dq, _ = portable.backward_dq(q, k, v, lse, delta, dout, values, config=config, **common)
-        return (dq, *portable.backward_dkdv(q, k, v, lse, delta, dout, values, config=config,
-                                            **common))
-
     monkeypatch.setattr(gluon_backend, "_call_unsupported", lambda q, k, v: None)
     monkeypatch.setattr(kernel, "backends", (GLUON,))
     monkeypatch.setattr(kernel, "backend", "gluon")
     monkeypatch.setattr(kernel, "requested_backend", "gluon")
     monkeypatch.setitem(kernel._modules, "gluon", (None, SimpleNamespace(
-        forward=forward, backward_dq=backward_dq, backward_dkdv=backward_dkdv,
-        backward_fused=backward_fused)))
+        forward=forward, backward_dq=backward_dq, backward_dkdv=backward_dkdv)))
 
 
 def test_the_backward_runs_the_gluon_dkdv_kernel_where_the_backend_takes_it(monkeypatch):
@@ -261,90 +253,6 @@ def test_a_table_driven_backward_says_it_runs_one_portable_launch(monkeypatch):
     monkeypatch.setattr(settings, "TABLES_BACKWARD", "sequential")
     kernel(q, k, v, doc_q=doc, doc_k=doc).sum().backward()
     assert calls == ["forward", "forward", "dq", "dkdv"]
-
-
-def test_fused_candidates_fit_and_bad_configs_are_named():
-    causal = attncc.parse_file(EXAMPLES / "causal.attn")
-    for dim in tiles.BACKWARD_HEAD_DIMS:
-        kept = GLUON.candidates("fused", dim, causal)
-        assert kept and all(GLUON.check_config(c, "fused", dim) is None for c in kept)
-        assert all(tiles._fused_smem(c, dim) <= tiles.SMEM_LIMIT for c in kept)
-    assert GLUON.candidates("fused", 256, causal) == []
-    # dQ's product has BLOCK_M rows: whole warpgroups, none split between two 16-row halves.
-    assert "BLOCK_M a multiple of 64" in GLUON.check_config(TileConfig(32, 128, 8, 2), "fused", 128)
-    assert "BLOCK_M a multiple of 64" in GLUON.check_config(TileConfig(192, 128, 8, 1), "fused", 64)
-    # The dK/dV kernel's rules hold too, and dS^T's buffer counts in shared memory.
-    assert "multiple of 16 * num_warps" in GLUON.check_config(TileConfig(64, 64, 8, 2), "fused", 128)
-    assert GLUON.check_config(TileConfig(64, 128, 8, 5), "dkdv", 128) is None
-    assert "shared memory" in GLUON.check_config(TileConfig(64, 128, 8, 5), "fused", 128)
-    q = torch.randn(1, 2, 8, 128, dtype=torch.bfloat16)
-    assert GLUON.supports_call(causal, q, q, q, "fused") is None
-    wide = torch.randn(1, 2, 8, 256, dtype=torch.bfloat16)
-    assert "head dim 256" in GLUON.supports_call(causal, wide, wide, wide, "fused")
-    bias = attncc.parse_file(EXAMPLES / "relative_bias.attn")
-    assert "learnable inputs (bias)" in GLUON.supports_call(bias, q, q, q, "fused")
-
-
-def _grads(kernel, q, k, v, dlse_weight=0.5, **options):
-    """q, k, v's gradients of a loss reading the output and the LSE."""
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out, lse = kernel(*leaves, return_lse=True, **options)
-    (out.square().sum() + dlse_weight * lse.sum()).backward()
-    return [t.grad for t in leaves]
-
-
-def test_deterministic_false_runs_the_fused_backward(monkeypatch):
-    spec = str(EXAMPLES / "causal.attn")
-    kernel = attncc.compile(spec)
-    calls = []
-    _stand_in_gluon(kernel, monkeypatch, calls)
-    gen = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, 1, 20, 64, generator=gen) for _ in range(3))
-    fused = _grads(kernel, q, k, v, deterministic=False)
-    assert calls == ["forward", "fused"]
-    backend, why = kernel.last_backward["fused"]
-    assert list(kernel.last_backward) == ["fused"] and backend == "gluon"
-    assert "deterministic=False" in why and "atomic adds" in why
-    # The gradients, the LSE's included (folded into the delta the fused kernel reads),
-    # are the portable kernels'.
-    portable = _grads(attncc.compile(spec, backend="triton"), q, k, v)
-    for a, b in zip(fused, portable):
-        assert torch.allclose(a, b, atol=1e-5)
-    # The default, and torch's deterministic mode whatever the call says, run the split
-    # deterministic kernels.
-    calls.clear()
-    _grads(kernel, q, k, v)
-    assert calls == ["forward", "dq", "dkdv"]
-    calls.clear()
-    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    _grads(kernel, q, k, v, deterministic=False)
-    assert calls == ["forward", "dq", "dkdv"]
-
-
-def test_the_fused_backward_takes_tile_tables_and_leaves_learnable_inputs(monkeypatch):
-    kernel = attncc.compile(str(EXAMPLES / "document.attn"))
-    calls = []
-    _stand_in_gluon(kernel, monkeypatch, calls)
-    gen = torch.Generator().manual_seed(8)
-    q, k, v = (torch.randn(1, 2, 32, 64, generator=gen, requires_grad=True) for _ in range(3))
-    doc = torch.tensor([0] * 12 + [1] * 20, dtype=torch.int32)
-    kernel(q, k, v, doc_q=doc, doc_k=doc, deterministic=False).sum().backward()
-    assert calls == ["forward", "fused"]
-    # Learnable inputs' gradients are the portable dQ kernel's: the split kernels run.
-    kernel = attncc.compile(str(EXAMPLES / "relative_bias.attn"))
-    calls = []
-    _stand_in_gluon(kernel, monkeypatch, calls)
-    bias = torch.randn(2, 511, generator=gen, requires_grad=True)
-    kernel(q, k, v, bias=bias, deterministic=False).sum().backward()
-    assert calls == ["forward", "dkdv"] and "fused" not in kernel.last_backward
-    assert bias.grad is not None and bias.grad.abs().sum() > 0
-
-
-def test_deterministic_must_be_a_bool():
-    kernel = attncc.compile(str(EXAMPLES / "causal.attn"))
-    q = torch.randn(1, 2, 8, 16)
-    with pytest.raises(attncc.CallError, match=r"deterministic must be True or False, got 'no'"):
-        kernel(q, q, q, deterministic="no")
 
 
 def test_backend_names_are_checked():

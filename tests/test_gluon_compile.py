@@ -22,7 +22,6 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from triton.experimental.gluon.language.nvidia.hopper import tma
 import attncc
 from attncc.backends.gluon import codegen as gluon
 
@@ -40,17 +39,14 @@ def load(example, path):
     return variant, module
 
 
-POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "O": "*bf16", "DO": "*bf16",
-            "DQ": "*fp32"}
+POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "O": "*bf16", "DO": "*bf16"}
 DTYPES = {"f32": "*fp32", "i32": "*i32", "bool": "*i1"}
 # kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages, other constexprs); BLOCK_M is the
 # query tile's rows (the warp-specialized forward's consumers take half each).
 KERNELS = {"attn_fwd": (128, 128, 8, 2, {}),
            "attn_fwd_ws": (128, 128, 4, 2, {}),
            "attn_bwd_dq": (64, 64, 4, 2, {"DELTA_FROM_O": True, "HAS_DLSE": True}),
-           "attn_bwd_dkdv": (64, 64, 4, 2, {}),
-           # dQ's partial by bulk reduce-add where this Triton has it (3.8 on), else atomics.
-           "attn_bwd_fused": (64, 64, 4, 2, {"TMA_REDUCE": hasattr(tma, "async_atomic_add")})}
+           "attn_bwd_dkdv": (64, 64, 4, 2, {})}
 
 
 def signature(variant, module, fn, consts, dim, rows):
@@ -58,10 +54,6 @@ def signature(variant, module, fn, consts, dim, rows):
     for n in fn.arg_names:
         if n in consts:
             sig[n] = "constexpr"
-        elif n == "dq_desc" and not consts.get("TMA_REDUCE", True):
-            sig[n] = "*fp32"  # the fused backward's float32 dQ, added to element by element
-        elif n == "dq_desc" and "TMA_REDUCE" in consts:  # and tile by tile
-            sig[n] = f"tensordesc<fp32[1,1,{rows[n]},{dim}],{module._float32_layout(rows[n], dim)!r}>"
         elif n.endswith("_desc"):  # a TMA descriptor of [rows, dim] tiles
             block, layout = module._shared_layout(rows[n], dim, torch.bfloat16)
             sig[n] = f"tensordesc<bf16[{','.join(map(str, block))}],{layout!r}>"
@@ -78,12 +70,11 @@ def signature(variant, module, fn, consts, dim, rows):
     return sig
 
 
-def report(example, name, dim, compiled, tma_reduce):
+def report(example, name, dim, compiled):
     ttgir = compiled.asm["ttgir"]
     ops = ("ttng.async_tma_copy_global_to_local", "ttng.wait_barrier", "ttng.warp_group_dot",
-           "ttng.async_tma_copy_local_to_global", "ttg.warp_specialize", "tt.atomic_rmw",
-           "ttng.async_tma_reduce")
-    print(json.dumps({"example": example, "kernel": name, "dim": dim, "tma_reduce": tma_reduce,
+           "ttng.async_tma_copy_local_to_global", "ttg.warp_specialize")
+    print(json.dumps({"example": example, "kernel": name, "dim": dim,
                       "shared": compiled.metadata.shared, "cubin": len(compiled.asm["cubin"]),
                       "ops": {op: op in ttgir for op in ops}}), flush=True)
 
@@ -99,8 +90,7 @@ for example in sys.argv[1].split(","):
         src = GluonASTSource(fn=fn, signature=signature(variant, module, fn, consts, dim, rows),
                              constexprs=consts)
         report(example, name, dim, triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                                  options=dict(num_warps=warps, num_stages=stages)),
-               bool(extra.get("TMA_REDUCE")))
+                                                  options=dict(num_warps=warps, num_stages=stages)))
 '''
 
 
@@ -118,7 +108,7 @@ def _compile(examples: list, head_dims: list, tmp_path) -> list:
 
 def _check(results: list, examples: list, head_dims: list):
     from attncc.backends.gluon.tiles import SMEM_LIMIT
-    kernels = ("attn_fwd", "attn_fwd_ws", "attn_bwd_dq", "attn_bwd_dkdv", "attn_bwd_fused")
+    kernels = ("attn_fwd", "attn_fwd_ws", "attn_bwd_dq", "attn_bwd_dkdv")
     assert sorted((Path(r["example"]).name, r["kernel"], r["dim"]) for r in results) == sorted(
         (e, k, d) for e in examples for k in kernels for d in head_dims)
     for r in results:
@@ -131,11 +121,6 @@ def _check(results: list, examples: list, head_dims: list):
         assert ops["ttng.async_tma_copy_global_to_local"] and ops["ttng.wait_barrier"], what
         assert ops["ttng.warp_group_dot"] and ops["ttng.async_tma_copy_local_to_global"], what
         assert ops["ttg.warp_specialize"] == (r["kernel"] == "attn_fwd_ws"), what
-        # Only the fused backward sums dQ with atomic adds (the others are deterministic):
-        # one bulk reduce-add per partial where Triton has it, else one atomic per element.
-        fused = r["kernel"] == "attn_bwd_fused"
-        assert ops["ttng.async_tma_reduce"] == (fused and r["tma_reduce"]), what
-        assert ops["tt.atomic_rmw"] == (fused and not r["tma_reduce"]), what
 
 
 def test_gluon_kernels_compile_for_hopper(tmp_path):

@@ -61,8 +61,6 @@ GLUON = {
                    "out=None, dlse=None) -> (dq, {}) (runtime/kernel.py: backward_role)",
     "backward_dkdv": "backward_dkdv(q, k, v, lse, delta, dout, inputs, *, ...) "
                      "-> (dk, dv)",
-    "backward_fused": "backward_fused(q, k, v, lse, delta, dout, inputs, *, ...) "
-                      "-> (dq, dk, dv) (runtime/scheduling.py: deterministic=False)",
 }
 
 

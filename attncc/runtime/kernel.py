@@ -15,7 +15,6 @@ import weakref
 import torch
 
 from .. import backends, ir
-from ..backends.base import FUSED
 from ..backends.tile_config import EXAMPLE
 from ..codegen.generated import Generated
 from ..errors import CallError, did_you_mean
@@ -101,8 +100,7 @@ class Kernel:
     @property
     def last_backward(self) -> dict:
         """{"dq": (backend, reason), "dkdv": (backend, reason)} of the latest backward
-        ({} before the first; {"bwd": ...} where dQ and dK/dV run in one launch;
-        {"fused": ...} where deterministic=False ran the fused backward)."""
+        ({} before the first; {"bwd": ...} where dQ and dK/dV run in one launch)."""
         return dict(self._last_backward)
 
     # ------------------------------------------------ kernel roles: backends and configs
@@ -130,26 +128,6 @@ class Kernel:
         run = tuning.launcher(self._entry(portable, "bwd"), q, k, v, lse, delta, dout, values,
                               **common)
         return dispatch.Role("bwd", {portable.name: run}, dispatch.one_launch_reason())
-
-    def fused_backend(self, q, k, v):
-        """The first of the kernel's backends whose fused backward (dK, dV and dQ in one
-        pass, dQ summed by atomic adds: deterministic=False) takes this call, or None
-        (the deterministic kernels run)."""
-        portable = backends.portable()
-        for backend in self.backends:
-            if backend is not portable and not backend.supports_call(self.variant, q, k, v,
-                                                                     FUSED):
-                return backend
-        return None
-
-    def fused_role(self, backend, q, k, v, lse, delta, dout, values: dict,
-                   common: dict) -> dispatch.Role:
-        """This call's fused backward on `backend` (fused_backend's)."""
-        run = tuning.launcher(self._entry(backend, FUSED), q, k, v, lse, delta, dout, values,
-                              **common)
-        return dispatch.Role(FUSED, {backend.name: run},
-                             f"deterministic=False: dK, dV and dQ in one {backend.title} pass, "
-                             "dQ summed by atomic adds in no fixed order")
 
     def _entry(self, backend, kind: str):
         return backend.entry(self.module_of(backend.name), kind)
@@ -252,22 +230,20 @@ class Kernel:
     def __call__(self, q, k, v, /, *positional, return_lse: bool = False,
                  dropout_seed: int | None = None, training: bool = True, q_offset: int = 0,
                  k_offset: int = 0, tables: "TileTables | None" = None, layout: str | None = None,
-                 deterministic: bool = True, **inputs):
+                 **inputs):
         # Everything up to the operator call is what torch.compile traces (attncc/runtime/ops.py):
         # Python on shapes, dtypes and devices, no tensor data read.
         if positional:
             refuse_positional(self.variant, positional)
         if not isinstance(training, bool):
             raise CallError(f"training must be True or False, got {training!r}")
-        if not isinstance(deterministic, bool):
-            raise CallError(f"deterministic must be True or False, got {deterministic!r}")
         if dropout_seed is not None:
             dropout_seed = check_seed(dropout_seed)
         if not training and self.variant.dropout:
             # Evaluation: the same attention with no dropout (as nn.Dropout in eval mode).
             return self.evaluation_kernel()(q, k, v, return_lse=return_lse, q_offset=q_offset,
                                             k_offset=k_offset, tables=tables, layout=layout,
-                                            deterministic=deterministic, **inputs)
+                                            **inputs)
         p = self.check_call(q, k, v, inputs, q_offset, k_offset, layout, index_lists=False)
         # (batch, seq, heads, dim) is read through transposed views: the kernels take any
         # strides, and the output (allocated like q) comes back in the caller's layout.
@@ -291,8 +267,7 @@ class Kernel:
                   for d in self.variant.inputs]
         options = CallOptions(q_offset=q_offset, k_offset=k_offset, seed=seed,
                               drawn_seed=drawn_seed,
-                              tables=NO_TABLES if tables is None else tables._op_id,
-                              deterministic=deterministic)
+                              tables=NO_TABLES if tables is None else tables._op_id)
         # Under torch.compile, the op (a node of the graph); in eager, its autograd kernel.
         op = self._ops.forward if torch.compiler.is_compiling() else self._ops.apply
         out, lse = op(self._op_id, q, k, v, values, *options.op_arguments())

@@ -13,7 +13,6 @@ import warnings
 import torch
 
 from .. import backends
-from ..backends.base import FUSED
 from . import precompile, tuning
 from .settings import backward_directions
 
@@ -77,27 +76,14 @@ def compile_backward_beside(kernel, problem, q, k, v, values, common, tune, forw
 
 
 def backward(kernel, problem, q, k, v, out, lse, dout, dlse, values: dict, kept_tables,
-             deterministic: bool = True, **common):
+             **common):
     """(dq, dk, dv, dinputs) of a non-empty call: the gradients of the output and, with
     dlse (None when no loss reads the LSE), of the LSE: folded into delta (delta - dlse,
     see the backward template), so the dQ and dK/dV kernels run unchanged. `dinputs`:
-    [gradient] of the learnable inputs, in declared order. `deterministic` False (and
-    torch.use_deterministic_algorithms off) lets a backend's fused backward run, whose
-    dQ is summed by atomic adds in no fixed order; where none takes the call, the
-    deterministic kernels run. Other arguments as forward's."""
+    [gradient] of the learnable inputs, in declared order. Arguments as forward's."""
     module = kernel.module
     tune = kernel.tuning_inputs(problem, values, q.device, kept_tables)
     kernel.begin_backward()
-    fused = None
-    if not (deterministic or torch.are_deterministic_algorithms_enabled()):
-        fused = kernel.fused_backend(q, k, v)
-    if fused is not None:
-        # delta (minus dlse) first, from the portable module's pass, then one launch.
-        delta = module.backward_delta(out, dout, lse=lse, dlse=dlse)
-        role = kernel.fused_role(fused, q, k, v, lse, delta, dout, values, common)
-        run, config = kernel.choose(role, problem, q.dtype, tune)
-        dq, dk, dv = tuning.launch(kernel, problem, q.dtype, FUSED, run, config)
-        return dq, dk, dv, []  # (the fused kernel takes no variant with learnable inputs)
     if backward_directions(module.USES_TABLES) == ("bwd",):
         # dK/dV and dQ as two roles of one grid, one config, both reading delta: the
         # portable module's launch (Kernel.one_launch_role).

@@ -1,6 +1,5 @@
 """The Gluon backend: Hopper (sm_90) kernels written in Gluon, for the forward, dQ and
-dK/dV, and dK, dV and dQ fused in one pass for deterministic=False (codegen.py renders
-them; tiles.py lists their configs).
+dK/dV (codegen.py renders them; tiles.py lists their configs).
 
 The backward reads the forward's output and LSE, which both backends write alike, so
 each of the three kernels runs on this backend or the portable one on its own. What the
@@ -13,7 +12,7 @@ import functools
 import os
 
 from ... import ir
-from ..base import ENTRY_POINTS, FUSED, KERNEL_NAMES
+from ..base import ENTRY_POINTS, KERNEL_NAMES
 from ..tile_config import TileConfig, fits_variant
 from . import tiles
 
@@ -114,20 +113,19 @@ def _call_unsupported(q, k, v) -> str | None:
 
 def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int) -> str | None:
     """Why the Gluon kernel of role `kind` cannot take a call of this variant at this head
-    dim, or None: the forward takes every head dim the call checks let through; dQ,
-    dK/dV and the fused backward fewer, and dQ and the fused backward no learnable
-    inputs; there is no one-launch deterministic backward."""
+    dim, or None: the forward takes every head dim the call checks let through; dQ and
+    dK/dV fewer, and dQ no learnable inputs; there is no one-launch backward."""
     if kind == "fwd":
         return None
-    if kind not in ("dq", "dkdv", FUSED):
+    if kind not in ("dq", "dkdv"):
         return f"the Gluon backend has no {KERNEL_NAMES[kind]} kernel of one launch"
     name = KERNEL_NAMES[kind]
     if head_dim not in tiles.BACKWARD_HEAD_DIMS:
         return (f"head dim {head_dim}: the Gluon {name} kernel takes head dims "
                 f"{', '.join(map(str, tiles.BACKWARD_HEAD_DIMS))} (at 256 its fp32 accumulators "
                 "do not fit in registers beside the score tiles)")
-    if kind in ("dq", FUSED) and variant.learnable_inputs:
+    if kind == "dq" and variant.learnable_inputs:
         names = ", ".join(d.name for d in variant.learnable_inputs)
         return (f"variant '{variant.name}' has learnable inputs ({names}), whose gradients "
-                f"the portable dQ kernel accumulates; the Gluon {name} kernel does not yet")
+                "the portable dQ kernel accumulates; the Gluon dQ kernel does not yet")
     return None
