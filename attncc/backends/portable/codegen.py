@@ -197,6 +197,7 @@ class VariantCode:
     k_segments: list  # of SegmentCode, the forward's key loops
     q_segments: list  # the dK/dV kernel's query loops
     int32_extent: int
+    sink: Code | None = None  # σ of the program's query rows, a [BLOCK_M] vector or a scalar
 
     @property
     def uses_tables(self) -> bool:
@@ -207,7 +208,7 @@ class VariantCode:
 def variant_code(variant: ir.Variant) -> VariantCode:
     # Each expression in 32-bit integers where that cannot wrap, else in 64 (ranges.py).
     widths = {decl: integer_width(getattr(variant, decl), variant)
-              for decl in ("mask", "score", "layout")}
+              for decl in ("mask", "score", "layout", "sink")}
     emit = TritonEmitter(variant, wide=widths["score"][0])  # the score and its derivatives
     grads = score_gradients(variant, emit)
     fwd_plan = bounds.plan_loops(variant, "k")
@@ -247,7 +248,17 @@ def variant_code(variant: ir.Variant) -> VariantCode:
         k_segments=[segment_code(s) for s in fwd_plan.segments],
         q_segments=[segment_code(s) for s in bwd_plan.segments],
         int32_extent=min(extent for _, extent in widths.values()),
+        sink=sink_code(variant, widths["sink"][0]),
     )
+
+
+def sink_code(variant: ir.Variant, wide: str | None, rows: str = "offs_m") -> Code | None:
+    """The sink of the query rows `rows` (their indices in the sequence, a vector), as the
+    forward epilogues compute it."""
+    if variant.sink is None:
+        return None
+    q_rows = Code(f"({rows} + q_offset)", frozenset(), frozenset({rows, "q_offset"}))
+    return TritonEmitter(variant, {"q": q_rows}, wide=wide).code(variant.sink)
 
 
 # The module names these in decode_reach_tiles, which binds its own host versions: the
@@ -271,7 +282,7 @@ def _pruning(variant: ir.Variant, code: VariantCode) -> dict:
     d_score = code.d_score if code.score is not None else None
     # Where each piece is placed: the loop bounds of the main kernels without tables, of
     # decode_split always; the rest in the per-tile functions they read names of.
-    device, _ = used([code.mask, code.score, d_score, code.layout_elem, code.decode_layout,
+    device, _ = used([code.mask, code.score, d_score, code.layout_elem, code.decode_layout, code.sink,
                       *grads, *code.k_segments, *([] if code.uses_tables else code.q_segments)])
     if variant.dropout:
         device |= {"_dropout_keep", "_dropout_keep_t"}
@@ -332,6 +343,7 @@ def template_context(variant: ir.Variant, code: VariantCode | None = None) -> di
         host_classify_must=code.classification.must,
         mask=_text(code.mask),
         score=_text(code.score),
+        sink=_text(code.sink),
         # A score that does not vary over both q and k (`score 0.0`, `score x[h]`) is
         # broadcast to the tile: the softmax sums over the tile's columns.
         score_is_tile=variant.score is not None and (

@@ -1,0 +1,104 @@
+"""The gradient of a variant's `sink` (one extra logit σ per query row, gpt-oss's
+learnable sinks), computed outside the kernels from what the backward has already.
+
+With L = log(Σ_j e^s'_j + e^σ) and O = Σ_j P_j V_j, σ changes O only through L:
+dO/dσ = -e^(σ-L)·O and dL/dσ = e^(σ-L). So dσ = -e^(σ-L)·(δ - dL), where δ - dL is
+exactly the `delta` the dQ kernels (or backward_delta) store per row, the LSE's
+gradient folded in (δ = rowsum(dO·O)). The dQ and dK/dV kernels need nothing new: they
+read L, which holds the sink already.
+
+dσ is per (b, h, q) row; the learnable inputs the sink reads take it through σ's
+expression (torch.func.vjp: the backward op runs below autograd, where tensors record
+no graph). Reads of an input reduce into its gradient in a fixed order, never with
+atomics (index_add_ and scatter_add_ are atomic on CUDA): the gradient is the same, bit
+for bit, on every call.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import ir
+from ..arguments import Problem
+from ..semantics.reference import index_env, sink_logits
+
+# Elements of one chunk's [reads, table entries] comparison in the fixed-order reduction.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def fixed_order_sum(values: torch.Tensor, flat_index: torch.Tensor, size: int) -> torch.Tensor:
+    """out[t] = Σ values[i] over i with flat_index[i] == t, as `size` sums of one fixed
+    order: each a torch reduction over chunks of reads taken in order (no atomics)."""
+    values, flat_index = values.reshape(-1), flat_index.reshape(-1)
+    entries = torch.arange(size, device=values.device)
+    out = values.new_zeros(size)
+    step = max(1, _CHUNK_ELEMENTS // max(size, 1))
+    for start in range(0, values.numel(), step):
+        hit = flat_index[start:start + step, None] == entries
+        out = out + torch.where(hit, values[start:start + step, None], 0.0).sum(0)
+    return out
+
+
+class _FixedOrderGather(torch.autograd.Function):
+    """table.reshape(-1)[flat_index], whose backward sums the gradients of the reads of
+    each entry with fixed_order_sum (the indexing's own backward accumulates with
+    index_put_, which need not be deterministic on CUDA)."""
+
+    @staticmethod
+    def forward(table, flat_index):
+        return table.reshape(-1)[flat_index]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        table, flat_index = inputs
+        ctx.save_for_backward(flat_index)
+        ctx.table_shape = table.shape
+
+    @staticmethod
+    def backward(ctx, grad):
+        (flat_index,) = ctx.saved_tensors
+        size = 1
+        for n in ctx.table_shape:
+            size *= n
+        return fixed_order_sum(grad, flat_index, size).view(ctx.table_shape), None
+
+
+def _gather(table: torch.Tensor, indices: tuple) -> torch.Tensor:
+    flat = torch.zeros_like(indices[0])
+    for index, n in zip(indices, table.shape):
+        flat = flat * n + index
+    return _FixedOrderGather.apply(table, flat)
+
+
+def sink_learnables(variant: ir.Variant) -> list:
+    """The learnable inputs the sink reads, in declared order."""
+    if variant.sink is None:
+        return []
+    read = ir.loaded_tensors(variant.sink)
+    return [d.name for d in variant.learnable_inputs if d.name in read]
+
+
+def add_sink_gradients(variant: ir.Variant, problem: Problem, values: dict, lse: torch.Tensor,
+                       delta: torch.Tensor, dinputs: dict) -> dict:
+    """`dinputs` ({learnable input: gradient}, from the kernels; an input only the sink
+    reads may be absent) with the sink's gradient added. `lse`, `delta`: the forward's
+    LSE and the backward's delta (δ - dLSE), [B, H, Lq] fp32."""
+    names = sink_learnables(variant)
+    if not names:
+        return dinputs
+    device = lse.device
+    fixed = {n: t for n, t in values.items() if n not in names}
+
+    def sigma(*learnable):
+        inputs = dict(fixed, **dict(zip(names, learnable)))
+        env = index_env(variant, problem, inputs, device, torch.float32)
+        return sink_logits(variant, env, problem, torch.float32, gather=_gather)[..., 0]
+
+    leaves = [values[n].detach().float() for n in names]
+    sink, pullback = torch.func.vjp(sigma, *leaves)
+    d_sink = -torch.exp(sink - lse) * delta  # [B, H, Lq]
+    out = dict(dinputs)
+    for name, grad in zip(names, pullback(d_sink)):
+        dtype = values[name].dtype
+        earlier = out.get(name)
+        out[name] = (grad if earlier is None else earlier.float() + grad).to(dtype)
+    return out
