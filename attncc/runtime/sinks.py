@@ -69,6 +69,14 @@ def _gather(table: torch.Tensor, indices: tuple) -> torch.Tensor:
     return _FixedOrderGather.apply(table, flat)
 
 
+def row_sinks(variant: ir.Variant, problem: Problem, values: dict, like: torch.Tensor):
+    """σ of every row, [B, H, Lq] fp32 on `like`'s device: the LSE of rows that see no key."""
+    if not like.numel():
+        return like
+    env = index_env(variant, problem, values, like.device, torch.float32)
+    return sink_logits(variant, env, problem, torch.float32)[..., 0].contiguous()
+
+
 def sink_learnables(variant: ir.Variant) -> list:
     """The learnable inputs the sink reads, in declared order."""
     if variant.sink is None:
