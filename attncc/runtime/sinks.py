@@ -15,6 +15,8 @@ for bit, on every call.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .. import ir
@@ -69,12 +71,35 @@ def _gather(table: torch.Tensor, indices: tuple) -> torch.Tensor:
     return _FixedOrderGather.apply(table, flat)
 
 
+def sinks_at(variant: ir.Variant, problem: Problem, values: dict, device, positions=None,
+             gather=None) -> torch.Tensor:
+    """σ of the call's rows, [B, H, Lq] fp32: at the problem's query positions, or at the
+    absolute `positions` (a 1-d tensor: a context-parallel rank's rows)."""
+    if positions is not None:
+        problem = dataclasses.replace(problem, len_q=positions.numel(), q_offset=0)
+    env = index_env(variant, problem, values, device, torch.float32)
+    if positions is not None:
+        env["q"] = positions.to(device).view(1, 1, -1, 1)
+    return sink_logits(variant, env, problem, torch.float32, gather=gather)[..., 0]
+
+
 def row_sinks(variant: ir.Variant, problem: Problem, values: dict, like: torch.Tensor):
     """σ of every row, [B, H, Lq] fp32 on `like`'s device: the LSE of rows that see no key."""
     if not like.numel():
         return like
-    env = index_env(variant, problem, values, like.device, torch.float32)
-    return sink_logits(variant, env, problem, torch.float32)[..., 0].contiguous()
+    return sinks_at(variant, problem, values, like.device).contiguous()
+
+
+def merge_sink(variant: ir.Variant, problem: Problem, values: dict, out: torch.Tensor,
+               lse: torch.Tensor, positions: torch.Tensor):
+    """Fold the sink into attention computed without it, in place: out [B, H, L, D] and
+    lse [B, H, L] (fp32, rows at the absolute `positions`) become the variant's. The
+    merge of a key set holding one key of logit σ and no value: exact, and NaN-free
+    where the row saw no key (LSE -inf there becomes σ)."""
+    sink = sinks_at(variant, problem, values, lse.device, positions)
+    merged = torch.logaddexp(lse, sink)
+    out.mul_(torch.exp(lse - merged).unsqueeze(-1))
+    lse.copy_(merged)
 
 
 def sink_learnables(variant: ir.Variant) -> list:
@@ -86,10 +111,10 @@ def sink_learnables(variant: ir.Variant) -> list:
 
 
 def add_sink_gradients(variant: ir.Variant, problem: Problem, values: dict, lse: torch.Tensor,
-                       delta: torch.Tensor, dinputs: dict) -> dict:
+                       delta: torch.Tensor, dinputs: dict, positions=None) -> dict:
     """`dinputs` ({learnable input: gradient}, from the kernels; an input only the sink
     reads may be absent) with the sink's gradient added. `lse`, `delta`: the forward's
-    LSE and the backward's delta (δ - dLSE), [B, H, Lq] fp32."""
+    LSE and the backward's delta (δ - dLSE), [B, H, Lq] fp32; `positions`: as sinks_at's."""
     names = sink_learnables(variant)
     if not names:
         return dinputs
@@ -98,8 +123,7 @@ def add_sink_gradients(variant: ir.Variant, problem: Problem, values: dict, lse:
 
     def sigma(*learnable):
         inputs = dict(fixed, **dict(zip(names, learnable)))
-        env = index_env(variant, problem, inputs, device, torch.float32)
-        return sink_logits(variant, env, problem, torch.float32, gather=_gather)[..., 0]
+        return sinks_at(variant, problem, inputs, device, positions, gather=_gather)
 
     leaves = [values[n].detach().float() for n in names]
     sink, pullback = torch.func.vjp(sigma, *leaves)
