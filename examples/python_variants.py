@@ -179,8 +179,7 @@ class nsa_topk:
         return attncc.isin(kb, top[b, h, qb])  # the language's `kb in top[b, h, qb]`
 
 
-@attncc.variant(heads=(64, 8), params={"window": 128}, inputs={"sinks": "f32[h]"},
-                learnable=["sinks"])
+@attncc.variant(params={"window": 128}, inputs={"sinks": "f32[h]"}, learnable=["sinks"])
 class gpt_oss_sinks:
     def mask(q, k, window):
         return (q >= k) & (q - k < window)
