@@ -172,12 +172,13 @@ def test_the_sinks_gradient_is_the_same_bits_on_every_call():
     assert torch.equal(grads[0][4:], torch.zeros(2))  # entries 4, 5 are never read
 
 
-def test_fixed_order_sum_adds_every_read_of_an_entry():
+@pytest.mark.parametrize("reads, entries", [(1000, 7), (40000, 9000)])  # compared; sorted
+def test_fixed_order_sum_adds_every_read_of_an_entry(reads, entries):
     gen = torch.Generator().manual_seed(2)
-    values = torch.randn(1000, generator=gen, dtype=torch.float64)
-    index = torch.randint(0, 7, (1000,), generator=gen)
-    expected = torch.zeros(7, dtype=torch.float64).index_add_(0, index, values)
-    assert torch.allclose(fixed_order_sum(values, index, 7), expected)
+    values = torch.randn(reads, generator=gen, dtype=torch.float64)
+    index = torch.randint(0, entries, (reads,), generator=gen)
+    expected = torch.zeros(entries, dtype=torch.float64).index_add_(0, index, values)
+    assert torch.allclose(fixed_order_sum(values, index, entries), expected, atol=1e-12)
 
 
 # ---------------------------------------------------------------- the language

@@ -28,16 +28,31 @@ _CHUNK_ELEMENTS = 1 << 24
 
 
 def fixed_order_sum(values: torch.Tensor, flat_index: torch.Tensor, size: int) -> torch.Tensor:
-    """out[t] = Σ values[i] over i with flat_index[i] == t, as `size` sums of one fixed
-    order: each a torch reduction over chunks of reads taken in order (no atomics)."""
-    values, flat_index = values.reshape(-1), flat_index.reshape(-1)
-    entries = torch.arange(size, device=values.device)
+    """out[t] = Σ values[i] over i with flat_index[i] == t, summed in one fixed order with
+    no atomics. A few reads of a small table (a sink per head: the reads are reduced over
+    b and q before they get here) compare every read with every entry, in chunks, and
+    sum each entry's column; many reads of a large one (a sink per row) are sorted by
+    entry (a stable sort) and each entry's run summed as a difference of float64 prefix
+    sums, then written once per entry."""
+    dtype, values, flat_index = values.dtype, values.reshape(-1).double(), flat_index.reshape(-1)
+    if values.numel() * size <= _CHUNK_ELEMENTS * 4:
+        entries = torch.arange(size, device=values.device)
+        out = values.new_zeros(size)
+        step = max(1, _CHUNK_ELEMENTS // max(size, 1))
+        for start in range(0, values.numel(), step):
+            hit = flat_index[start:start + step, None] == entries
+            out = out + torch.where(hit, values[start:start + step, None], 0.0).sum(0)
+        return out.to(dtype)
+    order = torch.sort(flat_index, stable=True).indices
+    index = flat_index[order]
+    sums = torch.cat([values.new_zeros(1), values[order].cumsum(0)])
+    last = torch.ones_like(index, dtype=torch.bool)  # the last read of each entry's run
+    last[:-1] = index[1:] != index[:-1]
+    ends = torch.nonzero(last).flatten() + 1
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     out = values.new_zeros(size)
-    step = max(1, _CHUNK_ELEMENTS // max(size, 1))
-    for start in range(0, values.numel(), step):
-        hit = flat_index[start:start + step, None] == entries
-        out = out + torch.where(hit, values[start:start + step, None], 0.0).sum(0)
-    return out
+    out[index[ends - 1]] = sums[ends] - sums[starts]
+    return out.to(dtype)
 
 
 class _FixedOrderGather(torch.autograd.Function):
