@@ -241,6 +241,7 @@ def test_decode_adds_the_sink_once_over_any_split_count(splits):
     close(lse, ref[1], eager[1], "lse")
 
 
+@pytest.mark.slow
 def test_packed_sequences_take_the_sink_per_sequence():
     spec = GPT_OSS.replace("mask q >= k", "mask q >= k and q - k < 6")
     kernel, dense = attncc.varlen(spec), attncc.compile(spec)
