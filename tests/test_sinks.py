@@ -286,6 +286,11 @@ def test_flash_learnable_sink_matches_gpt_oss_with_its_gradient():
                                     torch.tensor([0, len_k], dtype=torch.int32), len_q, len_k,
                                     causal=True, learnable_sink=sinks.detach())
     assert max_abs_error(packed, out[0]) < 1e-5
+    # Decoding the last query against the cache: the same row as the full call's.
+    from attncc.flash import flash_attn_with_kvcache
+    last = flash_attn_with_kvcache(q[:, -1:], k, v, cache_seqlens=len_k, causal=True,
+                                   learnable_sink=sinks.detach())
+    assert max_abs_error(last, out[:, -1:]) < 1e-5
     with pytest.raises(CallError, match=r"learnable_sink must be a float32 tensor of shape \(nheads,\)"):
         flash_attn_func(q, k, v, learnable_sink=sinks.detach().double())
     with pytest.raises(CallError, match=r"learnable_sink must have shape \(nheads,\) = \(6,\)"):
