@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 
 from . import ir
-from .runtime import tuning
+from .runtime import sinks, tuning
 from .runtime.call_options import CallOptions
 from .arguments import Problem, check_seed
 from .errors import CallError
@@ -327,12 +327,15 @@ def context_parallel_attention(kernel, q, k, v, /, *, group=None, scheme: str = 
                        refused=refusal is not None), refusal, group,
           device=q.device if isinstance(q, torch.Tensor) else None)
     kernel, sharding, problem = prepared
+    sink_variant = kernel.variant if kernel.variant.sink is not None else None
+    if sink_variant is not None:
+        kernel = _without_sink(kernel)
     schedule = make_schedule(kernel, sharding, problem, inputs, q.device)
     variant = kernel.variant
     names = [d.name for d in variant.inputs]
     values = [inputs[n].contiguous() if variant.input(n).learnable else inputs[n] for n in names]
     call = _RingAttention(kernel, schedule, group, CallOptions(seed=int(dropout_seed or 0)),
-                          names, problem)
+                          names, problem, sink_variant)
     out, lse = _ContextParallelAttention.apply(call, q, k, v, *values)
     return (out, lse) if return_lse else out
 
@@ -370,7 +373,8 @@ def _prepare(kernel, q, k, v, group, scheme, dropout_seed, training, inputs) -> 
                         f"{variant.block}; use a sequence length that is a multiple of "
                         f"{sharding.n_pieces * variant.block}")
     lengths = {"len_q", "len_k"} & set().union(
-        *(ir.free_vars(e) for e in (variant.mask, variant.score, variant.layout) if e is not None))
+        *(ir.free_vars(e) for e in (variant.mask, variant.score, variant.layout, variant.sink)
+          if e is not None))
     if lengths:
         raise CallError(f"variant '{variant.name}' reads {' and '.join(sorted(lengths))}, which "
                         "in each piece's call would be the piece's length, not the sequence's; "
@@ -634,12 +638,27 @@ class _ContextParallelAttention(torch.autograd.Function):
         return (None, dq, dk, dv, *[dinputs.get(n) for n in call.input_names])
 
 
+def _without_sink(kernel):
+    """The kernel of `kernel`'s variant less its `sink`, which the piece pairs run: the
+    sink is one logit per row, merged once after the last hop, not once per pair.
+    Compiled on first use and kept with the kernel."""
+    from .runtime.kernel import Kernel
+    pieces = getattr(kernel, "_context_parallel_pieces", None)
+    if pieces is None:
+        pieces = Kernel(dataclasses.replace(kernel.variant, sink=None),
+                        backend=kernel.requested_backend)
+        kernel._context_parallel_pieces = pieces
+    return pieces
+
+
 class _RingAttention:
     """One context-parallel call: the hops of its forward and of its backward."""
 
     def __init__(self, kernel, schedule: Schedule, group, options: CallOptions,
-                 input_names: list, problem: Problem):
+                 input_names: list, problem: Problem, sink_variant: ir.Variant | None = None):
         self.kernel, self.module, self.schedule = kernel, kernel.module, schedule
+        # A variant with a sink: the kernel runs it without, and the sink is merged once.
+        self.sink_variant = sink_variant
         # The call's options; each piece pair's are these at the pair's offsets.
         self.group, self.options, self.input_names = group, options, input_names
         self.problem = problem  # the whole sequence
@@ -782,6 +801,9 @@ class _RingAttention:
                     rows.copy_(out)
                     rows_lse.copy_(lse)
                     merged.add(i)
+        if self.sink_variant is not None:  # one extra logit per row, merged once
+            sinks.merge_sink(self.sink_variant, self.problem, inputs, acc, acc_lse,
+                             self.sharding.positions(self.problem.len_q, q.device))
         return acc.to(q.dtype), acc_lse
 
     # ---------------------------------------------------------------- backward
@@ -853,6 +875,10 @@ class _RingAttention:
             self._add_returned(*returning, dk, dv)
         for w in sent:
             w.wait()
+        if self.sink_variant is not None:  # σ's gradient, from the merged rows' delta
+            dinputs = sinks.add_sink_gradients(
+                self.sink_variant, self.problem, inputs, lse, delta, dinputs,
+                self.sharding.positions(self.problem.len_q, q.device))
         for name in self.input_names:
             if self.kernel.variant.input(name).learnable and name not in dinputs:
                 dinputs[name] = torch.zeros_like(inputs[name])  # no pair ran on this rank

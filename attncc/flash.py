@@ -3,7 +3,8 @@ their packed forms (`flash_attn_qkvpacked_func`, `flash_attn_kvpacked_func`,
 `flash_attn_varlen_qkvpacked_func`, `flash_attn_varlen_kvpacked_func`), and
 `flash_attn_with_kvcache` (over kernel.decode).
 
-Each call's options (causal, window, softcap, ALiBi, dropout, scale) pick a variant,
+Each call's options (causal, window, softcap, ALiBi, dropout, scale, a learnable sink)
+pick a variant,
 written as text by `variant_text` (print it to see what runs), compiled once and kept
 in a small LRU cache. Options are compile-time constants of the variant, so each
 distinct window size, softcap, dropout probability or softmax scale compiles once.
@@ -16,7 +17,9 @@ seqlen_q != seqlen_k, causal masks and windows are aligned to the bottom-right c
 query i attending keys j in [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q +
 right] (-1 meaning unbounded); softcap is `softcap * tanh(s / softcap)` of the scaled
 score s; ALiBi then adds `-slope * |i + seqlen_k - seqlen_q - j|`; a row that attends
-to nothing gives output 0. A window side >= seqlen_k (max_seqlen_k for varlen) is
+to nothing gives output 0. `learnable_sink` (FA4's keyword: float32 (nheads,), one
+logit per head that joins every row's softmax denominator and carries no value, as in
+gpt-oss) is the variant's `sink`, and takes a gradient. A window side >= seqlen_k (max_seqlen_k for varlen) is
 unbounded, as flash-attn's kernels take it.
 
 Everything up to the kernel call is plain Python on the options, which torch.compile
@@ -51,9 +54,9 @@ _KEPT = _Kept()
 
 def variant_text(*, causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
                  alibi: str | None = None, dropout_p: float = 0.0,
-                 softmax_scale: float | None = None) -> str:
+                 softmax_scale: float | None = None, sink: bool = False) -> str:
     """The attncc variant flash-attn's options describe. `alibi` is None, "h" for slopes
-    of shape (nheads,) or "bh" for (batch, nheads)."""
+    of shape (nheads,) or "bh" for (batch, nheads); `sink`: a learnable sink per head."""
     left, right = window_size
     aligned = "q + len_k - len_q"  # query i's position on the key axis: bottom-right
     name, lines, mask = ["flash"], [], []
@@ -61,6 +64,8 @@ def variant_text(*, causal: bool = False, window_size=(-1, -1), softcap: float =
         lines.append(f"scale {_number(softmax_scale)}")
     if alibi is not None:
         lines.append(f"input alibi_slopes: f32[{'b, h' if alibi == 'bh' else 'h'}]")
+    if sink:
+        lines.append("learnable input learnable_sink: f32[h]")
     if causal:
         name.append("causal")
         mask.append(f"k <= {aligned}")
@@ -86,6 +91,9 @@ def variant_text(*, causal: bool = False, window_size=(-1, -1), softcap: float =
     if dropout_p > 0:
         name.append("dropout")
         lines.append(f"dropout {_number(dropout_p)}")
+    if sink:
+        name.append("sink")
+        lines.append("sink learnable_sink[h]")
     body = "".join(f"    {line}\n" for line in lines)
     return f"attention {'_'.join(name)} {{\n{body}}}\n"
 
@@ -145,7 +153,7 @@ def _window(window_size, seqlen_k) -> tuple:
 
 
 def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-             deterministic, return_attn_probs, seqlen_k) -> dict:
+             deterministic, return_attn_probs, seqlen_k, learnable_sink=None) -> dict:
     """Check flash-attn's keyword arguments; the variant_text keywords they select.
     seqlen_k is the key length (max_seqlen_k for varlen) that bounds the window."""
     dropout_p = _real("dropout_p", dropout_p, "a probability in [0, 1)")
@@ -177,19 +185,27 @@ def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slope
             raise CallError(f"alibi_slopes must be a float32 tensor of shape (nheads,) or "
                             f"(batch, nheads), got {shape}")
         alibi = "bh" if alibi_slopes.dim() == 2 else "h"
+    if learnable_sink is not None and (not isinstance(learnable_sink, torch.Tensor)
+                                       or learnable_sink.dim() != 1
+                                       or learnable_sink.dtype != torch.float32):
+        what = (f"a {learnable_sink.dtype} tensor of shape {tuple(learnable_sink.shape)}"
+                if isinstance(learnable_sink, torch.Tensor) else type(learnable_sink).__name__)
+        raise CallError(f"learnable_sink must be a float32 tensor of shape (nheads,), one "
+                        f"logit per query head, got {what}")
     return dict(causal=causal, window_size=_window(window_size, seqlen_k),
                 softcap=max(softcap, 0.0), alibi=alibi, dropout_p=dropout_p,
-                softmax_scale=softmax_scale)
+                softmax_scale=softmax_scale, sink=learnable_sink is not None)
 
 
-_OPTION_NAMES = ("causal", "window_size", "softcap", "alibi", "dropout_p", "softmax_scale")
+_OPTION_NAMES = ("causal", "window_size", "softcap", "alibi", "dropout_p", "softmax_scale",
+                 "sink")
 
 
 def kernel_for(*, packed: bool = False, **options):
     """The compiled kernel (with packed=True, the varlen kernel) that calls with these
     `variant_text` options run, compiled on first use and kept (CACHE_SIZE of them)."""
     options = dict(dict(causal=False, window_size=(-1, -1), softcap=0.0, alibi=None,
-                        dropout_p=0.0, softmax_scale=None), **options)
+                        dropout_p=0.0, softmax_scale=None, sink=False), **options)
     options["window_size"] = tuple(int(w) for w in options["window_size"])
     for name in ("softcap", "dropout_p"):
         options[name] = float(options[name])
@@ -280,13 +296,24 @@ def _alibi_inputs(alibi_slopes, batch: int | None, nheads: int) -> dict:
     return {"alibi_slopes": alibi_slopes.detach()}
 
 
+def _sink_inputs(learnable_sink, nheads: int) -> dict:
+    """The kernel input for FA4's learnable_sink (checked by _options): read as given, so
+    that it takes a gradient (FA4's dsink)."""
+    if learnable_sink is None:
+        return {}
+    if learnable_sink.shape[0] != nheads:
+        raise CallError(f"learnable_sink must have shape (nheads,) = ({nheads},), one logit "
+                        f"per query head, got {tuple(learnable_sink.shape)}")
+    return {"learnable_sink": learnable_sink}
+
+
 # ---------------------------------------------------------------------------- KV cache
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                             rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
                             cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False):
+                            return_softmax_lse=False, *, learnable_sink=None):
     """flash-attn's `flash_attn_with_kvcache` on attncc's decoding (kernel.decode).
 
     q: (batch, seqlen_q, nheads, headdim). k_cache, v_cache: (batch, seqlen_cache,
@@ -303,7 +330,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     natural LSE (batch, nheads, seqlen_q) in float32 (-inf for a row that attends to
     nothing, where flash-attn writes +inf). rotary_cos/rotary_sin, cache_batch_idx and
     cache_leftpad are refused. Lengths and block-table values are read as
-    kernel.decode reads them (README, Decoding)."""
+    kernel.decode reads them (README, Decoding). `learnable_sink` (float32 (nheads,),
+    keyword only, as FA4's functions take it) adds one logit per head to every row's
+    softmax (gpt-oss's sinks)."""
     from .runtime.decoding import decode
     for name, value, fix in (
             ("rotary_cos", rotary_cos, "apply the rotary embedding to q and k before the call"),
@@ -336,7 +365,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         capacity = k_cache.shape[1]
     # flash-attn's rule: a window side reaching the whole cache is unbounded.
     options = _options(0.0, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       False, False, seqlen_k=capacity)
+                       False, False, seqlen_k=capacity, learnable_sink=learnable_sink)
     if cache_seqlens is None:
         if k is not None:
             raise CallError("pass cache_seqlens with k and v: the new tokens are written at "
@@ -344,6 +373,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = capacity  # flash-attn: every row holds the whole cache
     kernel = kernel_for(packed=False, **options)
     inputs = _alibi_inputs(alibi_slopes, q.shape[0], q.shape[2])
+    inputs.update(_sink_inputs(learnable_sink, q.shape[2]))
     # flash-attn's (batch, seqlen, heads, dim) read as (batch, heads, seqlen, dim) through
     # strides; a paged cache has the same layout in both.
     caches = (k_cache, v_cache) if paged else (k_cache.transpose(1, 2), v_cache.transpose(1, 2))
@@ -357,7 +387,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False, *, dropout_seed: int | None = None):
+                    return_attn_probs=False, *, dropout_seed: int | None = None,
+                    learnable_sink=None):
     """flash-attn's `flash_attn_func` on attncc kernels.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim),
@@ -366,12 +397,16 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     None): the attention probabilities are not returned, and return_attn_probs with
     dropout is refused. The backward is always deterministic. alibi_slopes get no
     gradient, as in flash-attn. `dropout_seed` (attncc's, keyword only) fixes the
-    dropout bits; without it a seed is drawn from torch's CPU generator."""
+    dropout bits; without it a seed is drawn from torch's CPU generator.
+    `learnable_sink` (FA4's, keyword only): float32 (nheads,), one logit per head in
+    every row's softmax denominator; it takes a gradient, deterministic."""
     _check_qkv(q, k, v, packed=False)
     options = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       deterministic, return_attn_probs, seqlen_k=k.shape[1])
+                       deterministic, return_attn_probs, seqlen_k=k.shape[1],
+                       learnable_sink=learnable_sink)
     kernel = kernel_for(packed=False, **options)
     inputs = _alibi_inputs(alibi_slopes, q.shape[0], q.shape[2])
+    inputs.update(_sink_inputs(learnable_sink, q.shape[2]))
     # (batch, seqlen, heads, dim) read as (batch, heads, seqlen, dim) through strides.
     result = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                     return_lse=return_attn_probs, dropout_seed=dropout_seed, layout="bhsd",
@@ -454,7 +489,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None, *,
-                           dropout_seed: int | None = None, packing=None):
+                           dropout_seed: int | None = None, packing=None, learnable_sink=None):
     """flash-attn's `flash_attn_varlen_func` on attncc kernels (attncc.varlen).
 
     q: (total_q, nheads, headdim), k, v: (total_k, nheads_k, headdim), packed by
@@ -464,17 +499,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     softmax_lse (nheads, total_q), None). Dropout bits are drawn per (seed, head, packed
     query, packed key) position. Paged KV (`block_table`) is not supported. The
     cu_seqlens values are read on every call (one host read), unless `packing` (attncc's,
-    keyword only: attncc.varlen_packing(...)) was built from them."""
+    keyword only: attncc.varlen_packing(...)) was built from them. `learnable_sink`
+    (FA4's, keyword only): as flash_attn_func's."""
     if block_table is not None:
         raise CallError("block_table (paged KV cache) is not supported by attncc's "
                         "flash_attn_varlen_func; pass k and v packed as (total_k, nheads_k, "
                         "headdim)")
     _check_qkv(q, k, v, packed=True)
     options = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       deterministic, return_attn_probs, seqlen_k=max_seqlen_k)
+                       deterministic, return_attn_probs, seqlen_k=max_seqlen_k,
+                       learnable_sink=learnable_sink)
     kernel = kernel_for(packed=True, **options)
     batch = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else None
     inputs = _alibi_inputs(alibi_slopes, batch, q.shape[1])
+    inputs.update(_sink_inputs(learnable_sink, q.shape[1]))
     result = kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     return_lse=return_attn_probs, dropout_seed=dropout_seed, packing=packing,
                     **inputs)

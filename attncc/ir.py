@@ -6,6 +6,7 @@ Nodes carry no source positions, so the same variant written either way is equal
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Union
@@ -243,6 +244,9 @@ class InputDecl:
         return DTYPES[self.dtype]
 
 
+# Variant fields that its repr (and so its key) names only when they are set.
+_NAMED_WHEN_SET = ("sink",)
+
 # Names may be long (64 KiB of spec); a file name may not (255 bytes on most systems).
 NAME_IN_FILES = 48
 
@@ -255,7 +259,9 @@ class Variant:
     s = scale * (Q[b,h,q] . K[b,h//group,k]); s' = score(s); the pair attends when
     `mask` holds and `layout` holds for tile (q // block, k // block). Attention is the
     softmax of s' over attending keys (a row with none gives 0 and LSE -inf), with
-    dropout p applied to the probabilities, times V.
+    dropout p applied to the probabilities, times V. A `sink` σ(b, h, q) is one more
+    logit in each row's softmax that carries no value (gpt-oss's learnable sinks):
+    L = log(Σ e^s' + e^σ), P = e^(s' - L), and a row with no key gives 0 and LSE σ.
     """
     name: str
     heads: Heads | None = None
@@ -267,6 +273,15 @@ class Variant:
     block: int | None = None
     score: Expr | None = None
     dropout: float | None = None
+    sink: Expr | None = None  # one extra logit per (b, h, q) row; reads no k and no s
+
+    def __repr__(self) -> str:
+        """The dataclass's repr, less the fields added after keys were first shipped while
+        they are unset: `key()` hashes it, and a variant that does not use them keeps its
+        key (module names, tuning files, caches)."""
+        shown = [f.name for f in dataclasses.fields(self)
+                 if f.name not in _NAMED_WHEN_SET or getattr(self, f.name) is not None]
+        return f"Variant({', '.join(f'{n}={getattr(self, n)!r}' for n in shown)})"
 
     def param(self, name: str) -> ParamDecl:
         return {p.name: p for p in self.params}[name]
@@ -389,5 +404,7 @@ def print_variant(v: Variant) -> str:
         lines.append(f"    score   {print_expr(v.score)}")
     if v.dropout is not None:
         lines.append(f"    dropout {v.dropout!r}")
+    if v.sink is not None:
+        lines.append(f"    sink    {print_expr(v.sink)}")
     lines.append("}")
     return "\n".join(lines) + "\n"

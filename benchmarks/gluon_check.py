@@ -156,7 +156,11 @@ def correctness(args, dog):
                   ("relative_bias", dict(B=1, Hq=2, Hkv=2, Lq=300, Lk=300, D=128), bf, True),
                   ("gqa_causal", dict(B=1, Hq=4, Hkv=1, Lq=257, Lk=257, D=64), bf, True),
                   ("causal_bottom_right", dict(B=2, Hq=2, Hkv=2, Lq=1, Lk=300, D=128), bf, True),
-                  ("full", dict(B=1, Hq=2, Hkv=2, Lq=300, Lk=300, D=256), bf, True)]
+                  ("full", dict(B=1, Hq=2, Hkv=2, Lq=300, Lk=300, D=256), bf, True),
+                  # gpt-oss's sinks (its heads 64 / 8): the Gluon forward's epilogue, and
+                  # dQ, dK/dV fed its LSE.
+                  ("gpt_oss_sinks", dict(B=1, Hq=64, Hkv=8, Lq=300, Lk=300, D=64), bf, True),
+                  ("gpt_oss_sinks", dict(B=1, Hq=64, Hkv=8, Lq=1, Lk=300, D=64), bf, False)]
     offset_cases = [("causal", 64, 0), ("sliding_window", 96, 96)]
     if args.sweep != "all":
         keep = set(args.sweep.split(",")) if args.sweep else set()

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import attncc  # noqa: E402
+from attncc import ir
 from attncc.semantics.reference import allowed_pairs
 from attncc.arguments import Problem
 from attncc.semantics.tolerance import gradient_scales, within_tolerance
@@ -85,22 +86,34 @@ def anchor_problem(name, L, D=128, dev="cuda", seed=0):
 def error_vs_reference(variant, q, k, v, inputs, dtype, seed):
     """(kernel err, eager err) per output, both against the float64 reference."""
     kern = attncc.compile(variant)
-    qk = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-    out, lse = kern(*qk, return_lse=True, dropout_seed=seed, **inputs)
+    # A sink's learnable inputs are checked too (their gradient is computed outside the
+    # kernels, deterministically); other learnable inputs' atomics are not, here.
+    read = ir.loaded_tensors(variant.sink) if variant.sink is not None else set()
+    sinks = {n: t for n, t in inputs.items() if n in read and variant.input(n).learnable}
+    fixed = {n: t for n, t in inputs.items() if n not in sinks}
+
+    def leaves(cast):
+        return ([t.to(cast).requires_grad_() for t in (q, k, v)],
+                {n: t.detach().to(torch.float64 if cast == torch.float64 else t.dtype,
+                                  copy=True).requires_grad_() for n, t in sinks.items()})
+    qk, own = leaves(dtype)
+    out, lse = kern(*qk, return_lse=True, dropout_seed=seed, **fixed, **own)
     do = torch.randn_like(out)
-    grads = torch.autograd.grad(out, qk, do)
-    q64 = [t.double().requires_grad_() for t in (q, k, v)]
-    ref, rlse = attncc.reference(variant, *q64, return_lse=True, dropout_seed=seed, **inputs)
-    rgrads = torch.autograd.grad(ref, q64, do.double())
-    qe = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-    eager, else_ = attncc.reference(variant, *qe, return_lse=True, dropout_seed=seed, **inputs)
-    egrads = torch.autograd.grad(eager, qe, do)
+    grads = torch.autograd.grad(out, qk + list(own.values()), do)
+    q64, own64 = leaves(torch.float64)
+    ref, rlse = attncc.reference(variant, *q64, return_lse=True, dropout_seed=seed, **fixed, **own64)
+    rgrads = torch.autograd.grad(ref, q64 + list(own64.values()), do.double())
+    qe, owne = leaves(dtype)
+    eager, else_ = attncc.reference(variant, *qe, return_lse=True, dropout_seed=seed, **fixed,
+                                    **owne)
+    egrads = torch.autograd.grad(eager, qe + list(owne.values()), do)
     from attncc.semantics.reference import scale_value
     scales = gradient_scales(q64[0], q64[1], ref, do, scale_value(variant, q.shape[-1]),
                              q.shape[1] // k.shape[1])
     rows = []
     for label, a, r, e in [("out", out, ref, eager), ("lse", lse, rlse, else_)] + \
-            [(f"d{n}", g, rg, eg) for n, g, rg, eg in zip("qkv", grads, rgrads, egrads)]:
+            [(f"d{n}", g, rg, eg) for n, g, rg, eg in zip(["q", "k", "v", *sinks], grads, rgrads,
+                                                          egrads)]:
         inf_ok = bool(((a == -math.inf) == (r == -math.inf)).all()) if label == "lse" else True
         finite = torch.isfinite(r)
         ka = (a.double() - r)[finite].abs().max().item() if finite.any() else 0.0
@@ -125,6 +138,10 @@ def correctness(args):
         "rel_bias": ("attention rb { learnable input bias: f32[h, 511] "
                      "score s + bias[h, min(max(q - k, -255), 255) + 255] }"),
         "empty_rows": "attention e { mask k > q + 100 }",
+        # gpt-oss's learnable sinks: a window layer, and rows with no key (O = 0, LSE = σ).
+        "gpt_oss_sinks": ("attention gs { learnable input sinks: f32[h] "
+                          "mask q >= k and q - k < 128 sink sinks[h] }"),
+        "sink_empty_rows": "attention se { learnable input sinks: f32[h] mask k > q + 100 sink sinks[h] }",
     })
     shapes = [  # B, Hq, Hkv, Lq, Lk, D
         (2, 4, 4, 1000, 1000, 128),
@@ -151,6 +168,8 @@ def correctness(args):
                 inputs = sample_inputs(name, variant, B, H, Lq, dev, gen)
                 if name == "rel_bias":
                     inputs = {"bias": torch.randn(H, 511, device=dev)}
+                if variant.sink is not None:  # sinks from 40 below to 40 above the logits
+                    inputs = {"sinks": torch.linspace(-40.0, 40.0, H, device=dev)}
                 if name == "bigbird":
                     inputs = {"random_blocks": torch.rand(math.ceil(Lq / 128), math.ceil(Lk / 128), generator=gen).to(dev) < 0.3}
                 try:

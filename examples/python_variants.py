@@ -179,10 +179,19 @@ class nsa_topk:
         return attncc.isin(kb, top[b, h, qb])  # the language's `kb in top[b, h, qb]`
 
 
+@attncc.variant(params={"window": 128}, inputs={"sinks": "f32[h]"}, learnable=["sinks"])
+class gpt_oss_sinks:
+    def mask(q, k, window):
+        return (q >= k) & (q - k < window)
+
+    def sink(h, sinks):
+        return sinks[h]
+
+
 # Keyed by the stem of the .attn file that declares the same variant.
 EXAMPLES = {v.name: v for v in (
     full, causal, causal_bottom_right, gqa_causal, sliding_window, prefix_lm, document,
     dilated_window, chunked_local, longformer, alibi, softcap, relative_bias, bigbird,
     bigbird_seeded, dropout, sparse_strided, sparse_fixed, sparse_heads, dilated_blocks,
-    vertical_slash, nsa_selected, nsa_topk,
+    vertical_slash, nsa_selected, nsa_topk, gpt_oss_sinks,
 )}

@@ -26,6 +26,7 @@ ALLOWED_VARS = {
     "score": {"b", "h", "q", "k", "s", "dim", "len_q", "len_k"},
     "scale": {"dim"},
     "param": set(),
+    "sink": {"b", "h", "q", "dim", "len_q", "len_k"},
 }
 WHY_NOT = {
     ("mask", "s"): "a mask decides which pairs attend before any score exists; "
@@ -39,6 +40,12 @@ WHY_NOT = {
     ("layout", "k"): "a layout decides whole tiles; use qb and kb there, or put "
                      "element conditions in `mask`",
     ("layout", "s"): "a layout decides whole tiles before any score exists",
+    ("sink", "k"): "a sink is one extra logit per query row, the same for every key; "
+                   "to change a pair's score, use `score`",
+    ("sink", "s"): "a sink is one extra logit per query row, not a function of the pair's "
+                   "score; to change scores, use `score`",
+    ("sink", "qb"): "qb and kb are tile indices and only mean something in `layout`",
+    ("sink", "kb"): "qb and kb are tile indices and only mean something in `layout`",
 }
 
 # Deeper expressions are refused: every pass walks the IR recursively, and no real
@@ -47,7 +54,8 @@ MAX_DEPTH = 128
 
 TYPE_WORDS = ir.TYPE_WORDS
 
-DECL_NAMES = ("heads", "scale", "param", "input", "mask", "layout", "block", "score", "dropout")
+DECL_NAMES = ("heads", "scale", "param", "input", "mask", "layout", "block", "score", "dropout",
+              "sink")
 
 
 class Scope:
@@ -255,7 +263,7 @@ def check_declared_type(decl: str, t: str):
         example = "qb >= kb" if decl == "layout" else "q >= k"
         raise SpecError(f"`{decl}` must be a condition (true/false), but this is "
                         f"{TYPE_WORDS[t]}; compare it, as in `{example}`")
-    if decl in ("score", "scale") and t == ir.BOOL:
+    if decl in ("score", "scale", "sink") and t == ir.BOOL:
         raise SpecError(f"`{decl}` must be a number, but this is a condition; "
                         "use where(cond, a, b) to choose between numbers")
 
@@ -299,7 +307,7 @@ def check_input(inp: ir.InputDecl):
 
 
 KEYWORDS = ("attention", "heads", "scale", "param", "input", "learnable", "mask", "layout",
-            "block", "score", "dropout", "and", "or", "not", "in", "true", "false")
+            "block", "score", "dropout", "sink", "and", "or", "not", "in", "true", "false")
 
 
 def check_identifier(name, what: str):
@@ -348,7 +356,7 @@ def check_variant(v: ir.Variant) -> ir.Variant:
         check_heads(v.heads.q, v.heads.kv)
     params = {p.name: p for p in v.params}
     inputs = {i.name: i for i in v.inputs}
-    for decl in ("scale", "mask", "layout", "score"):
+    for decl in ("scale", "mask", "layout", "score", "sink"):
         e = getattr(v, decl)
         if e is not None:
             check_depth(e)

@@ -7,6 +7,9 @@
         def score(s, q, k, h, slopes):
             return s + slopes[h] * (k - q)
 
+A class may also define `sink` (the language's `sink`: one extra logit per row, a
+function of b, h, q and sizes), as in `def sink(h, sinks): return sinks[h]`.
+
 Each function names what it reads by its parameters (index names, params, inputs) and
 is called once with symbolic values, so it must be a single expression in disguise:
 `&`, `|`, `~` stand for and, or, not (Python's own keywords cannot be traced), and
@@ -266,7 +269,8 @@ def _where_is(fn) -> str:
 
 
 def build_variant(name: str, *, mask=None, score=None, layout=None, scale=None, heads=None,
-                  params=None, inputs=None, learnable=(), block=None, dropout=None) -> ir.Variant:
+                  params=None, inputs=None, learnable=(), block=None, dropout=None,
+                  sink=None) -> ir.Variant:
     """The Variant for these Python pieces; the decorator's engine, usable directly."""
     _check_arguments(name, heads, params, inputs, learnable, block, dropout)
     params = dict(params or {})
@@ -278,7 +282,8 @@ def build_variant(name: str, *, mask=None, score=None, layout=None, scale=None, 
     pmap = {p.name: p for p in param_decls}
     imap = {i.name: i for i in input_decls}
     fields = {}
-    for decl, fn in (("scale", scale), ("mask", mask), ("layout", layout), ("score", score)):
+    for decl, fn in (("scale", scale), ("mask", mask), ("layout", layout), ("score", score),
+                     ("sink", sink)):
         if fn is None:
             continue
         if isinstance(fn, (int, float)) and not isinstance(fn, bool) and decl == "scale":
@@ -304,24 +309,24 @@ def build_variant(name: str, *, mask=None, score=None, layout=None, scale=None, 
 
 def variant(_obj=None, *, name=None, heads=None, params=None, inputs=None, learnable=(),
             block=None, dropout=None, scale=None):
-    """Decorate a function (the mask) or a class holding mask/score/layout/scale functions.
+    """Decorate a function (the mask) or a class holding mask/score/layout/scale/sink functions.
 
     Returns an ir.Variant, which attncc.compile() and attncc.reference() accept.
     """
     def wrap(obj):
         if inspect.isclass(obj):
-            parts = {d: obj.__dict__.get(d) for d in ("mask", "score", "layout", "scale")}
+            parts = {d: obj.__dict__.get(d) for d in ("mask", "score", "layout", "scale", "sink")}
             parts = {d: (f.__func__ if isinstance(f, staticmethod) else f) for d, f in parts.items()}
             unknown = [a for a in vars(obj) if not a.startswith("_") and a not in parts]
             if unknown:
                 raise SpecError(f"variant class '{obj.__name__}' has {unknown}; it may define "
-                                "only mask, score, layout and scale"
+                                "only mask, score, layout, scale and sink"
                                 f"{did_you_mean(unknown[0], parts)}")
         elif callable(obj):
             parts = {"mask": obj}
         else:
             raise SpecError(f"@attncc.variant decorates a function (the mask) or a class of "
-                            f"mask/score/layout/scale functions, not a {type(obj).__name__}")
+                            f"mask/score/layout/scale/sink functions, not a {type(obj).__name__}")
         if scale is not None:
             parts["scale"] = scale
         return build_variant(name or obj.__name__, heads=heads, params=params, inputs=inputs,

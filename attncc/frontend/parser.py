@@ -358,7 +358,7 @@ class _Builder:
         """Divisions by zero and integers past 64 bits (attncc/analysis/ranges.py), located at the
         operator; once every declaration is known, since ranges depend on params and block."""
         params = {p.name: p.value for p in v.params}
-        for kind in ("scale", "mask", "layout", "score"):
+        for kind in ("scale", "mask", "layout", "score", "sink"):
             e = getattr(v, kind)
             if e is None:
                 continue
@@ -461,6 +461,9 @@ class _Builder:
 
     def decl_score(self, d, fields):
         self._expr_decl("score", d, fields)
+
+    def decl_sink(self, d, fields):
+        self._expr_decl("sink", d, fields)
 
     def decl_scale(self, d, fields):
         self._expr_decl("scale", d, fields)

@@ -16,6 +16,9 @@ layer, with no S x S mask:
     mask keeps them apart: it does so without a padding mask and a cache):
     `seq[b, q] == seq[b, k]`;
   * `softcap`, `scaling` and `dropout` as the model passes them;
+  * gpt-oss's `s_aux` (one learnable logit per head, its attention sinks): the
+    variant's `sink hf_sinks[h]`, a learnable input of the parameter's dtype, so the
+    parameter takes its gradient;
   * and the variant given to `register`, whose mask is conjoined with all of the above
     and whose score is applied before the softcap.
 
@@ -47,6 +50,10 @@ from ..frontend.parser import parse
 _RESERVED = ("sdpa", "flex_attention", "flash_attention")
 _REGISTERED: dict = {}  # name -> _Attention
 KEEP, SEQ = "hf_keep", "hf_seq"  # the inputs the model's masks add to a variant
+SINKS = "hf_sinks"  # the input gpt-oss's s_aux becomes
+# torch dtype -> the language's name of it, for the input s_aux becomes.
+_DTYPE_WORDS = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32",
+                torch.float64: "f64"}
 CHECK_ELEMENTS = 1 << 24  # booleans compared per block of query rows
 
 
@@ -163,7 +170,7 @@ class _Attention:
         self.check_masks = check_masks
         self.kernels: OrderedDict = OrderedDict()
         if variant is not None:
-            clash = {d.name for d in variant.inputs} & {KEEP, SEQ}
+            clash = {d.name for d in variant.inputs} & {KEEP, SEQ, SINKS}
             if clash:
                 raise CallError(f"variant '{variant.name}' declares {sorted(clash)[0]!r}, a name "
                                 "attncc's transformers integration uses for the model's masks; "
@@ -172,7 +179,7 @@ class _Attention:
     def __call__(self, module, query, key, value, attention_mask, dropout: float = 0.0,
                  scaling: float | None = None, is_causal: bool | None = None,
                  sliding_window: int | None = None, softcap: float | None = None, **kwargs):
-        for unsupported in ("s_aux", "position_bias", "sinks"):
+        for unsupported in ("position_bias", "sinks"):
             if kwargs.get(unsupported) is not None:
                 raise CallError(f"the model passes `{unsupported}` to its attention, which "
                                 f"attncc's transformers integration does not implement; use "
@@ -205,8 +212,12 @@ class _Attention:
                             f"{sliding_window!r}")
         p = self.variant.dropout if self.variant is not None and self.variant.dropout else dropout
         reading = (bool(causal), sliding_window, keep is not None, sequence_ids is not None)
-        kernel = self._kernel(reading, softcap, scaling, dim, float(p or 0.0))
+        sinks = _sinks(kwargs.get("s_aux"), heads, self.variant)
+        kernel = self._kernel(reading, softcap, scaling, dim, float(p or 0.0),
+                              None if sinks is None else _DTYPE_WORDS[sinks.dtype])
         inputs = dict(self._user_inputs(module))
+        if sinks is not None:
+            inputs[SINKS] = sinks
         if keep is not None:
             inputs[KEEP] = keep
         if sequence_ids is not None:
@@ -227,12 +238,13 @@ class _Attention:
             return {}
         return self.inputs(module) if callable(self.inputs) else self.inputs
 
-    def _kernel(self, reading, softcap, scaling, dim, dropout_p):
-        key = (reading, softcap, scaling, dim, dropout_p)
+    def _kernel(self, reading, softcap, scaling, dim, dropout_p, sink_dtype=None):
+        key = (reading, softcap, scaling, dim, dropout_p, sink_dtype)
         kernel = self.kernels.get(key)
         if kernel is None:
             from .. import compile as compile_variant
-            kernel = compile_variant(self._variant(reading, softcap, scaling, dim, dropout_p))
+            kernel = compile_variant(self._variant(reading, softcap, scaling, dim, dropout_p,
+                                                   sink_dtype))
             self.kernels[key] = kernel
             if len(self.kernels) > self.CACHE_SIZE:
                 self.kernels.popitem(last=False)
@@ -240,9 +252,9 @@ class _Attention:
             self.kernels.move_to_end(key)
         return kernel
 
-    def _variant(self, reading, softcap, scaling, dim, dropout_p) -> ir.Variant:
+    def _variant(self, reading, softcap, scaling, dim, dropout_p, sink_dtype=None) -> ir.Variant:
         """The variant for one kind of layer: the model's masks, the registered variant's
-        mask and score, then the softcap."""
+        mask and score, then the softcap; with `sink_dtype`, the model's sinks (s_aux)."""
         from ..frontend.checker import check_variant
         model = model_mask_variant(*reading)
         base = self.variant or ir.Variant(name="hf")
@@ -258,10 +270,32 @@ class _Attention:
         if scale is None and scaling is not None and not math.isclose(scaling, dim ** -0.5,
                                                                      rel_tol=1e-12):
             scale = ir.Const(float(scaling), ir.FLOAT)
+        inputs, sink, name = base.inputs + model.inputs, base.sink, f"{base.name}_{model.name}"
+        if sink_dtype is not None:
+            inputs += (ir.InputDecl(SINKS, sink_dtype, ("h",), learnable=True),)
+            sink, name = ir.Load(SINKS, (ir.Var("h"),)), f"{name}_sinks"
         variant = dataclasses.replace(
-            base, name=f"{base.name}_{model.name}", mask=mask, score=score, scale=scale,
-            inputs=base.inputs + model.inputs, dropout=dropout_p or None)
+            base, name=name, mask=mask, score=score, scale=scale,
+            inputs=inputs, dropout=dropout_p or None, sink=sink)
         return check_variant(variant)
+
+
+def _sinks(s_aux, heads: int, variant: ir.Variant | None):
+    """gpt-oss's `s_aux` (its attention sinks, a parameter of shape (num_heads,)) checked,
+    or None where the model passes none."""
+    if s_aux is None:
+        return None
+    if variant is not None and variant.sink is not None:
+        raise CallError(f"the model passes attention sinks (s_aux) and the registered variant "
+                        f"'{variant.name}' has a sink of its own; a row's softmax takes one "
+                        "sink: register a variant without `sink`")
+    if (not isinstance(s_aux, torch.Tensor) or tuple(s_aux.shape) != (heads,)
+            or s_aux.dtype not in _DTYPE_WORDS):
+        shape = tuple(s_aux.shape) if isinstance(s_aux, torch.Tensor) else type(s_aux).__name__
+        raise CallError(f"the model passes s_aux (attention sinks) of shape {shape}; attncc "
+                        f"reads it as gpt-oss does: one floating-point logit per query head, "
+                        f"shape ({heads},)")
+    return s_aux
 
 
 def model_mask_variant(causal: bool, sliding_window: int | None, padded: bool,

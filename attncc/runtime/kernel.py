@@ -491,7 +491,7 @@ def _compile_option_hint(name: str, value) -> str:
     if name in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"):
         return (f"attncc.compile() takes no {name}=: pin the tiles together, as "
                 f"config={EXAMPLE}")
-    if name in ("heads", "scale", "dropout", "mask", "score", "layout", "params", "inputs"):
+    if name in ("heads", "scale", "dropout", "mask", "score", "layout", "params", "inputs", "sink"):
         return (f"attncc.compile() takes no {name}=: it is part of the variant; declare it in "
                 f"the spec (or in @attncc.variant)")
     return (f"attncc.compile() got an unexpected keyword argument '{name}'; it takes a spec "

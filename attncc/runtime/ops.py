@@ -36,7 +36,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import precompile, scheduling
+from . import precompile, scheduling, sinks
 from ..arguments import Problem
 from .call_options import NO_TABLES, CallOptions
 from .decoding import DecodeOptions, run_decode
@@ -265,7 +265,10 @@ def _forward(kernel_id, q, k, v, inputs, *options):
     if empty_problem(p):
         if tables is not None:
             tables.check_reads(values)
-        return _empty_forward(q)
+        out, lse = _empty_forward(q)
+        if kernel.variant.sink is not None:
+            lse = sinks.row_sinks(kernel.variant, p, values, lse)  # no key: L = σ
+        return out, lse
     return scheduling.forward(kernel, p, q, k, v, values, tables, **launch)
 
 
@@ -289,10 +292,14 @@ def _backward(kernel_id, q, k, v, out, lse, dout, dlse, inputs, *options):
     kernel, values, p, tables, launch = _received(kernel_id, q, k, v, inputs, options)
     if empty_problem(p):
         # No query sees a key: the output is 0 and the LSE -inf whatever q, k, v and the
-        # inputs hold, so every gradient is 0 (dlse included).
+        # inputs hold, so every gradient is 0 (dlse included); with a sink, L = σ, whose
+        # inputs take dlse (delta = δ - dLSE with δ = 0).
+        dinputs = {d.name: values[d.name].new_zeros(values[d.name].shape)
+                   for d in kernel.variant.learnable_inputs}
+        if kernel.variant.sink is not None and dlse is not None and dlse.numel():
+            dinputs = sinks.add_sink_gradients(kernel.variant, p, values, lse, -dlse, dinputs)
         return (q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape),
-                [values[d.name].new_zeros(values[d.name].shape)
-                 for d in kernel.variant.learnable_inputs])
+                [dinputs[d.name] for d in kernel.variant.learnable_inputs])
     return scheduling.backward(kernel, p, q, k, v, out, lse, dout, dlse, values, tables,
                                **launch)
 

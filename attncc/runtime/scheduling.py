@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from .. import backends
-from . import precompile, tuning
+from . import precompile, sinks, tuning
 from .settings import backward_directions
 
 
@@ -99,13 +99,16 @@ def backward(kernel, problem, q, k, v, out, lse, dout, dlse, values: dict, kept_
         run, config = kernel.choose(role, problem, q.dtype, tune)
         dq, dk, dv, dinputs = tuning.launch(kernel, problem, q.dtype, "bwd", run, config)
     else:
-        dq, dk, dv, dinputs = _dq_then_dkdv(kernel, problem, q, k, v, out, lse, dout, dlse,
-                                            values, common, tune)
+        dq, dk, dv, dinputs, delta = _dq_then_dkdv(kernel, problem, q, k, v, out, lse, dout,
+                                                   dlse, values, common, tune)
+    if kernel.variant.sink is not None:
+        dinputs = sinks.add_sink_gradients(kernel.variant, problem, values, lse, delta, dinputs)
     return dq, dk, dv, [dinputs[d.name] for d in kernel.variant.learnable_inputs]
 
 
 def _dq_then_dkdv(kernel, problem, q, k, v, out, lse, dout, dlse, values, common, tune):
-    """dQ first, computing delta = rowsum(dO * O) on the way, then dK/dV, which reads it.
+    """dQ first, computing delta = rowsum(dO * O) on the way, then dK/dV, which reads it
+    (returned last: a sink's gradient reads it too).
     They are tuned apart: they want different tile shapes. Each runs on the backend its
     role chose (kernel.last_backward says which)."""
     module = kernel.module
@@ -122,4 +125,4 @@ def _dq_then_dkdv(kernel, problem, q, k, v, out, lse, dout, dlse, values, common
     dq, dinputs = tuning.launch(kernel, problem, q.dtype, "dq", run, config)
     run, config = kernel.choose(roles["dkdv"], problem, q.dtype, tune)
     dk, dv = tuning.launch(kernel, problem, q.dtype, "dkdv", run, config)
-    return dq, dk, dv, dinputs
+    return dq, dk, dv, dinputs, delta

@@ -31,16 +31,19 @@ def check_index_list(name: str, tensor: torch.Tensor, n_tiles: int):
                         "name distinct tiles (pad with -1)")
 
 
-def evaluate(e, env: dict, *, float_dtype=torch.float64):
+def evaluate(e, env: dict, *, float_dtype=torch.float64, gather=None):
     """Evaluate `e`. `env` maps index names to tensors or numbers, and holds
-    `params` (name -> value) and `inputs` (name -> tensor)."""
-    return _Evaluator(env, float_dtype).run(e)
+    `params` (name -> value) and `inputs` (name -> tensor). `gather(tensor, indices)`,
+    where given, reads a tensor's elements at broadcast index tensors instead of
+    `tensor[indices]` (the sink's gradient reduces through a fixed-order read)."""
+    return _Evaluator(env, float_dtype, gather).run(e)
 
 
 class _Evaluator(ir.Visitor):
-    def __init__(self, env, float_dtype):
+    def __init__(self, env, float_dtype, gather=None):
         self.env = env
         self.float_dtype = float_dtype
+        self.gather = gather or (lambda tensor, indices: tensor[indices])
 
     def run(self, e):
         return self(e)
@@ -70,7 +73,7 @@ class _Evaluator(ir.Visitor):
                                 f"which has length {n}: the spec indexes it out of range "
                                 "for these shapes")
         shape = torch.broadcast_shapes(*(i.shape for i in idx))
-        out = tensor[tuple(i.expand(shape) for i in idx)]
+        out = self.gather(tensor, tuple(i.expand(shape) for i in idx))
         if out.is_floating_point():
             return out.to(self.float_dtype)
         # The language's integers are 64-bit: an i8 or i32 read must not make `x[q] * c`

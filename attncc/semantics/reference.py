@@ -66,6 +66,15 @@ def allowed_pairs(variant: ir.Variant, p: Problem, inputs: dict, device) -> torc
     return allowed
 
 
+def sink_logits(variant: ir.Variant, env: dict, p: Problem, dtype, gather=None) -> torch.Tensor:
+    """The sink σ of every row, [B, H, Lq, 1] in `dtype`: `variant.sink` over the index
+    grid of `env` (its b, h and q), differentiable in the inputs it reads (`gather`:
+    evaluate()'s)."""
+    sink = evaluate(variant.sink, env, float_dtype=dtype, gather=gather)
+    device = env["b"].device
+    return torch.as_tensor(sink, device=device).to(dtype).expand(p.batch, p.heads_q, p.len_q, 1)
+
+
 def reference(variant: ir.Variant, q, k, v, /, *positional, return_lse: bool = False,
               dropout_seed: int | None = None, training: bool = True, q_offset: int = 0,
               k_offset: int = 0, layout: str | None = None, **inputs):
@@ -74,7 +83,7 @@ def reference(variant: ir.Variant, q, k, v, /, *positional, return_lse: bool = F
     Tensors are (batch, heads, seq, dim), or (batch, seq, heads, dim) with layout="bshd"
     (the output too; the LSE is (batch, heads, seq) in both). Computes in the dtype of q
     (use float64 for ground truth). A query that attends to no key gets output 0 and
-    LSE -inf, and zero gradients. With dropout, `dropout_seed` must be given: the same
+    LSE -inf, and zero gradients; with a `sink` its LSE is the sink σ. With dropout, `dropout_seed` must be given: the same
     seed gives the same mask as the kernels; `training=False` leaves dropout out, as the
     kernels do.
     """
@@ -105,11 +114,19 @@ def reference(variant: ir.Variant, q, k, v, /, *positional, return_lse: bool = F
     allowed = allowed_pairs(variant, p, inputs, device).expand_as(s)
     row_any = allowed.any(dim=-1, keepdim=True)  # [B, Hq, Lq, 1]
 
-    # Empty rows would give exp(-inf - -inf) = NaN, in values and gradients alike: give
-    # them finite stand-ins that no result reads.
     neg_inf = torch.tensor(-math.inf, dtype=dtype, device=device)
-    s_for_lse = torch.where(allowed, s, torch.where(row_any, neg_inf, torch.zeros_like(s)))
-    lse = torch.logsumexp(s_for_lse, dim=-1, keepdim=True)
+    if variant.sink is None:
+        # Empty rows would give exp(-inf - -inf) = NaN, in values and gradients alike: give
+        # them finite stand-ins that no result reads.
+        s_for_lse = torch.where(allowed, s, torch.where(row_any, neg_inf, torch.zeros_like(s)))
+        lse = torch.logsumexp(s_for_lse, dim=-1, keepdim=True)
+    else:
+        # gpt-oss's meaning: the sink is one more column of logits, softmaxed with the
+        # row's scores and dropped. Every row has it, so no row is empty: LSE = σ there.
+        s_for_lse = torch.where(allowed, s, neg_inf)
+        lse = torch.logsumexp(torch.cat([s_for_lse, sink_logits(variant, env, p, dtype)], -1),
+                              dim=-1, keepdim=True)
+        row_any = torch.ones_like(row_any)
     probs = torch.where(allowed, torch.exp(s_for_lse - lse), torch.zeros_like(s))
     if variant.dropout:
         bh = (env["b"] * p.heads_q + env["h"])

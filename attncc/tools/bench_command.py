@@ -124,8 +124,20 @@ def bench_backends(variant, kernel, *, n: int, batch: int, heads: tuple, dim: in
                 block_mask = create_block_mask(mask_mod, batch if variant_uses(variant, "b") else None,
                                                hq if variant_uses(variant, "h") else None, n, n,
                                                device=dev)
-            record("flex", lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                                        scale=scale, enable_gqa=hq != hkv))
+            if variant.sink is None:
+                record("flex", lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                            scale=scale, enable_gqa=hq != hkv))
+            else:
+                # FlexAttention has no sink in its softmax: transformers' FlexAttention path
+                # for gpt-oss renormalises its output with the returned LSE, as here.
+                from ..runtime.sinks import sinks_at
+
+                def flex_with_sink():
+                    out, lse = flex(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                    scale=scale, enable_gqa=hq != hkv, return_lse=True)
+                    sink = sinks_at(variant, p, inputs, dev)
+                    return out * torch.sigmoid(lse - sink).unsqueeze(-1).to(out.dtype)
+                record("flex", flex_with_sink)
         except Exception as err:
             results["flex"] = {"skipped": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
     pairs, exact = pairs_per_head(variant, p, inputs, dev)

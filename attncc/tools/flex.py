@@ -106,7 +106,8 @@ def variant_uses(variant: ir.Variant, name: str) -> bool:
 
 def sdpa_expressible(variant: ir.Variant, len_q: int, len_k: int):
     """None when SDPA cannot compute the variant, else its keyword arguments (is_causal...)."""
-    if variant.score is not None or variant.layout is not None or variant.inputs:
+    if (variant.score is not None or variant.layout is not None or variant.inputs
+            or variant.sink is not None):
         return None
     causal = ir.Cmp(">=", ir.Var("q"), ir.Var("k"))
     if variant.mask is None:

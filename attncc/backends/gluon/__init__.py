@@ -124,8 +124,11 @@ def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int) -> str | N
         return (f"head dim {head_dim}: the Gluon {name} kernel takes head dims "
                 f"{', '.join(map(str, tiles.BACKWARD_HEAD_DIMS))} (at 256 its fp32 accumulators "
                 "do not fit in registers beside the score tiles)")
-    if kind == "dq" and variant.learnable_inputs:
-        names = ", ".join(d.name for d in variant.learnable_inputs)
+    # Inputs only a `sink` reads take their gradient outside the kernels (runtime/sinks.py).
+    score_learnables = [d for d in variant.learnable_inputs if variant.score is not None
+                        and d.name in ir.loaded_tensors(variant.score)]
+    if kind == "dq" and score_learnables:
+        names = ", ".join(d.name for d in score_learnables)
         return (f"variant '{variant.name}' has learnable inputs ({names}), whose gradients "
                 "the portable dQ kernel accumulates; the Gluon dQ kernel does not yet")
     return None

@@ -32,7 +32,7 @@ def generate(variant: ir.Variant):
     from ..portable.codegen import host_helpers, template_context, variant_code
     code = variant_code(variant)
     d_score = code.d_score if code.score is not None else None
-    called, _ = used([code.mask, code.score, d_score, code.layout_elem,
+    called, _ = used([code.mask, code.score, d_score, code.layout_elem, code.sink,
                       *([] if code.uses_tables else [*code.k_segments, *code.q_segments])])
     # The shared host side (tile tables, launch arguments) is rendered into this module
     # too: its helpers are the portable module's.

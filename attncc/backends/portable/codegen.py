@@ -197,6 +197,8 @@ class VariantCode:
     k_segments: list  # of SegmentCode, the forward's key loops
     q_segments: list  # the dK/dV kernel's query loops
     int32_extent: int
+    sink: Code | None = None  # σ of the program's query rows, a [BLOCK_M] vector or a scalar
+    decode_sink: Code | None = None  # σ of a decode program's rows
 
     @property
     def uses_tables(self) -> bool:
@@ -207,7 +209,7 @@ class VariantCode:
 def variant_code(variant: ir.Variant) -> VariantCode:
     # Each expression in 32-bit integers where that cannot wrap, else in 64 (ranges.py).
     widths = {decl: integer_width(getattr(variant, decl), variant)
-              for decl in ("mask", "score", "layout")}
+              for decl in ("mask", "score", "layout", "sink")}
     emit = TritonEmitter(variant, wide=widths["score"][0])  # the score and its derivatives
     grads = score_gradients(variant, emit)
     fwd_plan = bounds.plan_loops(variant, "k")
@@ -247,7 +249,21 @@ def variant_code(variant: ir.Variant) -> VariantCode:
         k_segments=[segment_code(s) for s in fwd_plan.segments],
         q_segments=[segment_code(s) for s in bwd_plan.segments],
         int32_extent=min(extent for _, extent in widths.values()),
+        sink=sink_code(variant, widths["sink"][0]),
+        decode_sink=sink_code(variant, widths["sink"][0], {
+            "b": "off_b", "h": Code("heads", frozenset(), frozenset({"heads"})),
+            "q": Code("(q_first + tok)", frozenset(), frozenset({"q_first", "tok"}))}),
     )
+
+
+def sink_code(variant: ir.Variant, wide: str | None, var_code: dict | None = None) -> Code | None:
+    """The sink of a program's query rows, a [BLOCK_M] vector (or a scalar): by default
+    the main kernels' rows (offs_m, their indices in the sequence); `var_code`, the index
+    names' code elsewhere (the decode kernel's rows)."""
+    if variant.sink is None:
+        return None
+    rows = {"q": Code("(offs_m + q_offset)", frozenset(), frozenset({"offs_m", "q_offset"}))}
+    return TritonEmitter(variant, var_code or rows, wide=wide).code(variant.sink)
 
 
 # The module names these in decode_reach_tiles, which binds its own host versions: the
@@ -272,6 +288,7 @@ def _pruning(variant: ir.Variant, code: VariantCode) -> dict:
     # Where each piece is placed: the loop bounds of the main kernels without tables, of
     # decode_split always; the rest in the per-tile functions they read names of.
     device, _ = used([code.mask, code.score, d_score, code.layout_elem, code.decode_layout,
+                      code.sink, code.decode_sink,
                       *grads, *code.k_segments, *([] if code.uses_tables else code.q_segments)])
     if variant.dropout:
         device |= {"_dropout_keep", "_dropout_keep_t"}
@@ -332,6 +349,8 @@ def template_context(variant: ir.Variant, code: VariantCode | None = None) -> di
         host_classify_must=code.classification.must,
         mask=_text(code.mask),
         score=_text(code.score),
+        sink=_text(code.sink),
+        decode_sink=_text(code.decode_sink),
         # A score that does not vary over both q and k (`score 0.0`, `score x[h]`) is
         # broadcast to the tile: the softmax sums over the tile's columns.
         score_is_tile=variant.score is not None and (

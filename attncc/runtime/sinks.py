@@ -1,0 +1,151 @@
+"""The gradient of a variant's `sink` (one extra logit σ per query row, gpt-oss's
+learnable sinks), computed outside the kernels from what the backward has already.
+
+With L = log(Σ_j e^s'_j + e^σ) and O = Σ_j P_j V_j, σ changes O only through L:
+dO/dσ = -e^(σ-L)·O and dL/dσ = e^(σ-L). So dσ = -e^(σ-L)·(δ - dL), where δ - dL is
+exactly the `delta` the dQ kernels (or backward_delta) store per row, the LSE's
+gradient folded in (δ = rowsum(dO·O)). The dQ and dK/dV kernels need nothing new: they
+read L, which holds the sink already.
+
+dσ is per (b, h, q) row; the learnable inputs the sink reads take it through σ's
+expression (torch.func.vjp: the backward op runs below autograd, where tensors record
+no graph). Reads of an input reduce into its gradient in a fixed order, never with
+atomics (index_add_ and scatter_add_ are atomic on CUDA): the gradient is the same, bit
+for bit, on every call.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import ir
+from ..arguments import Problem
+from ..semantics.reference import index_env, sink_logits
+
+# Elements of one chunk's [reads, table entries] comparison in the fixed-order reduction.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def fixed_order_sum(values: torch.Tensor, flat_index: torch.Tensor, size: int) -> torch.Tensor:
+    """out[t] = Σ values[i] over i with flat_index[i] == t, summed in one fixed order with
+    no atomics. A few reads of a small table (a sink per head: the reads are reduced over
+    b and q before they get here) compare every read with every entry, in chunks, and
+    sum each entry's column; many reads of a large one (a sink per row) are sorted by
+    entry (a stable sort) and each entry's run summed as a difference of float64 prefix
+    sums, then written once per entry."""
+    dtype, values, flat_index = values.dtype, values.reshape(-1).double(), flat_index.reshape(-1)
+    if values.numel() * size <= _CHUNK_ELEMENTS * 4:
+        entries = torch.arange(size, device=values.device)
+        out = values.new_zeros(size)
+        step = max(1, _CHUNK_ELEMENTS // max(size, 1))
+        for start in range(0, values.numel(), step):
+            hit = flat_index[start:start + step, None] == entries
+            out = out + torch.where(hit, values[start:start + step, None], 0.0).sum(0)
+        return out.to(dtype)
+    order = torch.sort(flat_index, stable=True).indices
+    index = flat_index[order]
+    sums = torch.cat([values.new_zeros(1), values[order].cumsum(0)])
+    last = torch.ones_like(index, dtype=torch.bool)  # the last read of each entry's run
+    last[:-1] = index[1:] != index[:-1]
+    ends = torch.nonzero(last).flatten() + 1
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    out = values.new_zeros(size)
+    out[index[ends - 1]] = sums[ends] - sums[starts]
+    return out.to(dtype)
+
+
+class _FixedOrderGather(torch.autograd.Function):
+    """table.reshape(-1)[flat_index], whose backward sums the gradients of the reads of
+    each entry with fixed_order_sum (the indexing's own backward accumulates with
+    index_put_, which need not be deterministic on CUDA)."""
+
+    @staticmethod
+    def forward(table, flat_index):
+        return table.reshape(-1)[flat_index]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        table, flat_index = inputs
+        ctx.save_for_backward(flat_index)
+        ctx.table_shape = table.shape
+
+    @staticmethod
+    def backward(ctx, grad):
+        (flat_index,) = ctx.saved_tensors
+        size = 1
+        for n in ctx.table_shape:
+            size *= n
+        return fixed_order_sum(grad, flat_index, size).view(ctx.table_shape), None
+
+
+def _gather(table: torch.Tensor, indices: tuple) -> torch.Tensor:
+    flat = torch.zeros_like(indices[0])
+    for index, n in zip(indices, table.shape):
+        flat = flat * n + index
+    return _FixedOrderGather.apply(table, flat)
+
+
+def sinks_at(variant: ir.Variant, problem: Problem, values: dict, device, positions=None,
+             gather=None) -> torch.Tensor:
+    """σ of the call's rows, [B, H, Lq] fp32: at the problem's query positions, or at the
+    absolute `positions` (a 1-d tensor: a context-parallel rank's rows)."""
+    if positions is not None:
+        problem = dataclasses.replace(problem, len_q=positions.numel(), q_offset=0)
+    env = index_env(variant, problem, values, device, torch.float32)
+    if positions is not None:
+        env["q"] = positions.to(device).view(1, 1, -1, 1)
+    return sink_logits(variant, env, problem, torch.float32, gather=gather)[..., 0]
+
+
+def row_sinks(variant: ir.Variant, problem: Problem, values: dict, like: torch.Tensor):
+    """σ of every row, [B, H, Lq] fp32 on `like`'s device: the LSE of rows that see no key."""
+    if not like.numel():
+        return like
+    return sinks_at(variant, problem, values, like.device).contiguous()
+
+
+def merge_sink(variant: ir.Variant, problem: Problem, values: dict, out: torch.Tensor,
+               lse: torch.Tensor, positions: torch.Tensor):
+    """Fold the sink into attention computed without it, in place: out [B, H, L, D] and
+    lse [B, H, L] (fp32, rows at the absolute `positions`) become the variant's. The
+    merge of a key set holding one key of logit σ and no value: exact, and NaN-free
+    where the row saw no key (LSE -inf there becomes σ)."""
+    sink = sinks_at(variant, problem, values, lse.device, positions)
+    merged = torch.logaddexp(lse, sink)
+    out.mul_(torch.exp(lse - merged).unsqueeze(-1))
+    lse.copy_(merged)
+
+
+def sink_learnables(variant: ir.Variant) -> list:
+    """The learnable inputs the sink reads, in declared order."""
+    if variant.sink is None:
+        return []
+    read = ir.loaded_tensors(variant.sink)
+    return [d.name for d in variant.learnable_inputs if d.name in read]
+
+
+def add_sink_gradients(variant: ir.Variant, problem: Problem, values: dict, lse: torch.Tensor,
+                       delta: torch.Tensor, dinputs: dict, positions=None) -> dict:
+    """`dinputs` ({learnable input: gradient}, from the kernels; an input only the sink
+    reads may be absent) with the sink's gradient added. `lse`, `delta`: the forward's
+    LSE and the backward's delta (δ - dLSE), [B, H, Lq] fp32; `positions`: as sinks_at's."""
+    names = sink_learnables(variant)
+    if not names:
+        return dinputs
+    device = lse.device
+    fixed = {n: t for n, t in values.items() if n not in names}
+
+    def sigma(*learnable):
+        inputs = dict(fixed, **dict(zip(names, learnable)))
+        return sinks_at(variant, problem, inputs, device, positions, gather=_gather)
+
+    leaves = [values[n].detach().float() for n in names]
+    sink, pullback = torch.func.vjp(sigma, *leaves)
+    d_sink = -torch.exp(sink - lse) * delta  # [B, H, Lq]
+    out = dict(dinputs)
+    for name, grad in zip(names, pullback(d_sink)):
+        dtype = values[name].dtype
+        earlier = out.get(name)
+        out[name] = (grad if earlier is None else earlier.float() + grad).to(dtype)
+    return out
