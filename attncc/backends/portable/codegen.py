@@ -306,10 +306,9 @@ def _pruning(variant: ir.Variant, code: VariantCode) -> dict:
         "fwd": forward,
         "dq": forward | used([d_score, *dq_pieces])[1]
         | {g.ptr for g in in_dq if g.owner.kind in ("dense", "shared", "scattered")}
-        | {g.part for g in in_dq if g.part} | {_switch(g) for g in shared}
+        | {g.part for g in shared} | {_switch(g) for g in shared}
         | ({"offs_m", "pid_bh", "len_q"} if shared else set()),
-        "dkdv": forward | used([d_score, *[g.d_code for g in in_dkdv]])[1]
-        | {g.part for g in in_dkdv},
+        "dkdv": forward | used([d_score, *[g.d_code for g in in_dkdv]])[1],
         "decode": used([code.mask, code.score, code.decode_layout])[1],
     }
     flags = {"score" if code.score is not None else "no score"}
