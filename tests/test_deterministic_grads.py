@@ -5,10 +5,6 @@ and between the backward's two schedules, values against float64 autograd of the
 reference and of independent formulas (T5's buckets, a learned ALiBi as a dense bias),
 and `deterministic=True` refusing what would still add with atomics."""
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +18,6 @@ from test_rounding import T5_BIDIRECTIONAL, T5_CAUSAL, t5_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore::attncc.errors.SpecWarning")
 F64 = torch.float64
-ROOT = Path(__file__).resolve().parent.parent
 
 # One read of each kind a program owns; the comment names it.
 OWNED = """attention owned {
@@ -147,42 +142,31 @@ DOCS = """attention docs {
 }"""
 
 
-def test_one_launch_and_sequential_backwards_give_the_same_bits():
+def test_one_launch_and_sequential_backwards_give_the_same_bits(monkeypatch):
     # Tile tables (a document mask): one launch by default; ATTNCC_BACKWARD=sequential
     # runs dQ then dK/dV. Same config, so the same programs own the same partials.
-    code = f"""
-import sys, torch, attncc
-sys.path.insert(0, {str(ROOT / 'tests')!r})
-from test_deterministic_grads import DOCS, CONFIG
-gen = torch.Generator().manual_seed(5)
-q = torch.randn(1, 2, 24, 16, generator=gen, requires_grad=True)
-k, v = (torch.randn(1, 2, 24, 16, generator=gen, requires_grad=True) for _ in range(2))
-doc = torch.tensor([0] * 7 + [1] * 12 + [2] * 5, dtype=torch.int32)
-ins = dict(slopes=torch.rand(2, generator=gen).requires_grad_(),
-           g=torch.randn(1, 2, 24, generator=gen).requires_grad_(),
-           r=torch.randn(2, 16, generator=gen).requires_grad_())
-kernel = attncc.compile(DOCS, config=CONFIG)
-out = kernel(q, k, v, doc=doc, **ins)
-grads = torch.autograd.grad(out, [q, k, v, *ins.values()], torch.randn(out.shape, generator=gen))
-print(kernel.last_backward)
-torch.save(grads, sys.argv[1])
-"""
+    from attncc.runtime import settings
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 24, 16, generator=gen)
+    k, v = (torch.randn(1, 2, 24, 16, generator=gen) for _ in range(2))
+    do = torch.randn(1, 2, 24, 16, generator=gen)
+    doc = torch.tensor([0] * 7 + [1] * 12 + [2] * 5, dtype=torch.int32)
+    inputs = dict(slopes=torch.rand(2, generator=gen), g=torch.randn(1, 2, 24, generator=gen),
+                  r=torch.randn(2, 16, generator=gen))
+    kernel = attncc.compile(DOCS, config=CONFIG)
     results = []
-    for schedule in ("one-launch", "sequential"):
-        path = f"{os.environ['ATTNCC_CACHE_DIR']}/grads-{schedule}-{os.getpid()}.pt"
-        env = dict(os.environ, ATTNCC_BACKWARD=schedule)
-        run = subprocess.run([sys.executable, "-c", code, path], env=env, capture_output=True,
-                             text=True, cwd=ROOT)
-        assert run.returncode == 0, run.stderr[-3000:]
-        assert ("'bwd'" in run.stdout) == (schedule == "one-launch"), run.stdout
-        results.append(torch.load(path))
+    for schedule, ran in (("one-launch", {"bwd"}), ("sequential", {"dq", "dkdv"})):
+        monkeypatch.setattr(settings, "TABLES_BACKWARD", schedule)
+        results.append(_grads(kernel, q, k, v, do, inputs, doc=doc))
+        assert set(kernel.last_backward) == ran
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
 
+# The fast suite checks T5's table gradient against the same formula in test_rounding.py.
+@pytest.mark.slow
 @pytest.mark.parametrize("spec, bidirectional, q_offset",
-                         [(T5_BIDIRECTIONAL, True, 20),
-                          pytest.param(T5_CAUSAL, False, 140, marks=pytest.mark.slow)],
+                         [(T5_BIDIRECTIONAL, True, 20), (T5_CAUSAL, False, 140)],
                          ids=["bidirectional", "causal"])
 def test_t5_table_gradient_matches_an_independent_t5(spec, bidirectional, q_offset):
     gen = torch.Generator().manual_seed(11)
