@@ -18,6 +18,7 @@ from test_rounding import T5_BIDIRECTIONAL, T5_CAUSAL, t5_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore::attncc.errors.SpecWarning")
 F64 = torch.float64
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # One read of each kind a program owns; the comment names it.
 OWNED = """attention owned {
@@ -81,11 +82,14 @@ def test_scattered_and_shared_reads_keep_atomics():
     assert source.count("tl.atomic_add(") == 2
 
 
-def _grads(kernel, q, k, v, do, inputs, **kw):
-    leaves = [t.clone().requires_grad_() for t in (q, k, v, *inputs.values())]
+def _grads(kernel, q, k, v, do, inputs, fixed=None, **kw):
+    """Gradients of q, k, v and `inputs` (on the device, back on the CPU); `fixed`:
+    inputs that take none."""
+    leaves = [t.detach().to(DEVICE).clone().requires_grad_() for t in (q, k, v, *inputs.values())]
     named = dict(zip(inputs, leaves[3:]))
-    out = kernel(*leaves[:3], layout="bhsd", **named, **kw)
-    return torch.autograd.grad(out, leaves, do)
+    fixed = {n: t.to(DEVICE) for n, t in (fixed or {}).items()}
+    out = kernel(*leaves[:3], layout="bhsd", **named, **fixed, **kw)
+    return [g.cpu() for g in torch.autograd.grad(out, leaves, do.to(DEVICE))]
 
 
 def _owned_problem(seed=3, B=2, Lq=21, Lk=30):
@@ -157,7 +161,7 @@ def test_one_launch_and_sequential_backwards_give_the_same_bits(monkeypatch):
     results = []
     for schedule, ran in (("one-launch", {"bwd"}), ("sequential", {"dq", "dkdv"})):
         monkeypatch.setattr(settings, "TABLES_BACKWARD", schedule)
-        results.append(_grads(kernel, q, k, v, do, inputs, doc=doc))
+        results.append(_grads(kernel, q, k, v, do, inputs, fixed={"doc": doc}))
         assert set(kernel.last_backward) == ran
     for a, b in zip(*results):
         assert torch.equal(a, b)
@@ -213,8 +217,9 @@ def test_learned_alibi_slopes_match_alibi_as_a_dense_bias():
 def test_deterministic_true_refuses_what_would_add_with_atomics():
     kernel = attncc.compile("""attention a { learnable input sb: f32[q, k]
         learnable input z: f32[h] score s + sb[q, k] + z[h // 2] }""")
-    q, k, v = (torch.randn(1, 3, 8, 16) for _ in range(3))
-    sb, z = torch.randn(8, 8, requires_grad=True), torch.randn(3, requires_grad=True)
+    q, k, v = (torch.randn(1, 3, 8, 16, device=DEVICE) for _ in range(3))
+    sb = torch.randn(8, 8, device=DEVICE, requires_grad=True)
+    z = torch.randn(3, device=DEVICE, requires_grad=True)
     with pytest.raises(CallError, match=r"'sb'.*shared by several batch rows or heads"):
         kernel.module.SHARED_PARTIALS_BYTES = 0  # 3 heads' planes past twice the input's size
         try:
