@@ -850,7 +850,9 @@ class _RingAttention:
             for i, j in pairs:
                 args = pair_args(i, j, keys, values)
                 dq_pair, dinputs_pair = self._pair_call(hop, i, j, "dq", *args)
-                dk_pair, dv_pair = self._pair_call(hop, i, j, "dkdv", *args)
+                dk_pair, dv_pair, *by_keys = self._pair_call(hop, i, j, "dkdv", *args)
+                if by_keys:  # learnable reads of keys alone: the dK/dV programs own them
+                    dinputs_pair = {n: g + by_keys[0][n] for n, g in dinputs_pair.items()}
                 dq.narrow(2, i * c, c).add_(dq_pair)
                 dk_hop.narrow(2, j * c, c).add_(dk_pair)
                 dv_hop.narrow(2, j * c, c).add_(dv_pair)

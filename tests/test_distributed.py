@@ -37,8 +37,11 @@ SPECS = {
     "layout": "attention band { input extra: bool[qb, kb]  mask q >= k  "
               "layout abs(qb - kb) <= 1 or kb == 0 or extra[qb, kb]  block 16 }",
     "dropout": "attention drop { mask q >= k  dropout 0.25 }",
+    # slopes[h]: the dQ programs' partials; gain[k]: the dK/dV programs' (key pieces
+    # visit other ranks, and their gain gradients come back with the query side's).
     "gqa_learnable": "attention slopes { heads 4 / 2  learnable input slopes: f32[h]  "
-                     "mask q >= k  score s + slopes[h] * (k - q) }",
+                     "learnable input gain: f32[k]  "
+                     "mask q >= k  score s + slopes[h] * (k - q) + gain[k] }",
 }
 # (case, variant, scheme, sequence length, query heads): one spawn per world size.
 CASES = {
@@ -79,7 +82,8 @@ def make_problem(case: str, variant_name: str, S: int, H: int):
     elif variant_name == "layout":
         inputs = {"extra": torch.rand(S // 16, S // 16, generator=gen) < 0.3}
     elif variant_name == "gqa_learnable":
-        inputs = {"slopes": torch.rand(H, generator=gen) * 0.5}
+        inputs = {"slopes": torch.rand(H, generator=gen) * 0.5,
+                  "gain": torch.randn(S, generator=gen)}
     return variant, q, k, v, do, inputs
 
 

@@ -61,7 +61,7 @@ def signature(variant, module, fn, consts, dim, rows):
             sig[n] = POINTERS[n]
         elif n.endswith(("_list", "_count")):  # tile tables
             sig[n] = "*i32"
-        elif n.startswith("d_in_"):  # a learnable input's gradient, fp32
+        elif n.startswith(("d_in_", "part")):  # a learnable input's gradient or partials, fp32
             sig[n] = "*fp32"
         elif n.endswith("_ptr"):  # input x is in_x_ptr (attncc/codegen/elementwise.py)
             sig[n] = DTYPES[variant.input(n[len("in_"):-len("_ptr")]).dtype]

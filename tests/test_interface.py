@@ -14,11 +14,15 @@ EXAMPLES = ROOT / "examples"
 
 
 @pytest.mark.parametrize("name,uses_tables", [("causal", False), ("document", True),
-                                              ("bigbird", True), ("alibi", False)])
+                                              ("bigbird", True), ("alibi", False),
+                                              ("relative_bias", False)])
 def test_a_portable_module_keeps_the_contract(name, uses_tables):
-    gen, module = load_generated(attncc.load(EXAMPLES / f"{name}.attn"))
+    variant = attncc.load(EXAMPLES / f"{name}.attn")
+    gen, module = load_generated(variant)
     assert module.USES_TABLES is uses_tables
-    assert interface.missing(module, uses_tables) == []
+    learnable = bool(variant.learnable_inputs)
+    assert interface.missing(module, uses_tables, learnable=learnable) == []
+    assert hasattr(module, "atomic_reads") == learnable  # only where there is something to add
     if not uses_tables:  # one launch is a table-driven module's alone
         assert not hasattr(module, "backward_one_launch")
 
@@ -34,7 +38,8 @@ def test_attncc_uses_only_the_contracts_names():
     sources = list((ROOT / "attncc").rglob("*.py")) + list((ROOT / "attncc").rglob("*.jinja"))
     for path in sources:
         used |= set(re.findall(r"\b(?:module|host)\.([A-Za-z_]\w*)", path.read_text()))
-    allowed = set(interface.PORTABLE) | set(interface.PORTABLE_WITH_TABLES) | set(interface.GLUON)
+    allowed = (set(interface.PORTABLE) | set(interface.PORTABLE_WITH_TABLES)
+               | set(interface.PORTABLE_WITH_LEARNABLE) | set(interface.GLUON))
     # Python's own attributes of any module.
     allowed |= {"__file__", "__name__", "__dict__"}
     assert used - allowed == set()

@@ -35,7 +35,8 @@ PORTABLE = {
     "new_delta": "new_delta(q) -> the delta tensor backward_dq(..., out=) fills",
     "backward_dq": "backward_dq(q, k, v, lse, delta, dout, inputs, *, ..., out=None, dlse=None) "
                    "-> (dq, dinputs)",
-    "backward_dkdv": "backward_dkdv(q, k, v, lse, delta, dout, inputs, *, ...) -> (dk, dv)",
+    "backward_dkdv": "backward_dkdv(q, k, v, lse, delta, dout, inputs, *, ...) -> (dk, dv), "
+                     "and dinputs where the variant reads learnable inputs by key alone",
     # tile tables (runtime/kernel.py: kept tables and densities)
     "tile_tables": "tile_tables(B, H, len_q, len_k, q_offset, k_offset, dim, inputs, block_m, "
                    "block_n, device) -> {field: tensor}",
@@ -51,6 +52,11 @@ PORTABLE_WITH_TABLES = {
     "backward_one_launch": "backward_one_launch(q, k, v, lse, delta, dout, inputs, *, ...) "
                            "-> (dq, dk, dv, dinputs)",
 }
+# Present only where the variant has learnable inputs (runtime/kernel.py: deterministic=).
+PORTABLE_WITH_LEARNABLE = {
+    "atomic_reads": "atomic_reads(B, H, len_q, len_k, inputs) -> [the learnable inputs whose "
+                    "gradients this call would add with fp32 atomics]",
+}
 # The Gluon module (backends/gluon/templates/attention_gluon.py.jinja,
 # backends/gluon/codegen.py): it builds its tile tables and arguments itself, from the
 # shared host template (codegen/templates/host_args.jinja).
@@ -64,8 +70,9 @@ GLUON = {
 }
 
 
-def missing(module, uses_tables: bool, backend: str = "triton") -> list:
+def missing(module, uses_tables: bool, backend: str = "triton", learnable: bool = False) -> list:
     """The names of the contract a generated module lacks (empty when it keeps it)."""
-    names = dict(GLUON) if backend == "gluon" else {**PORTABLE, **(PORTABLE_WITH_TABLES
-                                                                  if uses_tables else {})}
+    names = dict(GLUON) if backend == "gluon" else {
+        **PORTABLE, **(PORTABLE_WITH_TABLES if uses_tables else {}),
+        **(PORTABLE_WITH_LEARNABLE if learnable else {})}
     return [name for name in names if not hasattr(module, name)]

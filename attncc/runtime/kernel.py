@@ -15,6 +15,7 @@ import weakref
 import torch
 
 from .. import backends, ir
+from ..analysis import gradient_owners
 from ..backends.tile_config import EXAMPLE
 from ..codegen.generated import Generated
 from ..errors import CallError, did_you_mean
@@ -203,6 +204,35 @@ class Kernel:
             self.check_index_lists(p, inputs)
         return p
 
+    def check_deterministic(self, p, inputs):
+        """deterministic=True: a CallError naming the first learnable input that takes
+        gradients whose backward for this call would add with fp32 atomics (its read has
+        no owning program, attncc/analysis/gradient_owners.py, or its partials exceed the
+        call's budget). Shapes only: torch.compile runs it at trace time."""
+        if not (torch.is_grad_enabled() and self.variant.learnable_inputs):
+            return
+        atomic = self.module.atomic_reads(p.batch, p.heads_q, p.len_q, p.len_k, inputs)
+        for name in atomic:
+            if not inputs[name].requires_grad:
+                continue
+            owners = [o for o in gradient_owners.gradient_owners(
+                self.variant, gradient_owners.learnable_reads(self.variant)) if o.load.tensor == name]
+            read = next(o for o in owners if not o.deterministic)
+            text = ir.print_expr(read.load)
+            if read.kind == "shared":
+                why = (f"its read `{text}` is shared by several batch rows or heads, and one "
+                       f"partial per (batch, head) of the (q, k) plane ({p.batch} x {p.heads_q} x "
+                       f"{p.len_q} x {p.len_k} fp32) exceeds this call's memory budget")
+                fix = "index it by b and h as well, or shorten the call"
+            else:
+                why = (f"no kernel program owns the elements of its read `{text}` (an index "
+                       "that is not b, h, q, k, a constant, or one axis of at most "
+                       f"{gradient_owners.MAX_TABLE_SLOTS} entries read through q and k)")
+                fix = "index it plainly (as README's 'Deterministic gradients' lists)"
+            raise CallError(f"deterministic=True, but the gradient of learnable input '{name}' "
+                            f"would be added with fp32 atomics, which are not bit-reproducible: "
+                            f"{why}; {fix}, or call with deterministic=False")
+
     def check_index_lists(self, p, inputs):
         """Index lists must hold distinct tile indices in range. Checking reads the values
         (a host synchronisation), so each list is checked once while it is unchanged: the
@@ -230,7 +260,7 @@ class Kernel:
     def __call__(self, q, k, v, /, *positional, return_lse: bool = False,
                  dropout_seed: int | None = None, training: bool = True, q_offset: int = 0,
                  k_offset: int = 0, tables: "TileTables | None" = None, layout: str | None = None,
-                 **inputs):
+                 deterministic: bool = False, **inputs):
         # Everything up to the operator call is what torch.compile traces (attncc/runtime/ops.py):
         # Python on shapes, dtypes and devices, no tensor data read.
         if positional:
@@ -243,8 +273,12 @@ class Kernel:
             # Evaluation: the same attention with no dropout (as nn.Dropout in eval mode).
             return self.evaluation_kernel()(q, k, v, return_lse=return_lse, q_offset=q_offset,
                                             k_offset=k_offset, tables=tables, layout=layout,
-                                            **inputs)
+                                            deterministic=deterministic, **inputs)
         p = self.check_call(q, k, v, inputs, q_offset, k_offset, layout, index_lists=False)
+        if not isinstance(deterministic, bool):
+            raise CallError(f"deterministic must be True or False, got {deterministic!r}")
+        if deterministic:
+            self.check_deterministic(p, inputs)
         # (batch, seq, heads, dim) is read through transposed views: the kernels take any
         # strides, and the output (allocated like q) comes back in the caller's layout.
         q, k, v = (as_bhsd(t, layout) for t in (q, k, v))

@@ -124,5 +124,7 @@ def _dq_then_dkdv(kernel, problem, q, k, v, out, lse, dout, dlse, values, common
     run, config = kernel.choose(roles["dq"], problem, q.dtype, tune)
     dq, dinputs = tuning.launch(kernel, problem, q.dtype, "dq", run, config)
     run, config = kernel.choose(roles["dkdv"], problem, q.dtype, tune)
-    dk, dv = tuning.launch(kernel, problem, q.dtype, "dkdv", run, config)
+    dk, dv, *by_keys = tuning.launch(kernel, problem, q.dtype, "dkdv", run, config)
+    if by_keys:  # learnable reads of keys alone, whose gradients the dK/dV programs own
+        dinputs = {name: g + by_keys[0][name] for name, g in dinputs.items()}
     return dq, dk, dv, dinputs, delta

@@ -12,6 +12,7 @@ import functools
 import os
 
 from ... import ir
+from ...analysis.gradient_owners import gradient_owners, learnable_reads
 from ..base import ENTRY_POINTS, KERNEL_NAMES
 from ..tile_config import TileConfig, fits_variant
 from . import tiles
@@ -111,6 +112,13 @@ def _call_unsupported(q, k, v) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=64)
+def _read_by_keys(variant: ir.Variant) -> tuple:
+    """The learnable inputs the variant reads by key alone (their gradients are dK/dV's)."""
+    return tuple(sorted({o.load.tensor for o in gradient_owners(variant, learnable_reads(variant))
+                         if o.kind == "cols"}))
+
+
 def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int) -> str | None:
     """Why the Gluon kernel of role `kind` cannot take a call of this variant at this head
     dim, or None: the forward takes every head dim the call checks let through; dQ and
@@ -131,4 +139,9 @@ def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int) -> str | N
         names = ", ".join(d.name for d in score_learnables)
         return (f"variant '{variant.name}' has learnable inputs ({names}), whose gradients "
                 "the portable dQ kernel accumulates; the Gluon dQ kernel does not yet")
+    by_keys = _read_by_keys(variant) if kind == "dkdv" else ()
+    if by_keys:
+        return (f"variant '{variant.name}' reads learnable inputs by key alone "
+                f"({', '.join(by_keys)}), whose gradients the portable dK/dV kernel owns; the "
+                "Gluon dK/dV kernel does not yet")
     return None

@@ -20,6 +20,7 @@ import jinja2
 
 from ... import dropout, ir
 from ...analysis import bounds, intervals, ranges
+from ...analysis.gradient_owners import GradientOwner, gradient_owners
 from ...codegen.derivative import score_gradients
 from ...ir import print_variant
 from ...codegen import helpers, interface, parameters, templating
@@ -109,23 +110,38 @@ def torch_summary(read, others, which):
 
 @dataclass(frozen=True)
 class InputGradient:
-    """The gradient of one learnable read, as the dQ kernel accumulates it."""
+    """The gradient of one learnable read: who owns it (analysis/gradient_owners.py) and
+    the code the kernels write it with."""
     name: str
     ptr: str  # the gradient's kernel argument
     d_code: Code  # d score / d the element
-    offset: Code  # the element's offset
-    reduce: str  # what it sums over the tile: "all", "cols", "rows" or "none"
+    offset: Code  # the element's offset (dense stores and scattered atomics)
+    reduce: str  # what an atomic add sums over the tile first: "all", "cols", "rows" or "none"
+    owner: GradientOwner
+    part: str | None  # the kernel argument of its partials (owned kinds but dense)
+    slot: Code | None  # table: the entry of the summed axis a pair reads, clamped
 
 
 def _input_grads(variant, emit: TritonEmitter, grads) -> list:
     out = []
-    for load, d_code in grads.d_inputs:
+    owners = gradient_owners(variant, [load for load, _ in grads.d_inputs])
+    for n, ((load, d_code), owner) in enumerate(zip(grads.d_inputs, owners)):
         decl = variant.input(load.tensor)
         varies = set().union(*(ir.free_vars(i) for i in load.indices)) if load.indices else set()
         reduce = {(False, False): "all", (True, False): "cols", (False, True): "rows",
                   (True, True): "none"}[("q" in varies, "k" in varies)]
+        slot = None
+        if owner.kind == "table":
+            axis, base = owner.slot_axis, input_code(decl.name)
+
+            def write():
+                emit.use(("_index",), ("WIDE", f"{base}_size{axis}"))
+                return f"_index({emit(load.indices[axis])}, {base}_size{axis}, WIDE)"
+            slot = emit.capture(write)
+        part = None if owner.kind in ("dense", "scattered") else f"part{n}_ptr"
         out.append(InputGradient(decl.name, grad_arg_name(decl), d_code,
-                                 emit.capture(lambda: emit.offset(decl, load.indices)), reduce))
+                                 emit.capture(lambda: emit.offset(decl, load.indices)), reduce,
+                                 owner, part, slot))
     return out
 
 
@@ -140,13 +156,15 @@ def integer_width(e, variant: ir.Variant):
     return "WIDE", extent
 
 
-def common_params(variant: ir.Variant, uses_tables: bool) -> list:
-    """The one ordered list of run-time kernel parameters beyond q, k, v and strides."""
+def common_params(variant: ir.Variant, uses_tables: bool, partials=()) -> list:
+    """The one ordered list of run-time kernel parameters beyond q, k, v and strides
+    (`partials`: the learnable reads' partial buffers, InputGradient.part)."""
     names = ["n_heads_q", "group", "len_q", "len_k", "q_offset", "k_offset", "sm_scale",
              "qk_scale", "seed"]
     for decl in variant.inputs:
         names += input_arg_names(decl)
     names += [grad_arg_name(d) for d in variant.learnable_inputs]
+    names += list(partials)
     if uses_tables:
         names += interface.TABLE_FIELDS
     return names
@@ -283,7 +301,14 @@ def _pruning(variant: ir.Variant, code: VariantCode) -> dict:
     """What the portable module defines and passes, from what its code uses: `emit`
     (the helpers to define), `host_aliases` (the kernels' helper names tile_tables binds
     to the host's) and `unread` (the names each per-tile function list leaves out)."""
-    grads = [piece for g in code.input_grads for piece in (g.d_code, g.offset)]
+    grads = [piece for g in code.input_grads for piece in (g.d_code, g.offset, g.slot)]
+    in_dq = [g for g in code.input_grads if g.owner.kind != "cols"]
+    in_dkdv = [g for g in code.input_grads if g.owner.kind == "cols"]
+    # What a dQ step reads for each read: its derivative, and where it writes (the
+    # element's offset: dense stores and atomics; the table entry: table sums).
+    dq_pieces = [p for g in in_dq for p in (g.d_code, g.slot, g.offset) if p is not None
+                 and (p is not g.offset or g.owner.kind in ("dense", "shared", "scattered"))]
+    shared = [g for g in in_dq if g.owner.kind == "shared"]
     d_score = code.d_score if code.score is not None else None
     # Where each piece is placed: the loop bounds of the main kernels without tables, of
     # decode_split always; the rest in the per-tile functions they read names of.
@@ -296,8 +321,11 @@ def _pruning(variant: ir.Variant, code: VariantCode) -> dict:
     forward = used([code.mask, code.score, code.layout_elem])[1]
     reads = {
         "fwd": forward,
-        "dq": forward | used([d_score, *grads])[1] | {g.ptr for g in code.input_grads},
-        "dkdv": forward | used([d_score])[1],
+        "dq": forward | used([d_score, *dq_pieces])[1]
+        | {g.ptr for g in in_dq if g.owner.kind in ("dense", "shared", "scattered")}
+        | {g.part for g in shared} | {_switch(g) for g in shared}
+        | ({"offs_m", "pid_bh", "len_q"} if shared else set()),
+        "dkdv": forward | used([d_score, *[g.d_code for g in in_dkdv]])[1],
         "decode": used([code.mask, code.score, code.decode_layout])[1],
     }
     flags = {"score" if code.score is not None else "no score"}
@@ -323,7 +351,7 @@ def template_context(variant: ir.Variant, code: VariantCode | None = None) -> di
     code = code or variant_code(variant)
     uses_tables = code.uses_tables
     summary_reads = code.summary_reads
-    params = common_params(variant, uses_tables)
+    params = common_params(variant, uses_tables, partial_params(code.input_grads))
     spec_text = print_variant(variant)
     context = dict(
         **_pruning(variant, code),
@@ -359,8 +387,18 @@ def template_context(variant: ir.Variant, code: VariantCode | None = None) -> di
         # d score / d s at a masked pair may be inf or NaN (`s * sqrt(q - k)` past a
         # causal mask) and multiplies a dS of 0 there: the backward zeroes those pairs.
         d_score_finite=_is_constant(code.d_score.text),
-        input_grads=[{"name": g.name, "ptr": g.ptr, "d_code": g.d_code.text,
-                      "offset": g.offset.text, "reduce": g.reduce} for g in code.input_grads],
+        input_grads=[_input_grad_context(g) for g in code.input_grads],
+        partial_params=partial_params(code.input_grads),
+        owned_reads=[g.part for g in code.input_grads if g.part],
+        owned_reads_literal=_owned_reads_literal(code.input_grads),
+        cols_reads=any(g.owner.kind == "cols" for g in code.input_grads),
+        scattered_inputs=sorted({g.name for g in code.input_grads if g.owner.kind == "scattered"}),
+        # What the dQ and dK/dV steps carry from tile to tile: their gradient tiles, and
+        # the sums of the learnable reads their programs own.
+        dq_carried=", ".join(["dq"] + [g.part.replace("_ptr", "_acc") for g in code.input_grads
+                                       if g.owner.kind in ("broadcast", "rows", "table")]),
+        dkdv_carried=", ".join(["dk, dv"] + [g.part.replace("_ptr", "_acc") for g in code.input_grads
+                                             if g.owner.kind == "cols"]),
         layout=variant.layout is not None,
         block=variant.block,
         layout_torch=_text(code.layout_torch),
@@ -384,6 +422,36 @@ def template_context(variant: ir.Variant, code: VariantCode | None = None) -> di
         **decode_context(variant, code.fwd_plan, code.decode_layout),
     )
     return context
+
+
+def _owned_reads_literal(input_grads) -> str:
+    """OWNED_READS of the portable module, one read per line."""
+    rows = [f"    {g.part!r}: ({g.name!r}, {g.owner.kind!r}, {tuple(g.owner.owners)!r}, "
+            f"{tuple(g.owner.axes)!r}, {1 << max(g.owner.slots - 1, 1).bit_length()}),"
+            for g in input_grads if g.part]
+    return "{\n" + "\n".join(rows) + "\n}"
+
+
+def _switch(g: InputGradient) -> str:
+    """The run-time argument that says whether a shared read's partials fit this call."""
+    return g.part.replace("part", "share").replace("_ptr", "")
+
+
+def partial_params(input_grads) -> list:
+    """The kernel arguments of the learnable reads' partials (and shared reads' switches)."""
+    return [name for g in input_grads if g.part
+            for name in ([g.part, _switch(g)] if g.owner.kind == "shared" else [g.part])]
+
+
+def _input_grad_context(g: InputGradient) -> dict:
+    """One learnable read, as the portable templates and the host's second pass take it."""
+    o = g.owner
+    return {"name": g.name, "ptr": g.ptr, "d_code": g.d_code.text, "offset": g.offset.text,
+            "reduce": g.reduce, "kind": o.kind, "part": g.part, "slot": _text(g.slot),
+            "slots": o.slots, "slots_pad": 1 << max(o.slots - 1, 1).bit_length(),
+            "owners": list(o.owners), "axes": list(o.axes),
+            "acc": g.part.replace("_ptr", "_acc") if g.part else None,
+            "switch": _switch(g) if o.kind == "shared" else None}
 
 
 def _text(code: Code | None):
