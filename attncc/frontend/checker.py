@@ -24,7 +24,7 @@ ALLOWED_VARS = {
     "mask": {"b", "h", "q", "k", "dim", "len_q", "len_k"},
     "layout": {"b", "h", "qb", "kb", "dim", "len_q", "len_k"},
     "score": {"b", "h", "q", "k", "s", "dim", "len_q", "len_k"},
-    "scale": {"dim"},
+    "scale": {"dim", "dim_v"},
     "param": set(),
 }
 WHY_NOT = {
@@ -39,6 +39,8 @@ WHY_NOT = {
     ("layout", "k"): "a layout decides whole tiles; use qb and kb there, or put "
                      "element conditions in `mask`",
     ("layout", "s"): "a layout decides whole tiles before any score exists",
+    **{(decl, "dim_v"): "v's head dim only sizes the output; `scale` may read it"
+       for decl in ("mask", "layout", "score")},
 }
 
 # Deeper expressions are refused: every pass walks the IR recursively, and no real

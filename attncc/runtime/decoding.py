@@ -57,6 +57,13 @@ class DecodeProblem:
     dim: int
     capacity: int  # positions a row's cache can hold
     page_size: int  # 0: a contiguous cache
+    dim_v: int | None = None  # v's head dim; None: as wide as q's and k's
+
+    @property
+    def pads(self) -> tuple:
+        """The kernels' tile widths of a K row and of a V row (powers of two, at least 16)."""
+        return tuple(max(16, 1 << (d - 1).bit_length())
+                     for d in (self.dim, self.dim if self.dim_v is None else self.dim_v))
 
     @property
     def group(self) -> int:
@@ -72,14 +79,15 @@ class DecodeProblem:
         return -(-self.group * self.n_q // self.rows_block)
 
 
-def decode_problem(q, k_cache, k_new, block_table) -> DecodeProblem:
+def decode_problem(q, k_cache, v_cache, k_new, block_table) -> DecodeProblem:
     """The sizes of a decode call whose shapes check_decode_call has checked."""
     B, Hq, n_q, D = q.shape
     n_new = 0 if k_new is None else k_new.shape[2]
     if block_table is not None:  # (num_pages, page_size, kv heads, dim)
         page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
-        return DecodeProblem(B, Hq, Hkv, n_q, n_new, D, block_table.shape[1] * page_size, page_size)
-    return DecodeProblem(B, Hq, k_cache.shape[1], n_q, n_new, D, k_cache.shape[2], 0)
+        return DecodeProblem(B, Hq, Hkv, n_q, n_new, D, block_table.shape[1] * page_size, page_size,
+                             v_cache.shape[3])
+    return DecodeProblem(B, Hq, k_cache.shape[1], n_q, n_new, D, k_cache.shape[2], 0, v_cache.shape[3])
 
 
 def _shape(t) -> str:
@@ -103,7 +111,7 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
                       inputs) -> tuple:
     """(DecodeProblem, cache_seqlens as a (B,) int32 tensor); raises CallError naming what is
     wrong. Never reads a tensor's values (no host synchronisation)."""
-    from .settings import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, interpreting
+    from .settings import MAX_HEAD_DIM, MAX_HEAD_DIM_V, MIN_HEAD_DIM, SUPPORTED_DTYPES, interpreting
     _check_tensor("q", q, "(batch, heads, new tokens, dim)")
     if q.device.type != "cuda" and not interpreting():
         raise CallError(f"q is on {q.device}, but attncc kernels run on CUDA GPUs; move the "
@@ -122,9 +130,13 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
               else "(batch, kv_heads, capacity, dim)")
     _check_tensor("k_cache", k_cache, layout, q)
     _check_tensor("v_cache", v_cache, layout, q)
-    if k_cache.shape != v_cache.shape:
+    if k_cache.shape[:3] != v_cache.shape[:3]:
         raise CallError(f"k_cache {_shape(k_cache)} and v_cache {_shape(v_cache)} must have "
-                        "the same shape")
+                        "the same shape but for the head dim")
+    Dv = v_cache.shape[3]
+    if not (MIN_HEAD_DIM <= Dv <= MAX_HEAD_DIM_V):
+        raise CallError(f"v's head dim {Dv} is not supported: the kernels take v head dims "
+                        f"{MIN_HEAD_DIM} to {MAX_HEAD_DIM_V} (v_cache has shape {_shape(v_cache)})")
     if k_cache.shape[3] != D:
         raise CallError(f"the cache's head dim is {k_cache.shape[3]} (k_cache {_shape(k_cache)}) "
                         f"but q's is {D}")
@@ -161,13 +173,15 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
         raise CallError("pass both k_new and v_new (the new tokens' keys and values) or neither")
     n_new = 0
     if k_new is not None:
-        for name, t in (("k_new", k_new), ("v_new", v_new)):
+        for name, t, width in (("k_new", k_new, D), ("v_new", v_new, Dv)):
             _check_tensor(name, t, "(batch, kv_heads, new tokens, dim)", q)
-            if tuple(t.shape[:2]) != (B, Hkv) or t.shape[3] != D:
-                raise CallError(f"{name} has shape {_shape(t)}, expected ({B}, {Hkv}, n_new, {D}): "
-                                "laid out (batch, kv_heads, new tokens, dim) like q")
-        if k_new.shape != v_new.shape:
-            raise CallError(f"k_new {_shape(k_new)} and v_new {_shape(v_new)} must have the same shape")
+            if tuple(t.shape[:2]) != (B, Hkv) or t.shape[3] != width:
+                raise CallError(f"{name} has shape {_shape(t)}, expected ({B}, {Hkv}, n_new, {width}): "
+                                "laid out (batch, kv_heads, new tokens, dim) like q, as wide as "
+                                f"{name[0]}_cache")
+        if k_new.shape[:3] != v_new.shape[:3]:
+            raise CallError(f"k_new {_shape(k_new)} and v_new {_shape(v_new)} must have the same "
+                            "shape but for the head dim")
         n_new = k_new.shape[2]
     if capacity + n_new > MAX_EXTENT:
         raise CallError(f"the cache holds {capacity} positions and k_new {n_new} more; "
@@ -178,10 +192,10 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
         raise CallError(f"k_new holds {n_new} new tokens but the cache only {capacity} "
                         "positions: they cannot be appended; use a larger cache")
     seqlens = _seqlens(cache_seqlens, B, q.device, capacity, n_new)
-    problem = decode_problem(q, k_cache, k_new, block_table)
+    problem = decode_problem(q, k_cache, v_cache, k_new, block_table)
     # Input axes on positions (q, k) and tiles (qb, kb) span the cache's capacity: every
     # position a call may place a key or a query at.
-    p = Problem(B, Hq, Hkv, capacity, capacity, D, D)
+    p = Problem(B, Hq, Hkv, capacity, capacity, D, Dv)
     check_input_names(kernel.variant, inputs)
     check_inputs(kernel.variant, p, inputs, device=q.device)
     # Index lists are not checked (that reads them: a host synchronisation per step, as
@@ -249,8 +263,8 @@ def programs_per_sm(p: DecodeProblem, block_n: int, stages: int, elem: int) -> i
     """How many decode programs an SM holds at once, from their shared memory (the
     pipeline keeps stages - 1 K and V tiles in flight, as Triton 3.x allocates them on
     Hopper) and at most 4 (registers: about 110 per thread at D = 128)."""
-    pad = max(16, 1 << (p.dim - 1).bit_length())
-    smem = max(1, stages - 1) * 2 * block_n * pad * elem + p.rows_block * pad * elem
+    pad, pad_v = p.pads
+    smem = max(1, stages - 1) * block_n * (pad + pad_v) * elem + p.rows_block * pad * elem
     return max(1, min(4, SHARED_MEMORY // smem))
 
 
@@ -266,8 +280,8 @@ def default_splits(p: DecodeProblem, block_n: int, stages: int, elem: int, n_sm:
 
 
 def _fits(p: DecodeProblem, block_n: int, stages: int, elem: int) -> bool:
-    pad = max(16, 1 << (p.dim - 1).bit_length())
-    return max(1, stages - 1) * 2 * block_n * pad * elem <= SHARED_MEMORY - 16 * 1024
+    pad, pad_v = p.pads
+    return max(1, stages - 1) * block_n * (pad + pad_v) * elem <= SHARED_MEMORY - 16 * 1024
 
 
 def candidates(variant: ir.Variant, p: DecodeProblem, elem: int, n_sm: int, reach_tiles,
@@ -310,7 +324,8 @@ def tuning_key(p: DecodeProblem, dtype, num_splits: int | None) -> str:
     of-two bucket), cache capacity bucket and cache layout."""
     cache = f"page{p.page_size}" if p.page_size else "contiguous"
     bh = 1 << (p.batch * p.heads_kv - 1).bit_length()  # the split count follows it closely
-    key = (f"decode-d{p.dim}-{str(dtype).replace('torch.', '')}-g{p.group}-nq{p.n_q}"
+    dims = f"d{p.dim}" + (f"v{p.dim_v}" if p.dim_v not in (None, p.dim) else "")
+    key = (f"decode-{dims}-{str(dtype).replace('torch.', '')}-g{p.group}-nq{p.n_q}"
            f"-bh{bh}-cap{tuning.length_bucket(p.capacity)}-{cache}")
     return key + (f"-splits{num_splits}" if num_splits else "")
 
@@ -415,10 +430,10 @@ def run_decode(kernel, q, k_cache, v_cache, seqlens, k_new, v_new, block_table, 
         if n_q == 0:
             if k_new is not None and k_new.shape[2]:  # no query: only the append
                 module.decode_append_kv(k_new, v_new, k_cache, v_cache, seqlens, block_table)
-            out = q.new_zeros((B, Hq, 0, D))
+            out = q.new_zeros((B, Hq, 0, v_cache.shape[3]))
             lse = torch.zeros((B, Hq, 0), device=q.device, dtype=torch.float32)
             return out, lse
-        p = decode_problem(q, k_cache, k_new, block_table)
+        p = decode_problem(q, k_cache, v_cache, k_new, block_table)
         run = lambda cfg: module.decode(q, k_cache, v_cache, seqlens, values, k_new=k_new,
                                         v_new=v_new, block_table=block_table, config=cfg,
                                         rows_before_start=rows_before_start)
@@ -475,7 +490,7 @@ def decode_reference(variant: ir.Variant, q, /, k_cache, v_cache, *, cache_seqle
         v_row = torch.cat(values, 1)[None]
         L = min(k_row.shape[2], capacity)
         k_row, v_row = k_row[:, :, :L], v_row[:, :, :L]
-        out = q.new_zeros((1, Hq, n_q, D))
+        out = q.new_zeros((1, Hq, n_q, v_row.shape[3]))
         lse = torch.full((1, Hq, n_q), -math.inf, dtype=q.dtype, device=q.device)
         seen = min(n_q, L)  # tokens at positions >= 0: the last `seen` of the n_q
         if seen:
