@@ -292,3 +292,46 @@ def test_context_parallel_with_v_of_another_width(tmp_path):
     for name, leaf in zip(("dq", "dk", "dv"), leaves):
         _close(got[name], leaf.grad, f"cp {name}", 1e-4)
     assert math.isfinite(got["dq"].abs().max().item())
+
+
+# ------------------------------------------------------------------ non-powers of two
+def test_q_k_head_dim_splits_into_power_of_two_segments_not_padding():
+    """192 = 128 + 64, 80 = 64 + 16, 96 = 64 + 32, 576 = 512 + 64; a power of two is one
+    segment. The forward's and decoding's step code sums the second segment's product
+    into the first's."""
+    kernel = attncc.compile(CAUSAL)
+    split = kernel.module._head_dim_split
+    assert [split(d) for d in (192, 80, 96, 576, 128, 64, 24)] == [
+        (128, 64), (64, 16), (64, 32), (512, 64), (128, 0), (64, 0), (16, 16)]
+    assert kernel.source.count("tl.dot(q_tail, kt_tail, qk, input_precision=DOT_PRECISION)") == 2
+
+
+@pytest.mark.parametrize("E", [96, 192])
+def test_non_power_of_two_forward_and_decode_launch_unpadded_and_match_sdpa(E, monkeypatch):
+    """The forward and decode launches get HEAD_DIM_PAD + HEAD_DIM_TAIL = E's segments (no
+    256-wide tile for 192), and their results match float64 SDPA."""
+    kernel = attncc.compile(CAUSAL)
+    module = kernel.module
+    seen = {}
+    for name in ("attn_fwd", "decode_split"):
+        launcher = getattr(module, name)
+
+        class Recording:
+            def __init__(self, launcher, name):
+                self.launcher, self.name = launcher, name
+
+            def __getitem__(self, grid):
+                def launch(*args, **kw):
+                    seen[self.name] = (kw["HEAD_DIM_PAD"], kw["HEAD_DIM_TAIL"])
+                    return self.launcher[grid](*args, **kw)
+                return launch
+        monkeypatch.setattr(module, name, Recording(launcher, name))
+    gen = torch.Generator().manual_seed(E)
+    q, k = torch.randn(1, 2, 13, E, generator=gen), torch.randn(1, 2, 13, E, generator=gen)
+    v = torch.randn(1, 2, 13, 48, generator=gen)
+    mask = torch.arange(13)[:, None] >= torch.arange(13)[None, :]
+    _close(kernel(q, k, v), sdpa64(q.double(), k.double(), v.double(), mask), "forward", 1e-5)
+    out = kernel.decode(q[:, :, -2:], k.clone(), v.clone(), cache_seqlens=13)
+    _close(out, sdpa64(q.double(), k.double(), v.double(), mask)[:, :, -2:], "decode", 1e-5)
+    first = 1 << (E.bit_length() - 1)
+    assert seen == {"attn_fwd": (first, E - first), "decode_split": (first, E - first)}
