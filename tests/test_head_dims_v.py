@@ -311,21 +311,8 @@ def test_non_power_of_two_forward_and_decode_launch_unpadded_and_match_sdpa(E, m
     """The forward and decode launches get HEAD_DIM_PAD + HEAD_DIM_TAIL = E's segments (no
     256-wide tile for 192), and their results match float64 SDPA."""
     kernel = attncc.compile(CAUSAL)
-    module = kernel.module
     seen = {}
-    for name in ("attn_fwd", "decode_split"):
-        launcher = getattr(module, name)
-
-        class Recording:
-            def __init__(self, launcher, name):
-                self.launcher, self.name = launcher, name
-
-            def __getitem__(self, grid):
-                def launch(*args, **kw):
-                    seen[self.name] = (kw["HEAD_DIM_PAD"], kw["HEAD_DIM_TAIL"])
-                    return self.launcher[grid](*args, **kw)
-                return launch
-        monkeypatch.setattr(module, name, Recording(launcher, name))
+    _record_launches(monkeypatch, kernel.module, ("attn_fwd", "decode_split"), seen)
     gen = torch.Generator().manual_seed(E)
     q, k = torch.randn(1, 2, 13, E, generator=gen), torch.randn(1, 2, 13, E, generator=gen)
     v = torch.randn(1, 2, 13, 48, generator=gen)
@@ -334,4 +321,61 @@ def test_non_power_of_two_forward_and_decode_launch_unpadded_and_match_sdpa(E, m
     out = kernel.decode(q[:, :, -2:], k.clone(), v.clone(), cache_seqlens=13)
     _close(out, sdpa64(q.double(), k.double(), v.double(), mask)[:, :, -2:], "decode", 1e-5)
     first = 1 << (E.bit_length() - 1)
-    assert seen == {"attn_fwd": (first, E - first), "decode_split": (first, E - first)}
+    for name in ("attn_fwd", "decode_split"):
+        assert (seen[name]["HEAD_DIM_PAD"], seen[name]["HEAD_DIM_TAIL"]) == (first, E - first)
+
+
+# ------------------------------------------------------------------ MLA decoding
+def _record_launches(monkeypatch, module, names, seen):
+    """Wrap the module's kernels `names` so that each launch's constexpr keywords are
+    recorded in seen[name] (and the kernel still runs)."""
+    for name in names:
+        class Recording:
+            def __init__(self, launcher, name):
+                self.launcher, self.name = launcher, name
+
+            def __getitem__(self, grid):
+                def launch(*args, **kw):
+                    seen[self.name] = kw
+                    return self.launcher[grid](*args, **kw)
+                return launch
+        monkeypatch.setattr(module, name, Recording(getattr(module, name), name))
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_mla_decode_takes_v_from_the_k_tile_and_appends_k_alone(paged, monkeypatch):
+    """MLA decoding: one latent cache 576 wide whose first 512 columns are the values
+    (v = k[..., :512], the same storage), 16 query heads on one kv head, 2 new tokens
+    appended. The kernels are told V_IS_K (P·V reuses the K tile's first segment; the
+    append writes k only), and the result matches decode_reference on a copy."""
+    gen = torch.Generator().manual_seed(576 + paged)
+    B, H, E, Ev, n_q = 2, 16, 576, 512, 2
+    kernel = attncc.compile(CAUSAL)
+    seen = {}
+    _record_launches(monkeypatch, kernel.module, ("decode_split", "decode_append"), seen)
+    q = torch.randn(B, H, n_q, E, generator=gen) * 0.1
+    if paged:
+        cache = torch.randn(6, 16, 1, E, generator=gen)
+        table = torch.tensor([[3, 0, 5], [1, 4, 2]], dtype=torch.int32)
+    else:
+        cache, table = torch.randn(B, 1, 40, E, generator=gen), None
+    k_new = torch.randn(B, 1, 2, E, generator=gen)
+    seqlens = torch.tensor([3, 30], dtype=torch.int32)
+    copy = cache.clone()
+    ref = attncc.decode_reference(kernel.variant, q.double(), copy.double(),
+                                  copy[..., :Ev].double(), cache_seqlens=seqlens,
+                                  k_new=k_new.double(), v_new=k_new[..., :Ev].double(),
+                                  block_table=table)
+    out = kernel.decode(q, cache, cache[..., :Ev], cache_seqlens=seqlens, k_new=k_new,
+                        v_new=k_new[..., :Ev], block_table=table, num_splits=2)
+    assert out.shape == (B, H, n_q, Ev)
+    _close(out, ref, "MLA decode", 1e-5)
+    assert seen["decode_split"]["V_IS_K"] and seen["decode_append"]["V_IS_K"]
+    assert (seen["decode_split"]["HEAD_DIM_PAD"], seen["decode_split"]["HEAD_DIM_TAIL"]) == (512, 64)
+    with pytest.raises(CallError, match=r"pass v_new=k_new\[\.\.\., :512\]"):
+        kernel.decode(q, cache, cache[..., :Ev], cache_seqlens=seqlens, k_new=k_new,
+                      v_new=k_new[..., :Ev].clone(), block_table=table)
+    # v in a cache of its own: read as usual.
+    separate = torch.randn(*cache.shape[:-1], Ev, generator=gen)
+    kernel.decode(q, cache.clone(), separate, cache_seqlens=seqlens, block_table=table)
+    assert not seen["decode_split"]["V_IS_K"]

@@ -61,9 +61,12 @@ class DecodeProblem:
 
     @property
     def pads(self) -> tuple:
-        """The kernels' tile widths of a K row and of a V row (powers of two, at least 16)."""
-        return tuple(max(16, 1 << (d - 1).bit_length())
-                     for d in (self.dim, self.dim if self.dim_v is None else self.dim_v))
+        """The kernels' tile widths of a K row (its power-of-two segments, as the generated
+        module's _head_dim_split: 576 = 512 + 64) and of a V row (a power of two)."""
+        pow2 = lambda d: max(16, 1 << (d - 1).bit_length())
+        first = max(16, 1 << (self.dim.bit_length() - 1))
+        k_width = first + (pow2(self.dim - first) if self.dim > first else 0)
+        return k_width, pow2(self.dim if self.dim_v is None else self.dim_v)
 
     @property
     def group(self) -> int:
@@ -111,7 +114,8 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
                       inputs) -> tuple:
     """(DecodeProblem, cache_seqlens as a (B,) int32 tensor); raises CallError naming what is
     wrong. Never reads a tensor's values (no host synchronisation)."""
-    from .settings import MAX_HEAD_DIM, MAX_HEAD_DIM_V, MIN_HEAD_DIM, SUPPORTED_DTYPES, interpreting
+    from .settings import (MAX_HEAD_DIM_DECODE, MAX_HEAD_DIM_V, MIN_HEAD_DIM, SUPPORTED_DTYPES,
+                           interpreting)
     _check_tensor("q", q, "(batch, heads, new tokens, dim)")
     if q.device.type != "cuda" and not interpreting():
         raise CallError(f"q is on {q.device}, but attncc kernels run on CUDA GPUs; move the "
@@ -122,9 +126,9 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
     B, Hq, n_q, D = q.shape
     if B == 0 or Hq == 0:
         raise CallError(f"q has shape {_shape(q)}: batch and heads must be at least 1")
-    if not (MIN_HEAD_DIM <= D <= MAX_HEAD_DIM):
-        raise CallError(f"head dim {D} is not supported: the kernels take head dims "
-                        f"{MIN_HEAD_DIM} to {MAX_HEAD_DIM} (q has shape {_shape(q)})")
+    if not (MIN_HEAD_DIM <= D <= MAX_HEAD_DIM_DECODE):
+        raise CallError(f"head dim {D} is not supported: decoding takes head dims "
+                        f"{MIN_HEAD_DIM} to {MAX_HEAD_DIM_DECODE} (q has shape {_shape(q)})")
     paged = block_table is not None
     layout = ("(num_pages, page_size, kv_heads, dim) with a block_table" if paged
               else "(batch, kv_heads, capacity, dim)")
@@ -182,6 +186,11 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
         if k_new.shape[:3] != v_new.shape[:3]:
             raise CallError(f"k_new {_shape(k_new)} and v_new {_shape(v_new)} must have the same "
                             "shape but for the head dim")
+        if v_cache.data_ptr() == k_cache.data_ptr() and not (
+                v_new.data_ptr() == k_new.data_ptr() and v_new.stride() == k_new.stride()):
+            raise CallError("v_cache is a view of k_cache's first columns (one latent cache, as "
+                            "in MLA), so the new values are the new keys' first columns: pass "
+                            f"v_new=k_new[..., :{Dv}]; a separate v_new would overwrite the keys")
         n_new = k_new.shape[2]
     if capacity + n_new > MAX_EXTENT:
         raise CallError(f"the cache holds {capacity} positions and k_new {n_new} more; "
