@@ -3,6 +3,7 @@ bf16, and the (192, 128) speed at 16K tokens.
 
     python benchmarks/head_dims_v.py --part correctness
     python benchmarks/head_dims_v.py --part speed [--len 16384]
+    python benchmarks/head_dims_v.py --part mla [--hbm-tbs 4.8]
 
 correctness: (192, 128), (128, 64), (64, 512), (80, 96) forward and backward, causal
 and not, GQA 6 / 2, lengths off the tile, against float64 autograd of attncc.reference,
@@ -12,7 +13,11 @@ speed: forward and forward + backward of causal (192, 128) attention in bf16, ba
 16 heads: attncc as given; attncc with q, k padded to 256 and v to 256 (what the
 padding workaround and a padded head dim cost: the scale fixed to 1/sqrt(192)); cuDNN
 through SDPA (which takes d_qk 192 / d_v 128 on Hopper) and FA4 (flash_attn.cute) where
-installed. Results go to $OUT/head_dims_v.json.
+installed. mla: MLA decoding, one latent cache 576 wide with v = k[..., :512] (the kernel
+takes the values from the K tile), batch 32, 128 query heads on one kv head, n_q 1 and
+4, caches of 4K to 32K tokens in bf16: correctness against decode_reference on the
+first case, then the time and the cache bytes read per second against the HBM peak
+(--hbm-tbs, 4.8 TB/s for an H200). Results go to $OUT/head_dims_v.json.
 """
 from __future__ import annotations
 
@@ -170,12 +175,48 @@ def speed(length: int) -> list:
     return results
 
 
+def mla(hbm_tbs: float) -> list:
+    from triton.testing import do_bench
+    torch.manual_seed(0)
+    B, H, E, Ev, dt = 32, 128, 576, 512, torch.bfloat16
+    kernel = attncc.compile("attention mla { scale 1.0 / sqrt(192.0)  mask q >= k }")
+    results = []
+    for length in (4096, 8192, 16384, 32768):
+        latent = torch.randn(B, 1, length, E, device="cuda", dtype=dt)
+        for n_q in (1, 4):
+            q = torch.randn(B, H, n_q, E, device="cuda", dtype=dt)
+            step = lambda: kernel.decode(q, latent, latent[..., :Ev], cache_seqlens=length)
+            row = dict(len=length, n_q=n_q)
+            if not results:
+                got = step()
+                ref = attncc.decode_reference(kernel.variant, q[:2].double(), latent[:2].double(),
+                                              latent[:2, ..., :Ev].double(), cache_seqlens=length)
+                eager = attncc.decode_reference(kernel.variant, q[:2], latent[:2],
+                                                latent[:2, ..., :Ev], cache_seqlens=length)
+                err, eerr = max_abs_error(got[:2], ref), max_abs_error(eager, ref)
+                row.update(err=err, eager_err=eerr,
+                           ok=bool(within_tolerance(err, eerr, dt, ref, 1.0)))
+            ms = do_bench(step)
+            tbs = latent.numel() * latent.element_size() / ms / 1e9
+            row.update(ms=ms, cache_tbs=tbs, of_peak=tbs / hbm_tbs)
+            results.append(row)
+            print(f"MLA decode cache {length:6d} n_q {n_q}: {ms:7.3f} ms, cache read "
+                  f"{tbs:5.2f} TB/s ({100 * tbs / hbm_tbs:4.1f}% of {hbm_tbs} TB/s)"
+                  + (f", error {row['err']:.3g} ({'ok' if row['ok'] else 'FAIL'})"
+                     if "err" in row else ""), flush=True)
+    return results
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("correctness", "speed"), default="correctness")
+    ap.add_argument("--part", choices=("correctness", "speed", "mla"), default="correctness")
     ap.add_argument("--len", type=int, default=16384)
+    ap.add_argument("--hbm-tbs", type=float, default=4.8)
     args = ap.parse_args()
-    results = correctness() if args.part == "correctness" else speed(args.len)
+    if args.part == "correctness":
+        results = correctness()
+    else:
+        results = speed(args.len) if args.part == "speed" else mla(args.hbm_tbs)
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "head_dims_v.json"), "w") as f:
         json.dump(dict(part=args.part, results=results), f, indent=1)
