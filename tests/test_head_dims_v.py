@@ -379,3 +379,18 @@ def test_mla_decode_takes_v_from_the_k_tile_and_appends_k_alone(paged, monkeypat
     separate = torch.randn(*cache.shape[:-1], Ev, generator=gen)
     kernel.decode(q, cache.clone(), separate, cache_seqlens=seqlens, block_table=table)
     assert not seen["decode_split"]["V_IS_K"]
+
+
+@pytest.mark.slow  # Dynamo's first compile in a process takes seconds
+def test_torch_compile_traces_v_of_another_width():
+    """The operator's fake implementation gives the output and dV v's width, so a traced
+    graph (FakeTensors) agrees with the eager call."""
+    kernel = attncc.compile(CAUSAL)
+    traced = torch.compile(lambda q, k, v: kernel(q, k, v), backend="aot_eager", fullgraph=True)
+    gen = torch.Generator().manual_seed(9)
+    q, k = (torch.randn(1, 2, 9, 32, generator=gen, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, 2, 9, 16, generator=gen, requires_grad=True)
+    out = traced(q, k, v)
+    out.sum().backward()
+    assert out.shape == (1, 2, 9, 16) and v.grad.shape == v.shape
+    assert torch.equal(out, kernel(q, k, v))
