@@ -186,11 +186,6 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
         if k_new.shape[:3] != v_new.shape[:3]:
             raise CallError(f"k_new {_shape(k_new)} and v_new {_shape(v_new)} must have the same "
                             "shape but for the head dim")
-        if v_cache.data_ptr() == k_cache.data_ptr() and not (
-                v_new.data_ptr() == k_new.data_ptr() and v_new.stride() == k_new.stride()):
-            raise CallError("v_cache is a view of k_cache's first columns (one latent cache, as "
-                            "in MLA), so the new values are the new keys' first columns: pass "
-                            f"v_new=k_new[..., :{Dv}]; a separate v_new would overwrite the keys")
         n_new = k_new.shape[2]
     if capacity + n_new > MAX_EXTENT:
         raise CallError(f"the cache holds {capacity} positions and k_new {n_new} more; "
@@ -435,6 +430,7 @@ def run_decode(kernel, q, k_cache, v_cache, seqlens, k_new, v_new, block_table, 
     precompile.wait_for_triton()
     module = kernel.module
     B, Hq, n_q, D = q.shape
+    _check_latent_append(k_cache, v_cache, k_new, v_new)
     with torch.no_grad():  # inference only: nothing here builds an autograd graph
         if n_q == 0:
             if k_new is not None and k_new.shape[2]:  # no query: only the append
@@ -460,6 +456,19 @@ def gather_cache(cache: torch.Tensor, block_table, b: int, length: int) -> torch
     # An entry outside [0, num_pages) reads the page clamped into range, as the kernels do.
     pages = block_table[b].long()[pos // page_size].clamp(0, num_pages - 1)
     return cache[pages, pos % page_size].transpose(0, 1)  # (length, kv_heads, dim) -> heads first
+
+
+def _check_latent_append(k_cache, v_cache, k_new, v_new):
+    """Where v_cache is a view of k_cache's first columns (MLA's one latent cache), v_new
+    must be k_new's: a separate one would overwrite the keys. Checked inside the decode
+    op, on real tensors (torch.compile cannot trace a comparison of data pointers)."""
+    if k_new is None or v_cache.data_ptr() != k_cache.data_ptr():
+        return
+    if v_new.data_ptr() != k_new.data_ptr() or v_new.stride() != k_new.stride():
+        raise CallError("v_cache is a view of k_cache's first columns (one latent cache, as in "
+                        "MLA), so the new values are the new keys' first columns: pass "
+                        f"v_new=k_new[..., :{v_cache.shape[-1]}]; a separate v_new would "
+                        "overwrite the keys")
 
 
 def decode_reference(variant: ir.Variant, q, /, k_cache, v_cache, *, cache_seqlens, k_new=None,
