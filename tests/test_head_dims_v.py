@@ -23,7 +23,7 @@ from attncc import distributed as cp
 from attncc import flash
 from attncc.errors import CallError
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the interpreter
 
 CAUSAL = "attention causal { mask q >= k }"
 WINDOW = "attention window { param window: int = 5  mask q >= k and q - k < window }"
@@ -40,6 +40,8 @@ def sdpa64(q, k, v, mask=None, scale=None):
 
 
 def _close(got, want, what, tol):
+    """got (on DEVICE) against want (float64, on the CPU)."""
+    got = got.detach().cpu()
     err = (got.double() - want).abs().max().item()
     assert err <= tol * max(1.0, want.abs().max().item()), f"{what}: error {err:.3g}"
     assert not got.isnan().any(), f"{what}: NaN"
@@ -58,10 +60,10 @@ def test_forward_and_gradients_match_sdpa_in_float64(dims):
     v = torch.randn(B, Hkv, Lk, Ev, generator=gen)
     do = torch.randn(B, Hq, Lq, Ev, generator=gen)
     kernel = attncc.compile(CAUSAL)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    leaves = [t.to(DEVICE, copy=True).requires_grad_() for t in (q, k, v)]
     out = kernel(*leaves)
     assert out.shape == (B, Hq, Lq, Ev)
-    out.backward(do)
+    out.backward(do.to(DEVICE))
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
     mask = torch.arange(Lq)[:, None] >= torch.arange(Lk)[None, :]
     ref = sdpa64(*ref_leaves, mask=mask)  # default scale 1/sqrt(E), v's width aside
@@ -78,19 +80,20 @@ def test_dim_v_in_scale_and_the_default_scale_stays_q_k_s():
     q, k = torch.randn(1, 2, 9, 32, generator=gen), torch.randn(1, 2, 9, 32, generator=gen)
     v = torch.randn(1, 2, 9, 64, generator=gen)
     mask = torch.arange(9)[:, None] >= torch.arange(9)[None, :]
-    _close(kernel(q, k, v), sdpa64(q.double(), k.double(), v.double(), mask, 1 / 8.0),
-           "scale 1/sqrt(dim_v)", 1e-5)
-    ref = attncc.reference(kernel.variant, q.double(), k.double(), v.double())
-    _close(kernel(q, k, v), ref, "reference with dim_v", 1e-5)
+    out = kernel(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
+    _close(out, sdpa64(q.double(), k.double(), v.double(), mask, 1 / 8.0), "scale 1/sqrt(dim_v)",
+           1e-5)
+    _close(out, attncc.reference(kernel.variant, q.double(), k.double(), v.double()),
+           "reference with dim_v", 1e-5)
     with pytest.raises(attncc.SpecError, match="dim_v"):
         attncc.parse("attention bad { mask k < dim_v }")
 
 
 def test_v_head_dim_out_of_range_is_refused_naming_it():
     kernel = attncc.compile(CAUSAL)
-    q = torch.randn(1, 1, 4, 32)
+    q = torch.randn(1, 1, 4, 32, device=DEVICE)
     with pytest.raises(CallError, match="v's head dim 8 .* 16 to 512"):
-        kernel(q, q, torch.randn(1, 1, 4, 8))
+        kernel(q, q, torch.randn(1, 1, 4, 8, device=DEVICE))
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
@@ -114,15 +117,19 @@ def test_decode_with_a_v_cache_of_another_width(paged):
     ref = attncc.decode_reference(kernel.variant, q.double(), k_cache.double(), v_cache.double(),
                                   cache_seqlens=seqlens, k_new=k_new.double(),
                                   v_new=v_new.double(), block_table=table)
+    on = dict(q=q, k_new=k_new, v_new=v_new, seqlens=seqlens, table=table)
+    on = {n: t if t is None else t.to(DEVICE) for n, t in on.items()}
     for splits in (1, 3):
-        kc, vc = k_cache.clone(), v_cache.clone()
-        out = kernel.decode(q, kc, vc, cache_seqlens=seqlens, k_new=k_new, v_new=v_new,
-                            block_table=table, num_splits=splits)
+        kc, vc = k_cache.to(DEVICE), v_cache.to(DEVICE)  # copies on the CPU too: appended to
+        if DEVICE == "cpu":
+            kc, vc = kc.clone(), vc.clone()
+        out = kernel.decode(on["q"], kc, vc, cache_seqlens=on["seqlens"], k_new=on["k_new"],
+                            v_new=on["v_new"], block_table=on["table"], num_splits=splits)
         assert out.shape == (B, Hq, 3, Ev)
         _close(out, ref, f"decode, {splits} splits", 1e-5)
     with pytest.raises(CallError, match="v_new has shape"):
-        kernel.decode(q, k_cache.clone(), v_cache.clone(), cache_seqlens=seqlens, k_new=k_new,
-                      v_new=k_new, block_table=table)
+        kernel.decode(on["q"], kc, vc, cache_seqlens=on["seqlens"], k_new=on["k_new"],
+                      v_new=on["k_new"], block_table=on["table"])
 
 
 def test_packed_sequences_with_v_of_another_width():
@@ -134,10 +141,10 @@ def test_packed_sequences_with_v_of_another_width():
     v = torch.randn(20, 2, 80, generator=gen)
     do = torch.randn(20, 2, 80, generator=gen)
     vk = attncc.varlen(CAUSAL)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = vk(*leaves, cu, cu, max(lens), max(lens))
+    leaves = [t.to(DEVICE, copy=True).requires_grad_() for t in (q, k, v)]
+    out = vk(*leaves, cu.to(DEVICE), cu.to(DEVICE), max(lens), max(lens))
     assert out.shape == (20, 2, 80)
-    out.backward(do)
+    out.backward(do.to(DEVICE))
     start = 0
     for n in lens:
         part = [t[start:start + n].transpose(0, 1)[None].double().requires_grad_() for t in (q, k, v)]
@@ -156,21 +163,22 @@ def test_flash_api_takes_v_of_another_width(Ev):
     q = torch.randn(2, 11, 4, 64, generator=gen)
     k = torch.randn(2, 13, 2, 64, generator=gen)
     v = torch.randn(2, 13, 2, Ev, generator=gen)
-    out = flash.flash_attn_func(q, k, v, causal=True)
+    out = flash.flash_attn_func(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), causal=True)
     assert out.shape == (2, 11, 4, Ev)
     mask = (torch.arange(11)[:, None] + 2) >= torch.arange(13)[None, :]  # bottom-right
     ref = sdpa64(*(t.transpose(1, 2).double() for t in (q, k, v)), mask=mask).transpose(1, 2)
     _close(out, ref, "flash_attn_func", 1e-5)
     k_cache = torch.randn(2, 16, 2, 64, generator=gen)
     v_cache = torch.randn(2, 16, 2, Ev, generator=gen)
-    got = flash.flash_attn_with_kvcache(q[:, :2], k_cache, v_cache, cache_seqlens=9, causal=True)
+    got = flash.flash_attn_with_kvcache(q[:, :2].to(DEVICE), k_cache.to(DEVICE),
+                                        v_cache.to(DEVICE), cache_seqlens=9, causal=True)
     assert got.shape == (2, 2, 4, Ev)
     mask = (torch.arange(2)[:, None] + 7) >= torch.arange(9)[None, :]
     ref = sdpa64(q[:, :2].transpose(1, 2).double(), k_cache[:, :9].transpose(1, 2).double(),
                  v_cache[:, :9].transpose(1, 2).double(), mask=mask).transpose(1, 2)
     _close(got, ref, "flash_attn_with_kvcache", 1e-5)
     with pytest.raises(CallError, match="but for the headdim"):
-        flash.flash_attn_func(q, k, v[:, :5], causal=True)
+        flash.flash_attn_func(q.to(DEVICE), k.to(DEVICE), v[:, :5].to(DEVICE), causal=True)
 
 
 def test_gluon_refuses_v_of_another_width_with_its_reason():
@@ -225,7 +233,8 @@ def test_deepseek_v3_runs_with_v_unpadded_and_matches_eager():
     ours = transformers.DeepseekV3ForCausalLM._from_config(copy.deepcopy(config),
                                                            attn_implementation="attncc")
     ours.load_state_dict(ref.state_dict())
-    ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(2))
+    ours, ref = ours.to(DEVICE), ref.to(DEVICE)
+    ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     hf._Attention.__call__ = spy
     try:
         got = ours(ids, use_cache=False).logits
@@ -273,6 +282,8 @@ def _cp_tensors():
 
 
 @pytest.mark.slow  # about 20 s: two spawned processes importing torch and attncc
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo over CPU tensors, the interpreter's "
+                    "path; on GPUs benchmarks/context_parallel.py")
 def test_context_parallel_with_v_of_another_width(tmp_path):
     attncc.compile(CAUSAL)  # generated once, so the ranks load it from the cache
     try:
@@ -317,8 +328,10 @@ def test_non_power_of_two_forward_and_decode_launch_unpadded_and_match_sdpa(E, m
     q, k = torch.randn(1, 2, 13, E, generator=gen), torch.randn(1, 2, 13, E, generator=gen)
     v = torch.randn(1, 2, 13, 48, generator=gen)
     mask = torch.arange(13)[:, None] >= torch.arange(13)[None, :]
-    _close(kernel(q, k, v), sdpa64(q.double(), k.double(), v.double(), mask), "forward", 1e-5)
-    out = kernel.decode(q[:, :, -2:], k.clone(), v.clone(), cache_seqlens=13)
+    _close(kernel(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)),
+           sdpa64(q.double(), k.double(), v.double(), mask), "forward", 1e-5)
+    out = kernel.decode(q[:, :, -2:].to(DEVICE), k.to(DEVICE, copy=True), v.to(DEVICE, copy=True),
+                        cache_seqlens=13)
     _close(out, sdpa64(q.double(), k.double(), v.double(), mask)[:, :, -2:], "decode", 1e-5)
     first = 1 << (E.bit_length() - 1)
     for name in ("attn_fwd", "decode_split"):
@@ -362,10 +375,12 @@ def test_mla_decode_takes_v_from_the_k_tile_and_appends_k_alone(paged, monkeypat
     k_new = torch.randn(B, 1, 2, E, generator=gen)
     seqlens = torch.tensor([3, 30], dtype=torch.int32)
     copy = cache.clone()
-    ref = attncc.decode_reference(kernel.variant, q.double(), copy.double(),
-                                  copy[..., :Ev].double(), cache_seqlens=seqlens,
-                                  k_new=k_new.double(), v_new=k_new[..., :Ev].double(),
-                                  block_table=table)
+    q, cache, k_new, seqlens = (t.to(DEVICE) for t in (q, cache.clone(), k_new, seqlens))
+    table = table if table is None else table.to(DEVICE)
+    ref = attncc.decode_reference(kernel.variant, q.double().cpu(), copy.double(),
+                                  copy[..., :Ev].double(), cache_seqlens=seqlens.cpu(),
+                                  k_new=k_new.double().cpu(), v_new=k_new[..., :Ev].double().cpu(),
+                                  block_table=table if table is None else table.cpu())
     out = kernel.decode(q, cache, cache[..., :Ev], cache_seqlens=seqlens, k_new=k_new,
                         v_new=k_new[..., :Ev], block_table=table, num_splits=2)
     assert out.shape == (B, H, n_q, Ev)
@@ -376,7 +391,7 @@ def test_mla_decode_takes_v_from_the_k_tile_and_appends_k_alone(paged, monkeypat
         kernel.decode(q, cache, cache[..., :Ev], cache_seqlens=seqlens, k_new=k_new,
                       v_new=k_new[..., :Ev].clone(), block_table=table)
     # v in a cache of its own: read as usual.
-    separate = torch.randn(*cache.shape[:-1], Ev, generator=gen)
+    separate = torch.randn(*cache.shape[:-1], Ev, generator=gen).to(DEVICE)
     kernel.decode(q, cache.clone(), separate, cache_seqlens=seqlens, block_table=table)
     assert not seen["decode_split"]["V_IS_K"]
 
@@ -388,8 +403,8 @@ def test_torch_compile_traces_v_of_another_width():
     kernel = attncc.compile(CAUSAL)
     traced = torch.compile(lambda q, k, v: kernel(q, k, v), backend="aot_eager", fullgraph=True)
     gen = torch.Generator().manual_seed(9)
-    q, k = (torch.randn(1, 2, 9, 32, generator=gen, requires_grad=True) for _ in range(2))
-    v = torch.randn(1, 2, 9, 16, generator=gen, requires_grad=True)
+    q, k = (torch.randn(1, 2, 9, 32, generator=gen).to(DEVICE).requires_grad_() for _ in range(2))
+    v = torch.randn(1, 2, 9, 16, generator=gen).to(DEVICE).requires_grad_()
     out = traced(q, k, v)
     out.sum().backward()
     assert out.shape == (1, 2, 9, 16) and v.grad.shape == v.shape
