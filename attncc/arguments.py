@@ -41,6 +41,12 @@ class Problem:
     def group(self) -> int:
         return self.heads_q // self.heads_kv
 
+    @property
+    def tile_dim(self) -> int:
+        """The wider of q·k's and v's head dims: the one the tile candidates and their
+        on-chip size checks are chosen by (a tile holds rows of both widths)."""
+        return max(self.dim, self.dim_v)
+
 
 def _shape(t) -> str:
     # An f-string, not str(): under torch.compile the checks run at trace time, where

@@ -781,9 +781,9 @@ class _RingAttention:
     def forward(self, q, k, v, inputs):
         c, W = self.c, self.sharding.world_size
         k, v = k.contiguous(), v.contiguous()
-        B, H, L, D = q.shape
-        # The merged output and natural LSE of each local query row, in fp32.
-        acc = torch.zeros((B, H, L, D), device=q.device, dtype=torch.float32)
+        B, H, L, _ = q.shape
+        # The merged output (v's head dim wide) and natural LSE of each local query row, in fp32.
+        acc = torch.zeros((B, H, L, v.shape[3]), device=q.device, dtype=torch.float32)
         acc_lse = torch.full((B, H, L), float("-inf"), device=q.device, dtype=torch.float32)
         merged = set()  # local query pieces that hold a partial result already
         self._tune_before_transfers(lambda i, j: [(

@@ -262,9 +262,9 @@ def _check_qkv(q, k, v, packed: bool):
     if not (q.device == k.device == v.device):
         raise CallError(f"q, k and v must be on one device, got q on {q.device}, k on "
                         f"{k.device}, v on {v.device}")
-    if k.shape != v.shape:
-        raise CallError(f"k and v must have the same shape ({lead}{seq}_k, nheads_k, headdim), "
-                        f"got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:  # v's headdim may differ from q's and k's, as FA3 allows
+        raise CallError(f"k and v must have the same shape ({lead}{seq}_k, nheads_k) but for the "
+                        f"headdim, got k {tuple(k.shape)} and v {tuple(v.shape)}")
     if not packed and k.shape[0] != q.shape[0]:
         raise CallError(f"q and k must have the same batch size, got q {tuple(q.shape)} and "
                         f"k {tuple(k.shape)}")

@@ -31,6 +31,7 @@ INDEX_VARS = {
     "qb": "query tile index (in `layout`)",
     "kb": "key tile index (in `layout`)",
     "dim": "head dimension",
+    "dim_v": "v's head dimension (in `scale`; dim is q's and k's)",
     "len_q": "number of queries",
     "len_k": "number of keys",
 }

@@ -8,7 +8,7 @@ under Triton 3.6: backends/portable/tiles.py, keep()). The candidates are those 
 through; the shipped winners must be among them (runtime/configs.py, usable).
 
     python benchmarks/portable_compile.py [examples/causal.attn ...] [--dims 16,32,64]
-        [--dtypes float16,bfloat16] [--directions fwd,dq,dkdv] [--all-configs]
+        [--dtypes float16,bfloat16] [--directions fwd,dq,dkdv] [--all-configs] [--dim-v 128]
 
 Exits 1 if any compile failed. Runs with whichever Triton is importable.
 """
@@ -33,12 +33,12 @@ from gluon_compile import Sm90Driver, _compile_only  # noqa: E402
 DIMS = "16,32,48,64,80,96,128,192,256"
 
 
-def launches(module, variant, dim: int, dtype) -> dict:
+def launches(module, variant, dim: int, dtype, dim_v: int) -> dict:
     """{direction: run(config)} on CPU tensors of a small awkward shape (GQA 4/2, 300)."""
     q = torch.randn(1, 4, 300, dim, dtype=dtype)
-    k, v = torch.randn(1, 2, 300, dim, dtype=dtype), torch.randn(1, 2, 300, dim, dtype=dtype)
-    dout = torch.randn_like(q)
-    inputs = sample_inputs(variant, Problem(1, 4, 2, 300, 300, dim, dim))
+    k, v = torch.randn(1, 2, 300, dim, dtype=dtype), torch.randn(1, 2, 300, dim_v, dtype=dtype)
+    dout = torch.randn(1, 4, 300, dim_v, dtype=dtype)
+    inputs = sample_inputs(variant, Problem(1, 4, 2, 300, 300, dim, dim_v))
     lse, delta = torch.randn(1, 4, 300), torch.randn(1, 4, 300)
     runs = {"fwd": lambda c: module.forward(q, k, v, inputs, config=c),
             "dq": lambda c: module.backward_dq(q, k, v, lse, delta, dout, inputs, config=c, out=dout),
@@ -56,6 +56,8 @@ def main() -> int:
     ap.add_argument("--directions", default="fwd,dq,dkdv,bwd")
     ap.add_argument("--all-configs", action="store_true",
                     help="every kept candidate, not only the ones the tuner times")
+    ap.add_argument("--dim-v", type=int, default=None,
+                    help="v's head dim (default: each q·k head dim)")
     args = ap.parse_args()
     root = Path(__file__).resolve().parent.parent
     specs = args.specs or [str(root / "examples" / "causal.attn")]
@@ -69,12 +71,13 @@ def main() -> int:
         module = attncc.compile(variant).module
         for dim in (int(d) for d in args.dims.split(",")):
             for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
-                for direction, run in launches(module, variant, dim, dtype).items():
+                dim_v = args.dim_v or dim
+                for direction, run in launches(module, variant, dim, dtype, dim_v).items():
                     if direction not in args.directions.split(","):
                         continue
-                    kept = backends.portable().candidates(direction, dim, variant)
+                    kept = backends.portable().candidates(direction, max(dim, dim_v), variant)
                     for config in kept if args.all_configs else kept[:tuning.TUNE_AT_MOST]:
-                        label = (f"{variant.name} {direction} d{dim} {str(dtype)[6:]} "
+                        label = (f"{variant.name} {direction} d{dim} v{dim_v} {str(dtype)[6:]} "
                                  f"{config.label()}")
                         start = time.perf_counter()
                         try:

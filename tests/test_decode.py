@@ -518,11 +518,13 @@ def compile_for_sm90(fn, consts, stages):
 
 for paged in (False, True):
     tiles = dict(BLOCK_M=16, PAGED=paged, PAGE_SIZE=64 if paged else 1, BLOCK_N=64, HEAD_DIM=128,
-                 HEAD_DIM_PAD=128, DOT_PRECISION="tf32", WIDE=False)
+                 HEAD_DIM_PAD=128, HEAD_DIM_TAIL=0, HEAD_DIM_V=128, HEAD_DIM_V_PAD=128, V_IS_K=False,
+                 DOT_PRECISION="tf32", WIDE=False)
     pipelined = compile_for_sm90(module.decode_split, dict(tiles, ONE_SPLIT=False, ROWS_BEFORE_START=False), 3)
     print("decode_split", "paged" if paged else "contiguous", "pipelined" if pipelined else "NOT PIPELINED")
     compile_for_sm90(module.decode_append, dict(PAGED=paged, PAGE_SIZE=tiles["PAGE_SIZE"], BLOCK_T=16,
-                                                HEAD_DIM=128, HEAD_DIM_PAD=128), 1)
+                                                HEAD_DIM=128, HEAD_DIM_PAD=128, HEAD_DIM_V=128,
+                                                HEAD_DIM_V_PAD=128, V_IS_K=False), 1)
 compile_for_sm90(module.decode_merge, dict(HEAD_DIM=128, ROWS=4, D_BLOCK=64), 1)
 print("compiled")
 '''

@@ -241,7 +241,7 @@ def _q(*shape):
                              alibi_slopes=_q(1, 2, 3)),
      r"alibi_slopes must be a float32 tensor of shape"),
     (lambda: flash_attn_func(_q(1, 4, 2, 16), _q(1, 5, 2, 16), _q(1, 4, 2, 16)),
-     r"k and v must have the same shape \(batch, seqlen_k, nheads_k, headdim\)"),
+     r"k and v must have the same shape \(batch, seqlen_k, nheads_k\) but for the headdim"),
     (lambda: flash_attn_func(_q(2, 4, 2, 16), _q(1, 4, 2, 16), _q(1, 4, 2, 16)),
      r"q and k must have the same batch size"),
     (lambda: flash_attn_func(_q(1, 4, 2, 16), _q(1, 4, 2, 32), _q(1, 4, 2, 32)),

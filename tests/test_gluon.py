@@ -12,6 +12,7 @@ import torch
 
 import attncc
 from attncc import backends
+from attncc.arguments import Problem
 from attncc.backends import gluon as gluon_backend
 from attncc.backends.gluon import codegen as gluon
 from attncc.backends.gluon import tiles
@@ -328,7 +329,7 @@ def _two_backend_call(monkeypatch, tmp_path):
     monkeypatch.setattr(tuning, "_MEMORY", {})
     variant = attncc.parse_file(EXAMPLES / "causal.attn")
     kernel = SimpleNamespace(variant=variant, key=variant.key(), pinned_config=None)
-    problem = SimpleNamespace(dim=128, group=1, len_q=4096, len_k=4096)
+    problem = Problem(1, 1, 1, 4096, 4096, 128, 128)
     timed, times = [], {"gluon": 3.0, "triton": 4.0}
     runs = {name: (lambda config, name=name: name) for name in ("gluon", "triton")}
     monkeypatch.setattr(triton.testing, "do_bench",
@@ -350,7 +351,7 @@ def test_auto_times_both_backends_once_and_remembers(monkeypatch, tmp_path):
     assert tuning.choose(kernel, problem, torch.bfloat16, "fwd", runs) == choice
     assert timed == []
     monkeypatch.setenv("ATTNCC_TUNE", "0")  # no timing: the portable forward's first candidate
-    other = SimpleNamespace(dim=64, group=1, len_q=4096, len_k=4096)
+    other = Problem(1, 1, 1, 4096, 4096, 64, 64)
     untimed = tuning.choose(kernel, other, torch.bfloat16, "fwd", runs)
     assert untimed.backend == "triton"
 

@@ -175,11 +175,9 @@ def test_diff_attention_forward_and_lambda_gradient():
     kernel = recipe("diff_causal")
 
     def diff_attention(q1, k1, q2, k2, v, lam, lam_init):   # as on the page
-        va, vb = v.chunk(2, dim=-1)
-        o = kernel(torch.cat([q1, q1, q2, q2], 1), torch.cat([k1, k1, k2, k2], 1),
-                   torch.cat([va, vb, va, vb], 1))
-        a1, b1, a2, b2 = o.chunk(4, dim=1)
-        attn = torch.cat([a1, b1], -1) - lam * torch.cat([a2, b2], -1)
+        o = kernel(torch.cat([q1, q2], 1), torch.cat([k1, k2], 1), torch.cat([v, v], 1))
+        a1, a2 = o.chunk(2, dim=1)
+        attn = a1 - lam * a2
         return F.rms_norm(attn, attn.shape[-1:]) * (1 - lam_init)
 
     b, h, n, d = 1, 3, 21, 16
@@ -198,13 +196,12 @@ def test_diff_attention_forward_and_lambda_gradient():
         assert_close(mine.grad, theirs.grad, atol=2e-4)
 
 
-def test_mla_shapes_by_padding_v():
+def test_mla_shapes_with_v_of_its_own_width():
     torch.manual_seed(5)
     kernel = recipe("mla_causal")
 
     def mla_attention(q, k, v):             # as on the page
-        pad = q.shape[-1] - v.shape[-1]
-        return kernel(q, k, F.pad(v, (0, pad)))[..., : v.shape[-1]]
+        return kernel(q, k, v)
 
     b, h, n, d_qk, d_v = 1, 3, 19, 48, 32
     q, k = (torch.randn(b, h, n, d_qk, requires_grad=True) for _ in range(2))

@@ -87,7 +87,7 @@ class _Analysis(ir.Visitor):
         E = self.extent
         if name in ("q", "k", "b", "h"):
             return Range(0, E - 1)
-        if name in ("len_q", "len_k", "dim"):
+        if name in ("len_q", "len_k", "dim", "dim_v"):  # dim_v: in `scale` only, host-side
             return Range(1, E)
         if name in ("qb", "kb"):
             return Range(0, -(-E // (self.block or 1)) - 1)

@@ -33,7 +33,7 @@ USERS = {
 # folded into qk_scale; "dropout"; "decode layout": the layout over decode rows).
 READS = {
     "fwd": {
-        "always": {"q", "m_valid", "K", "V", "stride_kn", "stride_kd", "stride_vn",
+        "always": {"q", "q_tail", "m_valid", "K", "V", "stride_kn", "stride_kd", "stride_vn",
                    "stride_vd", "k_offset", "len_k"},
         "dropout": {"seed", "pid_bh", "offs_m", "q_offset"},
         "score": {"sm_scale"}, "no score": {"qk_scale"},
@@ -51,7 +51,7 @@ READS = {
         "score": {"sm_scale"}, "no score": {"qk_scale"},
     },
     "decode": {
-        "always": {"q", "row_ok", "K", "V", "BT", "stride_kb", "stride_kn", "stride_kd",
+        "always": {"q", "q_tail", "row_ok", "K", "V", "BT", "stride_kb", "stride_kn", "stride_kd",
                    "stride_vb", "stride_vn", "stride_vd", "stride_btn", "num_pages", "len_k"},
         "decode layout": {"q_pos"},
         "score": {"sm_scale"}, "no score": {"qk_scale"},

@@ -24,7 +24,7 @@ ALLOWED_VARS = {
     "mask": {"b", "h", "q", "k", "dim", "len_q", "len_k"},
     "layout": {"b", "h", "qb", "kb", "dim", "len_q", "len_k"},
     "score": {"b", "h", "q", "k", "s", "dim", "len_q", "len_k"},
-    "scale": {"dim"},
+    "scale": {"dim", "dim_v"},
     "param": set(),
     "sink": {"b", "h", "q", "dim", "len_q", "len_k"},
 }
@@ -46,6 +46,8 @@ WHY_NOT = {
                    "score; to change scores, use `score`",
     ("sink", "qb"): "qb and kb are tile indices and only mean something in `layout`",
     ("sink", "kb"): "qb and kb are tile indices and only mean something in `layout`",
+    **{(decl, "dim_v"): "v's head dim only sizes the output; `scale` may read it"
+       for decl in ("mask", "layout", "score", "sink")},
 }
 
 # Deeper expressions are refused: every pass walks the IR recursively, and no real

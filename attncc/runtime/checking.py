@@ -88,7 +88,7 @@ def compare(variant, kernel, q, k, v, dout, inputs, *, progress=None) -> list:
     (eq, ek, ev), ein = case(dtype, None)
     eager = timed(f"{_dtype_name(dtype)} reference",
                   lambda: _run_attention(ref_fn, variant, eq, ek, ev, ein, dout))
-    scales = gradient_scales(rq, rk, truth["out"], dout, scale_value(variant, dim),
+    scales = gradient_scales(rq, rk, truth["out"], dout, scale_value(variant, dim, v.shape[-1]),
                              q.shape[1] // k.shape[1])
     scales.update(input_gradient_scales(variant, rq, rk, rv, truth["out"], dout, rin))
     rows = []

@@ -57,6 +57,16 @@ class DecodeProblem:
     dim: int
     capacity: int  # positions a row's cache can hold
     page_size: int  # 0: a contiguous cache
+    dim_v: int | None = None  # v's head dim; None: as wide as q's and k's
+
+    @property
+    def pads(self) -> tuple:
+        """The kernels' tile widths of a K row (its power-of-two segments, as the generated
+        module's _head_dim_split: 576 = 512 + 64) and of a V row (a power of two)."""
+        pow2 = lambda d: max(16, 1 << (d - 1).bit_length())
+        first = max(16, 1 << (self.dim.bit_length() - 1))
+        k_width = first + (pow2(self.dim - first) if self.dim > first else 0)
+        return k_width, pow2(self.dim if self.dim_v is None else self.dim_v)
 
     @property
     def group(self) -> int:
@@ -72,14 +82,15 @@ class DecodeProblem:
         return -(-self.group * self.n_q // self.rows_block)
 
 
-def decode_problem(q, k_cache, k_new, block_table) -> DecodeProblem:
+def decode_problem(q, k_cache, v_cache, k_new, block_table) -> DecodeProblem:
     """The sizes of a decode call whose shapes check_decode_call has checked."""
     B, Hq, n_q, D = q.shape
     n_new = 0 if k_new is None else k_new.shape[2]
     if block_table is not None:  # (num_pages, page_size, kv heads, dim)
         page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
-        return DecodeProblem(B, Hq, Hkv, n_q, n_new, D, block_table.shape[1] * page_size, page_size)
-    return DecodeProblem(B, Hq, k_cache.shape[1], n_q, n_new, D, k_cache.shape[2], 0)
+        return DecodeProblem(B, Hq, Hkv, n_q, n_new, D, block_table.shape[1] * page_size, page_size,
+                             v_cache.shape[3])
+    return DecodeProblem(B, Hq, k_cache.shape[1], n_q, n_new, D, k_cache.shape[2], 0, v_cache.shape[3])
 
 
 def _shape(t) -> str:
@@ -103,7 +114,8 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
                       inputs) -> tuple:
     """(DecodeProblem, cache_seqlens as a (B,) int32 tensor); raises CallError naming what is
     wrong. Never reads a tensor's values (no host synchronisation)."""
-    from .settings import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, interpreting
+    from .settings import (MAX_HEAD_DIM_DECODE, MAX_HEAD_DIM_V, MIN_HEAD_DIM, SUPPORTED_DTYPES,
+                           interpreting)
     _check_tensor("q", q, "(batch, heads, new tokens, dim)")
     if q.device.type != "cuda" and not interpreting():
         raise CallError(f"q is on {q.device}, but attncc kernels run on CUDA GPUs; move the "
@@ -114,17 +126,21 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
     B, Hq, n_q, D = q.shape
     if B == 0 or Hq == 0:
         raise CallError(f"q has shape {_shape(q)}: batch and heads must be at least 1")
-    if not (MIN_HEAD_DIM <= D <= MAX_HEAD_DIM):
-        raise CallError(f"head dim {D} is not supported: the kernels take head dims "
-                        f"{MIN_HEAD_DIM} to {MAX_HEAD_DIM} (q has shape {_shape(q)})")
+    if not (MIN_HEAD_DIM <= D <= MAX_HEAD_DIM_DECODE):
+        raise CallError(f"head dim {D} is not supported: decoding takes head dims "
+                        f"{MIN_HEAD_DIM} to {MAX_HEAD_DIM_DECODE} (q has shape {_shape(q)})")
     paged = block_table is not None
     layout = ("(num_pages, page_size, kv_heads, dim) with a block_table" if paged
               else "(batch, kv_heads, capacity, dim)")
     _check_tensor("k_cache", k_cache, layout, q)
     _check_tensor("v_cache", v_cache, layout, q)
-    if k_cache.shape != v_cache.shape:
+    if k_cache.shape[:3] != v_cache.shape[:3]:
         raise CallError(f"k_cache {_shape(k_cache)} and v_cache {_shape(v_cache)} must have "
-                        "the same shape")
+                        "the same shape but for the head dim")
+    Dv = v_cache.shape[3]
+    if not (MIN_HEAD_DIM <= Dv <= MAX_HEAD_DIM_V):
+        raise CallError(f"v's head dim {Dv} is not supported: the kernels take v head dims "
+                        f"{MIN_HEAD_DIM} to {MAX_HEAD_DIM_V} (v_cache has shape {_shape(v_cache)})")
     if k_cache.shape[3] != D:
         raise CallError(f"the cache's head dim is {k_cache.shape[3]} (k_cache {_shape(k_cache)}) "
                         f"but q's is {D}")
@@ -161,13 +177,15 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
         raise CallError("pass both k_new and v_new (the new tokens' keys and values) or neither")
     n_new = 0
     if k_new is not None:
-        for name, t in (("k_new", k_new), ("v_new", v_new)):
+        for name, t, width in (("k_new", k_new, D), ("v_new", v_new, Dv)):
             _check_tensor(name, t, "(batch, kv_heads, new tokens, dim)", q)
-            if tuple(t.shape[:2]) != (B, Hkv) or t.shape[3] != D:
-                raise CallError(f"{name} has shape {_shape(t)}, expected ({B}, {Hkv}, n_new, {D}): "
-                                "laid out (batch, kv_heads, new tokens, dim) like q")
-        if k_new.shape != v_new.shape:
-            raise CallError(f"k_new {_shape(k_new)} and v_new {_shape(v_new)} must have the same shape")
+            if tuple(t.shape[:2]) != (B, Hkv) or t.shape[3] != width:
+                raise CallError(f"{name} has shape {_shape(t)}, expected ({B}, {Hkv}, n_new, {width}): "
+                                "laid out (batch, kv_heads, new tokens, dim) like q, as wide as "
+                                f"{name[0]}_cache")
+        if k_new.shape[:3] != v_new.shape[:3]:
+            raise CallError(f"k_new {_shape(k_new)} and v_new {_shape(v_new)} must have the same "
+                            "shape but for the head dim")
         n_new = k_new.shape[2]
     if capacity + n_new > MAX_EXTENT:
         raise CallError(f"the cache holds {capacity} positions and k_new {n_new} more; "
@@ -178,10 +196,10 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
         raise CallError(f"k_new holds {n_new} new tokens but the cache only {capacity} "
                         "positions: they cannot be appended; use a larger cache")
     seqlens = _seqlens(cache_seqlens, B, q.device, capacity, n_new)
-    problem = decode_problem(q, k_cache, k_new, block_table)
+    problem = decode_problem(q, k_cache, v_cache, k_new, block_table)
     # Input axes on positions (q, k) and tiles (qb, kb) span the cache's capacity: every
     # position a call may place a key or a query at.
-    p = Problem(B, Hq, Hkv, capacity, capacity, D, D)
+    p = Problem(B, Hq, Hkv, capacity, capacity, D, Dv)
     check_input_names(kernel.variant, inputs)
     check_inputs(kernel.variant, p, inputs, device=q.device)
     # Index lists are not checked (that reads them: a host synchronisation per step, as
@@ -249,8 +267,8 @@ def programs_per_sm(p: DecodeProblem, block_n: int, stages: int, elem: int) -> i
     """How many decode programs an SM holds at once, from their shared memory (the
     pipeline keeps stages - 1 K and V tiles in flight, as Triton 3.x allocates them on
     Hopper) and at most 4 (registers: about 110 per thread at D = 128)."""
-    pad = max(16, 1 << (p.dim - 1).bit_length())
-    smem = max(1, stages - 1) * 2 * block_n * pad * elem + p.rows_block * pad * elem
+    pad, pad_v = p.pads
+    smem = max(1, stages - 1) * block_n * (pad + pad_v) * elem + p.rows_block * pad * elem
     return max(1, min(4, SHARED_MEMORY // smem))
 
 
@@ -266,8 +284,8 @@ def default_splits(p: DecodeProblem, block_n: int, stages: int, elem: int, n_sm:
 
 
 def _fits(p: DecodeProblem, block_n: int, stages: int, elem: int) -> bool:
-    pad = max(16, 1 << (p.dim - 1).bit_length())
-    return max(1, stages - 1) * 2 * block_n * pad * elem <= SHARED_MEMORY - 16 * 1024
+    pad, pad_v = p.pads
+    return max(1, stages - 1) * block_n * (pad + pad_v) * elem <= SHARED_MEMORY - 16 * 1024
 
 
 def candidates(variant: ir.Variant, p: DecodeProblem, elem: int, n_sm: int, reach_tiles,
@@ -310,7 +328,8 @@ def tuning_key(p: DecodeProblem, dtype, num_splits: int | None) -> str:
     of-two bucket), cache capacity bucket and cache layout."""
     cache = f"page{p.page_size}" if p.page_size else "contiguous"
     bh = 1 << (p.batch * p.heads_kv - 1).bit_length()  # the split count follows it closely
-    key = (f"decode-d{p.dim}-{str(dtype).replace('torch.', '')}-g{p.group}-nq{p.n_q}"
+    dims = f"d{p.dim}" + (f"v{p.dim_v}" if p.dim_v not in (None, p.dim) else "")
+    key = (f"decode-{dims}-{str(dtype).replace('torch.', '')}-g{p.group}-nq{p.n_q}"
            f"-bh{bh}-cap{tuning.length_bucket(p.capacity)}-{cache}")
     return key + (f"-splits{num_splits}" if num_splits else "")
 
@@ -427,10 +446,11 @@ def run_decode(kernel, q, k_cache, v_cache, seqlens, k_new, v_new, block_table, 
     interpreter, or tuned) and the launches, on a call `decode` has checked."""
     B, Hq, n_q, D = q.shape
     if n_q == 0:
+        _check_latent_append(k_cache, v_cache, k_new, v_new)
         with torch.no_grad():
             if k_new is not None and k_new.shape[2]:  # no query: only the append
                 kernel.module.decode_append_kv(k_new, v_new, k_cache, v_cache, seqlens, block_table)
-        out = q.new_zeros((B, Hq, 0, D))
+        out = q.new_zeros((B, Hq, 0, v_cache.shape[3]))
         lse = torch.zeros((B, Hq, 0), device=q.device, dtype=torch.float32)
         return out, lse
     # The op runs on real tensors (a compiled graph's step): plans serve it too.
@@ -454,8 +474,8 @@ def run_decode(kernel, q, k_cache, v_cache, seqlens, k_new, v_new, block_table, 
 # launches, each kernel relaunched without Triton's per-call binding
 # (attncc/runtime/launch.py). The key holds everything the checks, the config and the
 # kernels' specialization read: each tensor's type, shape, strides, dtype, device and
-# 16-byte alignment, the inputs' names, the options, the current CUDA device and
-# ATTNCC_TUNE. An int cache_seqlens is checked by the plan on each call (its value
+# 16-byte alignment, the inputs' names, the options, the current CUDA device,
+# ATTNCC_TUNE and whether v shares k's storage. An int cache_seqlens is checked by the plan on each call (its value
 # changes every step); a tensor's values are never read, as on the checked path.
 MAX_PLANS = 64  # per kernel: a model decodes with a handful of shapes
 
@@ -494,7 +514,11 @@ def plan_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, num_
                 None if config is None else tuple([(k, _typed(v)) for k, v in config.items()]),
                 tuple([(name, _tensor_key(t)) for name, t in inputs.items()]),
                 torch.cuda.current_device() if q.is_cuda else None,
-                os.environ.get("ATTNCC_TUNE"))
+                os.environ.get("ATTNCC_TUNE"),
+                # v a view of k's first columns (MLA's latent cache) is a plan of its own:
+                # its kernels read the values from the K tile.
+                v_cache.data_ptr() == k_cache.data_ptr(),
+                k_new is not None and v_new is not None and v_new.data_ptr() == k_new.data_ptr())
     except (TypeError, AttributeError):
         return None
 
@@ -532,7 +556,8 @@ def make_plan(kernel, q, k_cache, v_cache, seqlens, k_new, v_new, block_table, v
     from .launch import Launch
     precompile.wait_for_triton()
     module = kernel.module
-    p = decode_problem(q, k_cache, k_new, block_table)
+    _check_latent_append(k_cache, v_cache, k_new, v_new)
+    p = decode_problem(q, k_cache, v_cache, k_new, block_table)
 
     def plan_of(cfg):
         return module.decode_plan(q, k_cache, v_cache, seqlens, values, k_new=k_new, v_new=v_new,
@@ -556,6 +581,19 @@ def gather_cache(cache: torch.Tensor, block_table, b: int, length: int) -> torch
     # An entry outside [0, num_pages) reads the page clamped into range, as the kernels do.
     pages = block_table[b].long()[pos // page_size].clamp(0, num_pages - 1)
     return cache[pages, pos % page_size].transpose(0, 1)  # (length, kv_heads, dim) -> heads first
+
+
+def _check_latent_append(k_cache, v_cache, k_new, v_new):
+    """Where v_cache is a view of k_cache's first columns (MLA's one latent cache), v_new
+    must be k_new's: a separate one would overwrite the keys. Checked inside the decode
+    op, on real tensors (torch.compile cannot trace a comparison of data pointers)."""
+    if k_new is None or v_cache.data_ptr() != k_cache.data_ptr():
+        return
+    if v_new.data_ptr() != k_new.data_ptr() or v_new.stride() != k_new.stride():
+        raise CallError("v_cache is a view of k_cache's first columns (one latent cache, as in "
+                        "MLA), so the new values are the new keys' first columns: pass "
+                        f"v_new=k_new[..., :{v_cache.shape[-1]}]; a separate v_new would "
+                        "overwrite the keys")
 
 
 def decode_reference(variant: ir.Variant, q, /, k_cache, v_cache, *, cache_seqlens, k_new=None,
@@ -595,7 +633,7 @@ def decode_reference(variant: ir.Variant, q, /, k_cache, v_cache, *, cache_seqle
         v_row = torch.cat(values, 1)[None]
         L = min(k_row.shape[2], capacity)
         k_row, v_row = k_row[:, :, :L], v_row[:, :, :L]
-        out = q.new_zeros((1, Hq, n_q, D))
+        out = q.new_zeros((1, Hq, n_q, v_row.shape[3]))
         lse = torch.full((1, Hq, n_q), -math.inf, dtype=q.dtype, device=q.device)
         seen = min(n_q, L)  # tokens at positions >= 0: the last `seen` of the n_q
         if seen:

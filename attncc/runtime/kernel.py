@@ -25,7 +25,7 @@ from . import configs, dispatch, ops, precompile, tuning
 from ..arguments import _shape, as_bhsd, axis_extent, bind, check_seed, refuse_positional
 from .cache import load_generated
 from .call_options import NO_TABLES, CallOptions
-from .settings import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, interpreting
+from .settings import MAX_HEAD_DIM, MAX_HEAD_DIM_V, MIN_HEAD_DIM, SUPPORTED_DTYPES, interpreting
 
 
 class Kernel:
@@ -185,9 +185,9 @@ class Kernel:
         if not (MIN_HEAD_DIM <= p.dim <= MAX_HEAD_DIM):
             raise CallError(f"head dim {p.dim} is not supported: the kernels take head dims "
                             f"{MIN_HEAD_DIM} to {MAX_HEAD_DIM} (q has shape {_shape(q)})")
-        if p.dim_v != p.dim:
-            raise CallError(f"v has head dim {p.dim_v} but q and k have {p.dim}; the kernels need "
-                            "them equal")
+        if not (MIN_HEAD_DIM <= p.dim_v <= MAX_HEAD_DIM_V):
+            raise CallError(f"v's head dim {p.dim_v} is not supported: the kernels take v head "
+                            f"dims {MIN_HEAD_DIM} to {MAX_HEAD_DIM_V} (v has shape {_shape(v)})")
         # Every launch is one grid axis of programs per tile and batch·head (at least
         # 16-row tiles), which CUDA caps at 2**31 - 1.
         tiles = -(-p.len_q // 16) + -(-p.len_k // 16)

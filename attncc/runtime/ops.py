@@ -173,10 +173,10 @@ def _define(name: str, learnable: list, record, forward_impl, backward_impl) -> 
 
     def forward_fake(kernel, q, k, v, inputs, *options):
         # The same allocations as the generated module's forward (strides included).
-        return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+        return _output_like(q, v), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     def backward_fake(kernel, q, k, v, out, lse, dout, dlse, inputs, *options):
-        return (q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(k.shape),
+        return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
                 [inputs[i].new_empty(inputs[i].shape) for i in learnable])
 
     torch.library.register_fake(f"attncc::{name}", forward_fake, lib=_LIBRARY)
@@ -265,7 +265,7 @@ def _forward(kernel_id, q, k, v, inputs, *options):
     if empty_problem(p):
         if tables is not None:
             tables.check_reads(values)
-        out, lse = _empty_forward(q)
+        out, lse = _empty_forward(q, v)
         if kernel.variant.sink is not None:
             lse = sinks.row_sinks(kernel.variant, p, values, lse)  # no key: L = σ
         return out, lse
@@ -279,10 +279,18 @@ def empty_problem(p: Problem) -> bool:
     return p.batch == 0 or p.len_q == 0 or p.len_k == 0
 
 
-def _empty_forward(q):
+def _output_like(q, v):
+    """The output as the generated forward allocates it: like q (its strides too) where v
+    is as wide as q, else (B, H, Lq, v's head dim), contiguous."""
+    if v.shape[-1] == q.shape[-1]:
+        return torch.empty_like(q)
+    return q.new_empty((*q.shape[:3], v.shape[-1]))
+
+
+def _empty_forward(q, v):
     """An empty call's output and LSE: rows that see no key give 0 and LSE -inf, allocated
     as the generated forward allocates them (the fake implementation's shapes and strides)."""
-    return torch.zeros_like(q), torch.full(q.shape[:3], float("-inf"), device=q.device,
+    return _output_like(q, v).zero_(), torch.full(q.shape[:3], float("-inf"), device=q.device,
                                            dtype=torch.float32)
 
 
@@ -330,7 +338,8 @@ def decode_operator(kernel) -> torch._ops.OpOverload:
         def decode_fake(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
                         inputs, *options):
             # The generated module's allocations: dense, in q's dtype; LSE in float32.
-            return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+            return (q.new_empty((*q.shape[:3], v_cache.shape[-1])),
+                    q.new_empty(q.shape[:3], dtype=torch.float32))
 
         def decode_autograd(*args):
             with torch._C._AutoDispatchBelowAutograd():

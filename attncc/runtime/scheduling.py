@@ -57,7 +57,8 @@ def compile_backward_beside(kernel, problem, q, k, v, values, common, tune, forw
     if chosen is None or not chosen[2]:
         return
     launches = [lambda run=chosen[0], config=chosen[1]: run(config)]
-    out = torch.empty_like(q)
+    out = (torch.empty_like(q) if v.shape[-1] == q.shape[-1]
+           else q.new_empty((*q.shape[:3], v.shape[-1])))
     dout = torch.empty_like(out)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     delta = module.new_delta(q)

@@ -9,6 +9,12 @@ import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+# v's head dim is independent of q's and k's; up to 512 (MLA's latent values, and FA3's
+# (64, 512) shape), the output accumulator then the widest tile a program keeps.
+MAX_HEAD_DIM_V = 512
+# Decoding takes q·k head dims to 576: MLA's latent keys (512 + 64 rotary columns), as
+# two segments (the generated module's _head_dim_split) whose first holds the values.
+MAX_HEAD_DIM_DECODE = 576
 
 
 def interpreting() -> bool:

@@ -196,7 +196,7 @@ def choose(kernel, problem, dtype, direction: str, runs: dict, context=None, den
         return Choice(untimed_backend(options), INTERPRETER_CONFIG)
     if tune_mode() == "0":
         backend = untimed_backend(options)
-        kept = lambda: _kept(kernel, backend, problem.dim, direction)
+        kept = lambda: _kept(kernel, backend, problem.tile_dim, direction)
         return Choice(backend, first_that_runs(kernel, problem, dtype, direction, kept,
                                                runs[backend], backend))
     choice, _ = untimed_choice(kernel, problem, dtype, direction, options, density,
@@ -233,7 +233,7 @@ def config_for(kernel, problem, dtype, direction: str, run=None, context=None,
         pinned = pinned_config(kernel, portable, direction)
         if pinned is not None:
             return pinned
-        return INTERPRETER_CONFIG if interpreting() else _kept(kernel, portable, problem.dim,
+        return INTERPRETER_CONFIG if interpreting() else _kept(kernel, portable, problem.tile_dim,
                                                                direction)[0]
     return choose(kernel, problem, dtype, direction, {portable: run}, context, density,
                   shape_density).config
@@ -255,7 +255,7 @@ def untimed_choice(kernel, problem, dtype, direction: str, options: tuple, densi
         return _MEMORY[mem_key], False
     cached = _load(_cache_file(kernel.variant)).get(key)
     if cached is not None and cached.backend in options and configs.usable(
-            cached.backend, cached.config, kernel.variant, problem.dim, direction):
+            cached.backend, cached.config, kernel.variant, problem.tile_dim, direction):
         _MEMORY[mem_key] = cached
         return cached, True
     shipped = _shipped(kernel, problem, dtype, direction, options, density, shape_density)
@@ -274,7 +274,8 @@ def tuning_key(direction: str, problem, dtype, density=None, options: tuple = ()
     """What calls share a choice by: the role, head dim, dtype, GQA group, length buckets,
     kept tables' density bucket, and the backends that could run it ("-on-NAME+triton":
     a call only one of them takes is another question, with its own answer)."""
-    key = (f"{direction}-d{problem.dim}-{str(dtype).replace('torch.', '')}-g{problem.group}"
+    dims = f"d{problem.dim}" + (f"v{problem.dim_v}" if problem.dim_v != problem.dim else "")
+    key = (f"{direction}-{dims}-{str(dtype).replace('torch.', '')}-g{problem.group}"
            f"-q{length_bucket(problem.len_q)}-k{length_bucket(problem.len_k)}")
     if density is not None:
         key += f"-density{density_bucket(density)}"
@@ -306,7 +307,7 @@ def _tune(kernel, problem, dtype, direction: str, runs: dict, context, density,
             or dict.fromkeys(options))
     candidates = []
     for backend, config in plan.items():
-        kept = [config] if config is not None else _kept(kernel, backend, problem.dim,
+        kept = [config] if config is not None else _kept(kernel, backend, problem.tile_dim,
                                                          direction)[:TUNE_AT_MOST]
         candidates += [Choice(backend, c) for c in kept]
     shown = f"{key} ({context()})" if context else key
@@ -375,7 +376,8 @@ def first_that_runs(kernel, problem, dtype, direction: str, kept, run,
     that compiles within the GPU's resources (a variant reading tensors in its score may
     need more shared memory than the favourite tile allows). Each one skipped is
     reported; the choice is remembered for this process."""
-    mem_key = (kernel.key, "untuned", backend, direction, problem.dim, str(dtype), problem.group)
+    mem_key = (kernel.key, "untuned", backend, direction, problem.dim, problem.dim_v, str(dtype),
+               problem.group)
     if mem_key in _MEMORY:
         return _MEMORY[mem_key]
     import triton

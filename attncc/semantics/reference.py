@@ -31,10 +31,12 @@ def index_env(variant: ir.Variant, p: Problem, inputs: dict, device, float_dtype
     }
 
 
-def scale_value(variant: ir.Variant, dim: int) -> float:
+def scale_value(variant: ir.Variant, dim: int, dim_v: int | None = None) -> float:
+    """The scale at q·k head dim `dim` and v head dim `dim_v` (default: dim); without a
+    `scale` declaration 1/sqrt(dim), whatever v's width."""
     if variant.scale is None:
         return 1.0 / math.sqrt(dim)
-    env = {"dim": dim, "params": {d.name: d.value for d in variant.params}, "inputs": {}}
+    env = {"dim": dim, "dim_v": dim if dim_v is None else dim_v, "params": {d.name: d.value for d in variant.params}, "inputs": {}}
     return float(evaluate(variant.scale, env))
 
 
@@ -105,7 +107,7 @@ def reference(variant: ir.Variant, q, k, v, /, *positional, return_lse: bool = F
     k_full = k.repeat_interleave(group, dim=1)  # [B, Hq, Lk, D]
     v_full = v.repeat_interleave(group, dim=1)  # [B, Hq, Lk, Dv]
 
-    s = torch.matmul(q, k_full.transpose(-1, -2)) * scale_value(variant, p.dim)  # [B, Hq, Lq, Lk]
+    s = torch.matmul(q, k_full.transpose(-1, -2)) * scale_value(variant, p.dim, p.dim_v)  # [B, Hq, Lq, Lk]
     if variant.score is not None and s.numel():
         # A score that does not read s (`score 0.0`) evaluates to a CPU scalar: place it.
         s = torch.as_tensor(evaluate(variant.score, {**env, "s": s}, float_dtype=dtype),

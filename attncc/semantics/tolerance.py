@@ -87,7 +87,7 @@ def input_gradient_scales(variant, q, k, v, out, dout, inputs: dict, q_offset: i
     noise = torch.nan_to_num(noise, nan=0.0, posinf=0.0)
     allowed = allowed_pairs(variant, p, values, q.device)
     s = torch.matmul(q, k.repeat_interleave(p.group, dim=1).transpose(-1, -2)) * scale_value(
-        variant, p.dim)
+        variant, p.dim, p.dim_v)
 
     def score(name, x):
         env = index_env(variant, p, {**values, name: x}, q.device, torch.float64)

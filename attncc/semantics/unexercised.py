@@ -55,7 +55,7 @@ def behaviour(variant: ir.Variant, p: Problem, inputs: dict) -> tuple:
                                dtype=torch.float64)
         value = torch.as_tensor(evaluate(variant.score, env), dtype=torch.float64).expand(full)
         score = torch.where(allowed, value, torch.zeros((), dtype=torch.float64))
-    return allowed, score, scale_value(variant, p.dim)
+    return allowed, score, scale_value(variant, p.dim, p.dim_v)
 
 
 def _same(a: tuple, b: tuple) -> bool:

@@ -100,6 +100,10 @@ def _call_unsupported(q, k, v) -> str | None:
     if dim not in HEAD_DIMS:
         return (f"head dim {dim}; the Gluon forward takes head dims "
                 f"{', '.join(map(str, HEAD_DIMS))}")
+    if v.shape[-1] != dim:
+        # Its shared-memory rings, TMA boxes and accumulators are sized by one head dim.
+        return (f"v has head dim {v.shape[-1]} and q, k {dim}; the Gluon kernels take one head "
+                "dim for all three (the portable kernels take different ones)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         # TMA copies: the last dim contiguous, every other stride and the base 16-byte aligned.
         if t.stride(3) != 1:

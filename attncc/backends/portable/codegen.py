@@ -248,7 +248,7 @@ def variant_code(variant: ir.Variant) -> VariantCode:
     if variant.scale is None:
         scale = Code("1.0 / math.sqrt(dim)")
     else:
-        printer = TorchEmitter(variant, {"dim": "dim"})
+        printer = TorchEmitter(variant, {"dim": "dim", "dim_v": "dim_v"})
         scale = printer.capture(lambda: f"float({printer(variant.scale)})")
     return VariantCode(
         mask=(TritonEmitter(variant, wide=widths["mask"][0]).code(variant.mask)

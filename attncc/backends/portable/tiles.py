@@ -37,6 +37,11 @@ def keep(config: TileConfig, variant: ir.Variant, head_dim: int, direction: str)
         return False
     pad = max(16, 1 << (head_dim - 1).bit_length())
     backward = direction in ("dkdv", "dq", "bwd")
+    if pad >= 512:  # v 512 wide (head_dim is the wider of q·k's and v's): one fp32 row is 2 KiB
+        if backward and (config.block_m * config.block_n > 32 * 32 or config.num_stages > 1):
+            return False
+        if direction == "fwd" and (config.block_m * config.block_n > 64 * 32 or config.num_stages > 2):
+            return False
     if pad >= 256:
         if backward and (config.block_m * config.block_n > 64 * 64 or config.num_stages > 1):
             return False  # two accumulators and four tiles of 256 columns

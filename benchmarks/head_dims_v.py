@@ -1,0 +1,231 @@
+"""GPU check of v's head dim independent of q·k's (issue 34): correctness in fp16 and
+bf16, and the (192, 128) speed at 16K tokens.
+
+    python benchmarks/head_dims_v.py --part correctness
+    python benchmarks/head_dims_v.py --part speed [--len 16384]
+    python benchmarks/head_dims_v.py --part mla [--hbm-tbs 4.8]
+
+correctness: (192, 128), (128, 64), (64, 512), (80, 96) forward and backward, causal
+and not, GQA 6 / 2, lengths off the tile, against float64 autograd of attncc.reference,
+held to attncc/semantics/tolerance.py's rule; then decoding with a v cache 128 wide
+beside 192-wide keys, contiguous and paged, against decode_reference.
+speed: forward and forward + backward of causal (192, 128) attention in bf16, batch 1,
+16 heads: attncc as given; attncc with q, k padded to 256 and v to 256 (what the
+padding workaround and a padded head dim cost: the scale fixed to 1/sqrt(192)); cuDNN
+through SDPA (which takes d_qk 192 / d_v 128 on Hopper) and FA4 (flash_attn.cute) where
+installed. mla: MLA decoding, one latent cache 576 wide with v = k[..., :512] (the kernel
+takes the values from the K tile), batch 32, 128 query heads on one kv head, n_q 1 and
+4, caches of 4K to 32K tokens in bf16: correctness against decode_reference on the
+first case, then the time and the cache bytes read per second against the HBM peak
+(--hbm-tbs, 4.8 TB/s for an H200). Results go to $OUT/head_dims_v.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import attncc  # noqa: E402
+from attncc.semantics.tolerance import gradient_scales, max_abs_error, within_tolerance  # noqa: E402
+
+OUT = os.environ.get("OUT", "out")
+SHAPES = [(192, 128), (128, 64), (64, 512), (80, 96)]
+CAUSAL = "attention causal { mask q >= k }"
+FULL = "attention full { }"
+
+
+def check(E: int, Ev: int, dtype, causal: bool) -> list:
+    torch.manual_seed(E + Ev)
+    B, Hq, Hkv, Lq, Lk = 2, 6, 2, 201, 333
+    dev = "cuda"
+    q = torch.randn(B, Hq, Lq, E, device=dev, dtype=torch.float64)
+    k = torch.randn(B, Hkv, Lk, E, device=dev, dtype=torch.float64)
+    v = torch.randn(B, Hkv, Lk, Ev, device=dev, dtype=torch.float64)
+    dout = torch.randn(B, Hq, Lq, Ev, device=dev, dtype=torch.float64)
+    kernel = attncc.compile(CAUSAL if causal else FULL)
+
+    def run(fn, cast):
+        leaves = [t.to(cast).requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        return [out, *torch.autograd.grad(out, leaves, dout.to(cast))]
+
+    reference = lambda *t: attncc.reference(kernel.variant, *t)
+    mine, truth, eager = run(kernel, dtype), run(reference, torch.float64), run(reference, dtype)
+    scales = gradient_scales(q, k, truth[0], dout, E ** -0.5, Hq // Hkv)
+    rows = []
+    for name, a, t, e in zip(("out", "dq", "dk", "dv"), mine, truth, eager):
+        assert a.shape == t.shape, (name, a.shape, t.shape)
+        err, eerr = max_abs_error(a, t), max_abs_error(e, t)
+        rows.append(dict(tensor=name, err=err, eager_err=eerr,
+                         ok=bool(within_tolerance(err, eerr, dtype, t, scales.get(name, 1.0)))))
+    rows.append(dict(tensor="backend", value=str(kernel.last_backend)))
+    return rows
+
+
+def check_decode(dtype, paged: bool) -> list:
+    torch.manual_seed(7)
+    B, Hq, Hkv, E, Ev, n_q = 4, 16, 1, 192, 128, 2
+    kernel = attncc.compile(CAUSAL)
+    q = torch.randn(B, Hq, n_q, E, device="cuda", dtype=dtype)
+    seqlens = torch.tensor([1, 700, 1500, 4000], device="cuda", dtype=torch.int32)
+    table = None
+    if paged:
+        page, pages = 64, 4 * 64
+        k_cache = torch.randn(pages, page, Hkv, E, device="cuda", dtype=dtype)
+        v_cache = torch.randn(pages, page, Hkv, Ev, device="cuda", dtype=dtype)
+        table = torch.randperm(pages, device="cuda")[:B * 64].reshape(B, 64).int()
+    else:
+        k_cache = torch.randn(B, Hkv, 4096, E, device="cuda", dtype=dtype)
+        v_cache = torch.randn(B, Hkv, 4096, Ev, device="cuda", dtype=dtype)
+    out = kernel.decode(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table)
+    ref = attncc.decode_reference(kernel.variant, q.double(), k_cache.double(), v_cache.double(),
+                                  cache_seqlens=seqlens, block_table=table)
+    eager = attncc.decode_reference(kernel.variant, q, k_cache, v_cache, cache_seqlens=seqlens,
+                                    block_table=table)
+    err, eerr = max_abs_error(out, ref), max_abs_error(eager, ref)
+    return [dict(tensor="out", err=err, eager_err=eerr,
+                 ok=bool(out.shape == ref.shape and within_tolerance(err, eerr, dtype, ref, 1.0)))]
+
+
+def correctness() -> list:
+    results = []
+    cases = [(f"E{E} Ev{Ev} {str(dt)[6:]} {'causal' if c else 'full'}",
+              lambda E=E, Ev=Ev, dt=dt, c=c: check(E, Ev, dt, c))
+             for E, Ev in SHAPES for dt in (torch.float16, torch.bfloat16) for c in (False, True)]
+    cases += [(f"decode 192/128 {str(dt)[6:]} {'paged' if p else 'contiguous'}",
+               lambda dt=dt, p=p: check_decode(dt, p))
+              for dt in (torch.float16, torch.bfloat16) for p in (False, True)]
+    for label, fn in cases:
+        try:
+            rows = fn()
+            ok = all(r.get("ok", True) for r in rows)
+        except Exception as e:
+            rows, ok = [dict(error=f"{type(e).__name__}: {str(e)[:400]}")], False
+            traceback.print_exc()
+        results.append(dict(case=label, ok=ok, rows=rows))
+        worst = max((r["err"] for r in rows if "err" in r), default=float("nan"))
+        print(f"{'ok  ' if ok else 'FAIL'} {label:34s} worst error {worst:.3g}", flush=True)
+    return results
+
+
+def speed(length: int) -> list:
+    from triton.testing import do_bench
+    torch.manual_seed(0)
+    B, H, E, Ev = 1, 16, 192, 128
+    dt = torch.bfloat16
+    q, k = (torch.randn(B, H, length, E, device="cuda", dtype=dt, requires_grad=True)
+            for _ in range(2))
+    v = torch.randn(B, H, length, Ev, device="cuda", dtype=dt, requires_grad=True)
+    dout = torch.randn(B, H, length, Ev, device="cuda", dtype=dt)
+    ours = attncc.compile(CAUSAL)
+    padded = attncc.compile("attention causal_192 { scale 1.0 / sqrt(192.0)  mask q >= k }")
+    p256 = [F.pad(t.detach(), (0, 256 - t.shape[-1])).requires_grad_() for t in (q, k, v)]
+
+    def fwd_bwd(fn, leaves, grad):
+        def step():
+            out = fn(*leaves)
+            torch.autograd.grad(out, leaves, grad)
+        return step
+
+    candidates = {
+        "attncc (192, 128)": (lambda: ours(q, k, v), fwd_bwd(ours, (q, k, v), dout)),
+        "attncc padded to 256": (lambda: padded(*p256),
+                                 fwd_bwd(padded, p256, F.pad(dout, (0, 128)))),
+    }
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def cudnn(*t):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(*t, is_causal=True)
+        cudnn(q, k, v)
+        candidates["cuDNN (SDPA)"] = (lambda: cudnn(q, k, v), fwd_bwd(cudnn, (q, k, v), dout))
+    except Exception as e:
+        print(f"cuDNN: not run ({type(e).__name__}: {str(e)[:200]})")
+    try:
+        from flash_attn.cute import flash_attn_func as fa4
+
+        def fa4_bhsd(*t):
+            out = fa4(*(x.transpose(1, 2) for x in t), causal=True)
+            return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+        fa4_bhsd(q, k, v)
+        candidates["FA4 (flash_attn.cute)"] = (lambda: fa4_bhsd(q, k, v),
+                                               fwd_bwd(fa4_bhsd, (q, k, v), dout))
+    except Exception as e:
+        print(f"FA4: not run ({type(e).__name__}: {str(e)[:200]})")
+    flops_fwd = 2 * B * H * length * length * (E + Ev) / 2  # causal: half the pairs
+    results = []
+    for name, (fwd, both) in candidates.items():
+        try:
+            t_f, t_b = do_bench(fwd), do_bench(both)
+        except Exception as e:
+            print(f"{name}: failed ({type(e).__name__}: {str(e)[:200]})")
+            continue
+        row = dict(name=name, fwd_ms=t_f, fwd_bwd_ms=t_b,
+                   fwd_tflops=flops_fwd / t_f / 1e9, fwd_bwd_tflops=3.5 * flops_fwd / t_b / 1e9)
+        results.append(row)
+        print(f"{name:24s} forward {t_f:7.3f} ms ({row['fwd_tflops']:5.0f} TFLOP/s)   "
+              f"forward+backward {t_b:7.3f} ms ({row['fwd_bwd_tflops']:5.0f} TFLOP/s)", flush=True)
+    return results
+
+
+def mla(hbm_tbs: float) -> list:
+    from triton.testing import do_bench
+    torch.manual_seed(0)
+    B, H, E, Ev, dt = 32, 128, 576, 512, torch.bfloat16
+    kernel = attncc.compile("attention mla { scale 1.0 / sqrt(192.0)  mask q >= k }")
+    results = []
+    for length in (4096, 8192, 16384, 32768):
+        latent = torch.randn(B, 1, length, E, device="cuda", dtype=dt)
+        for n_q in (1, 4):
+            q = torch.randn(B, H, n_q, E, device="cuda", dtype=dt)
+            step = lambda: kernel.decode(q, latent, latent[..., :Ev], cache_seqlens=length)
+            row = dict(len=length, n_q=n_q)
+            if not results:
+                got = step()
+                ref = attncc.decode_reference(kernel.variant, q[:2].double(), latent[:2].double(),
+                                              latent[:2, ..., :Ev].double(), cache_seqlens=length)
+                eager = attncc.decode_reference(kernel.variant, q[:2], latent[:2],
+                                                latent[:2, ..., :Ev], cache_seqlens=length)
+                err, eerr = max_abs_error(got[:2], ref), max_abs_error(eager, ref)
+                row.update(err=err, eager_err=eerr,
+                           ok=bool(within_tolerance(err, eerr, dt, ref, 1.0)))
+            ms = do_bench(step)
+            tbs = latent.numel() * latent.element_size() / ms / 1e9
+            row.update(ms=ms, cache_tbs=tbs, of_peak=tbs / hbm_tbs)
+            results.append(row)
+            print(f"MLA decode cache {length:6d} n_q {n_q}: {ms:7.3f} ms, cache read "
+                  f"{tbs:5.2f} TB/s ({100 * tbs / hbm_tbs:4.1f}% of {hbm_tbs} TB/s)"
+                  + (f", error {row['err']:.3g} ({'ok' if row['ok'] else 'FAIL'})"
+                     if "err" in row else ""), flush=True)
+    return results
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("correctness", "speed", "mla"), default="correctness")
+    ap.add_argument("--len", type=int, default=16384)
+    ap.add_argument("--hbm-tbs", type=float, default=4.8)
+    args = ap.parse_args()
+    if args.part == "correctness":
+        results = correctness()
+    else:
+        results = speed(args.len) if args.part == "speed" else mla(args.hbm_tbs)
+    os.makedirs(OUT, exist_ok=True)
+    with open(os.path.join(OUT, "head_dims_v.json"), "w") as f:
+        json.dump(dict(part=args.part, results=results), f, indent=1)
+    if args.part == "correctness":
+        failed = [r["case"] for r in results if not r["ok"]]
+        print(f"{len(results) - len(failed)} / {len(results)} cases ok"
+              + (f"; failed: {', '.join(failed)}" if failed else ""))
+        sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
