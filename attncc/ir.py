@@ -7,7 +7,7 @@ Nodes carry no source positions, so the same variant written either way is equal
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 # ----------------------------------------------------------------------------- types
@@ -19,6 +19,11 @@ DTYPES = {
     "i8": INT, "i16": INT, "i32": INT, "i64": INT,
     "f16": FLOAT, "bf16": FLOAT, "f32": FLOAT, "f64": FLOAT,
 }
+
+# The normalisers a variant may declare (`normalize`): softmax divides e^score by its
+# row's sum; `sum` divides `weight` by its row's sum; `none` adds `weight` as it is.
+SOFTMAX, BY_SUM, UNNORMALIZED = "softmax", "sum", "none"
+NORMALIZERS = (SOFTMAX, BY_SUM, UNNORMALIZED)
 
 # Index names and what they stand for. All are integers except `s`, the scaled score.
 INDEX_VARS = {
@@ -204,6 +209,53 @@ def loaded_tensors(e: Expr) -> set:
     return {n.tensor for n in walk(e) if isinstance(n, (Load, Member))}
 
 
+class _Substitute(Visitor):
+    """`e` with every Var named `name` replaced by `value`."""
+
+    def __init__(self, name: str, value):
+        self.name, self.value = name, value
+
+    def Var(self, e):
+        return self.value if e.name == self.name else e
+
+    def Const(self, e):
+        return e
+
+    Param = Const
+
+    def Load(self, e):
+        return Load(e.tensor, tuple(self(i) for i in e.indices))
+
+    def Member(self, e):
+        return Member(self(e.item), e.tensor, tuple(self(i) for i in e.indices))
+
+    def BinOp(self, e):
+        return type(e)(e.op, self(e.lhs), self(e.rhs))
+
+    Cmp = BinOp
+
+    def And(self, e):
+        return type(e)(self(e.lhs), self(e.rhs))
+
+    Or = And
+
+    def Neg(self, e):
+        return type(e)(self(e.operand))
+
+    Not = Neg
+
+    def Call(self, e):
+        return Call(e.fn, tuple(self(a) for a in e.args))
+
+    def Where(self, e):
+        return Where(self(e.cond), self(e.then), self(e.other))
+
+
+def substitute(e: Expr, name: str, value: Expr) -> Expr:
+    """`e` with the index name `name` replaced by the expression `value`."""
+    return _Substitute(name, value)(e)
+
+
 def index_lists(e: Expr | None) -> dict:
     """{tensor: "qb" or "kb"} for each input that `e` reads as an index list (`kb in t[...]`)."""
     if e is None:
@@ -255,7 +307,9 @@ class Variant:
     s = scale * (Q[b,h,q] . K[b,h//group,k]); s' = score(s); the pair attends when
     `mask` holds and `layout` holds for tile (q // block, k // block). Attention is the
     softmax of s' over attending keys (a row with none gives 0 and LSE -inf), with
-    dropout p applied to the probabilities, times V.
+    dropout p applied to the probabilities, times V. Under `normalize sum` a pair's
+    probability is w = weight(s') over its row's sum l (LSE log l); under `normalize
+    none` it is w itself (no LSE); masked pairs add exactly nothing either way.
     """
     name: str
     heads: Heads | None = None
@@ -267,6 +321,11 @@ class Variant:
     block: int | None = None
     score: Expr | None = None
     dropout: float | None = None
+    # The normaliser (README "Normalisers"): softmax, or `sum` / `none` of `weight`, a
+    # function of the score's value s. Kept out of repr: key() adds them only where they
+    # differ from softmax, so every softmax variant keeps its key, modules and tunings.
+    normalize: str = field(default=SOFTMAX, repr=False)
+    weight: Expr | None = field(default=None, repr=False)
 
     def param(self, name: str) -> ParamDecl:
         return {p.name: p for p in self.params}[name]
@@ -286,7 +345,18 @@ class Variant:
 
     def key(self) -> str:
         """A short stable hash of everything in the variant, for module names and caches."""
-        return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
+        text = repr(self)
+        if self.normalize != SOFTMAX:
+            text += f" normalize={self.normalize!r} weight={self.weight!r}"
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    @property
+    def weighted(self) -> Expr | None:
+        """What a pair adds under `sum` or `none`, as a function of the raw scaled
+        product: `weight` with the score's value put in for s (None under softmax)."""
+        if self.normalize == SOFTMAX:
+            return None
+        return substitute(self.weight, "s", self.score if self.score is not None else Var("s"))
 
     def __str__(self) -> str:
         return print_variant(self)
@@ -389,5 +459,9 @@ def print_variant(v: Variant) -> str:
         lines.append(f"    score   {print_expr(v.score)}")
     if v.dropout is not None:
         lines.append(f"    dropout {v.dropout!r}")
+    if v.normalize != SOFTMAX:
+        lines.append(f"    normalize {v.normalize}")
+    if v.weight is not None:
+        lines.append(f"    weight  {print_expr(v.weight)}")
     lines.append("}")
     return "\n".join(lines) + "\n"
