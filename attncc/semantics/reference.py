@@ -12,7 +12,7 @@ import torch
 
 from .. import dropout as dropout_bits
 from .. import ir
-from ..arguments import Problem, as_bhsd, bind, check_seed, refuse_positional
+from ..arguments import Problem, as_bhsd, bind, check_return_lse, check_seed, refuse_positional
 from ..errors import CallError
 from .evaluate import evaluate
 
@@ -127,8 +127,7 @@ def reference(variant: ir.Variant, q, k, v, /, *positional, return_lse: bool = F
 def _weighted(variant: ir.Variant, s, allowed, v_full, env, return_lse: bool, layout):
     """`normalize sum` or `none`: each attended pair adds weight(s') V_j; `sum` divides
     by the row's sum l (LSE log l; a row whose l is 0 gives 0 and LSE -inf)."""
-    if return_lse and variant.normalize == ir.UNNORMALIZED:
-        raise CallError(NO_LSE)
+    check_return_lse(variant, return_lse)
     dtype = s.dtype
     w = torch.as_tensor(evaluate(variant.weight, {**env, "s": s}, float_dtype=dtype),
                         device=s.device).to(dtype).expand_as(s)
@@ -144,7 +143,3 @@ def _weighted(variant: ir.Variant, s, allowed, v_full, env, return_lse: bool, la
         return out, lse.squeeze(-1)
     return out
 
-
-NO_LSE = ("return_lse=True has no meaning under `normalize none`: it divides by nothing, so "
-          "there is no normaliser to return; use `normalize sum` (whose LSE is log of the "
-          "row's sum of weights) or call without return_lse")
