@@ -85,15 +85,21 @@ def anchor_problem(name, L, D=128, dev="cuda", seed=0):
 def error_vs_reference(variant, q, k, v, inputs, dtype, seed):
     """(kernel err, eager err) per output, both against the float64 reference."""
     kern = attncc.compile(variant)
+    # `normalize none` has no LSE (return_lse is refused): a row of zeros stands for it.
+    with_lse = variant.normalize != "none"
+
+    def run(fn, *args):
+        got = fn(*args, return_lse=with_lse, dropout_seed=seed, **inputs)
+        return got if with_lse else (got, torch.zeros(got.shape[:3], device=got.device))
     qk = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-    out, lse = kern(*qk, return_lse=True, dropout_seed=seed, **inputs)
+    out, lse = run(kern, *qk)
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, qk, do)
     q64 = [t.double().requires_grad_() for t in (q, k, v)]
-    ref, rlse = attncc.reference(variant, *q64, return_lse=True, dropout_seed=seed, **inputs)
+    ref, rlse = run(lambda *a, **kw: attncc.reference(variant, *a, **kw), *q64)
     rgrads = torch.autograd.grad(ref, q64, do.double())
     qe = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-    eager, else_ = attncc.reference(variant, *qe, return_lse=True, dropout_seed=seed, **inputs)
+    eager, else_ = run(lambda *a, **kw: attncc.reference(variant, *a, **kw), *qe)
     egrads = torch.autograd.grad(eager, qe, do)
     from attncc.semantics.reference import scale_value
     scales = gradient_scales(q64[0], q64[1], ref, do, scale_value(variant, q.shape[-1]),
@@ -125,6 +131,12 @@ def correctness(args):
         "rel_bias": ("attention rb { learnable input bias: f32[h, 511] "
                      "score s + bias[h, min(max(q - k, -255), 255) + 255] }"),
         "empty_rows": "attention e { mask k > q + 100 }",
+        # Normalisers (README "Normalisers"): Apple's sigmoid attention with b = -log n,
+        # ReLU attention, and `sum` of a weight that is 1 at -inf (masked pairs add nothing).
+        "sigmoid": ("attention sig { param bias: float = -7.0 mask q >= k normalize none "
+                    "weight sigmoid(s + bias) }"),
+        "relu": "attention relu { normalize none weight max(s, 0.0) / len_k }",
+        "sum_relu": "attention sr { mask q >= k normalize sum weight 1.0 + max(s, 0.0) }",
     })
     shapes = [  # B, Hq, Hkv, Lq, Lk, D
         (2, 4, 4, 1000, 1000, 128),

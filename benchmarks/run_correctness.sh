@@ -3,7 +3,8 @@
 # (Triton compiles on the CPU; the machine has 16 cores), then one merged report.
 set -u
 groups=("full,causal" "causal_gqa,sliding_window" "document,bigbird" "alibi,softcap"
-        "bottom_right,prefix_lm" "sinks_window,chunked" "dropout,rel_bias" "empty_rows")
+        "bottom_right,prefix_lm" "sinks_window,chunked" "dropout,rel_bias" "empty_rows"
+        "sigmoid,relu" "sum_relu")
 # Correctness, not speed: the first candidate config, no tuning (tuning compiles many).
 export ATTNCC_TUNE=0
 mkdir -p /tmp/corr

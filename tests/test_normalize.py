@@ -337,3 +337,61 @@ def test_the_decorator_spells_the_same_variant():
 def test_gluon_leaves_other_normalisers_to_the_portable_kernels():
     assert "normalize none" in GluonBackend().supports(attncc.parse(SIGMOID))
     assert GluonBackend().supports(attncc.parse("attention c { mask q >= k }")) is None
+
+
+# ------------------------------------------------------------- differential attention (recipe)
+def _differential_module():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "examples" / "differential_attention.py"
+    spec = importlib.util.spec_from_file_location("differential_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def diff_transformer(x, wq, wk, wv, wo, lq1, lk1, lq2, lk2, lam_init, heads):
+    """Ye et al. 2024, eq. 1-3, written from the paper: two causal softmax maps per head,
+    their difference with λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init, times V (2d wide),
+    RMS-normed per head and scaled by 1 − λ_init, then W_O."""
+    B, S, D = x.shape
+    d = D // (2 * heads)
+    q, k = (x @ wq.T).view(B, S, heads, 2, d), (x @ wk.T).view(B, S, heads, 2, d)
+    v = (x @ wv.T).view(B, S, heads, 2 * d)
+    future = ~causal(S, S)
+
+    def softmax_map(i):
+        s = torch.einsum("bshd,bthd->bhst", q[:, :, :, i], k[:, :, :, i]) / math.sqrt(d)
+        return torch.softmax(s.masked_fill(future, -math.inf), -1)
+    lam = torch.exp((lq1 * lk1).sum()) - torch.exp((lq2 * lk2).sum()) + lam_init
+    o = (softmax_map(0) - lam * softmax_map(1)) @ v.transpose(1, 2)  # [B, H, S, 2d]
+    o = o / torch.sqrt(o.pow(2).mean(-1, keepdim=True) + torch.finfo(o.dtype).eps)
+    return ((1 - lam_init) * o).transpose(1, 2).reshape(B, S, D) @ wo.T
+
+
+def test_differential_attention_recipe_is_the_diff_transformer():
+    recipe = _differential_module()
+    torch.manual_seed(8)
+    layer = recipe.DifferentialAttention(d_model=96, n_heads=3, layer=3)
+    with torch.no_grad():
+        for p in (layer.lq1, layer.lk1, layer.lq2, layer.lk2):
+            p.normal_(0, 0.3)  # a λ far from λ_init, so its gradient shows
+    x = torch.randn(1, 21, 96, dtype=torch.float64)
+    names = ["wq", "wk", "wv", "wo", "lq1", "lk1", "lq2", "lk2"]
+    weights = {"wq": layer.wq.weight, "wk": layer.wk.weight, "wv": layer.wv.weight,
+               "wo": layer.wo.weight, "lq1": layer.lq1, "lk1": layer.lk1, "lq2": layer.lq2,
+               "lk2": layer.lk2}
+    dout = torch.randn(1, 21, 96, dtype=torch.float64)
+
+    def formula(dtype):
+        leaves = {n: w.detach().to(dtype).requires_grad_() for n, w in weights.items()}
+        xs = x.to(dtype).requires_grad_()
+        out = diff_transformer(xs, *(leaves[n] for n in names), layer.lam_init, 3)
+        grads = torch.autograd.grad(out, [xs] + [leaves[n] for n in names], dout.to(dtype))
+        return dict(zip(["out", "dx"] + [f"d{n}" for n in names], [out, *grads]))
+    xs = x.float().requires_grad_()
+    out = layer(xs)
+    grads = torch.autograd.grad(out, [xs] + [weights[n] for n in names], dout.float())
+    got = dict(zip(["out", "dx"] + [f"d{n}" for n in names], [out, *grads]))
+    check(got, formula(torch.float64), formula(torch.float32))
+    assert float(got["dlq1"].abs().max()) > 0  # λ's vectors do receive gradients
