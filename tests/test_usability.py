@@ -256,7 +256,7 @@ def test_compile_and_check_read_a_variant_from_a_decorator_file(tmp_path, capsys
 
 
 @pytest.mark.parametrize("spec,message", [
-    (f"{PY_VARIANTS}:nope", r"has no variant 'nope' \(it defines full, causal, .*and 15 more"),
+    (f"{PY_VARIANTS}:nope", r"has no variant 'nope' \(it defines full, causal, .*and 17 more"),
     (f"{PY_VARIANTS}:causall", r"has no variant 'causall'; did you mean 'causal'\?"),
     (f"{PY_VARIANTS}:EXAMPLES", r"'EXAMPLES' .* is a dict, not a variant.*@attncc.variant"),
     (f"{PY_VARIANTS}:maximum", r"'maximum' .* is a function, not a variant.*@attncc.variant"),

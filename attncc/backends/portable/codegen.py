@@ -296,6 +296,7 @@ def _pruning(variant: ir.Variant, code: VariantCode) -> dict:
     }
     flags = {"score" if code.score is not None else "no score"}
     flags |= {"dropout"} if variant.dropout else set()
+    flags |= {"normalised"} if variant.normalize != ir.UNNORMALIZED else set()
     flags |= {"decode layout"} if code.decode_layout is not None else set()
     return dict(emit=helpers.needed(device | host_helpers(code) | set(ALWAYS_DEFINED)).__contains__,
                 host_aliases=aliases, unread=parameters.unread(flags, reads))
