@@ -334,9 +334,20 @@ def test_the_decorator_spells_the_same_variant():
         attncc.variant(normalize="sum")(type("w", (), {"weight": staticmethod(lambda s: s)}))
 
 
-def test_gluon_leaves_other_normalisers_to_the_portable_kernels():
-    assert "normalize none" in GluonBackend().supports(attncc.parse(SIGMOID))
-    assert GluonBackend().supports(attncc.parse("attention c { mask q >= k }")) is None
+@pytest.mark.parametrize("spec", [SIGMOID.replace("learnable ", ""), ONE_PLUS_RELU],
+                         ids=["none", "sum"])
+def test_gluon_kernels_accumulate_weights_without_a_max(spec):
+    # Rendering only (tests/test_gluon_compile.py compiles them for sm_90): the weights
+    # are summed as they are, with no row max to rescale by, and masked pairs are zeroed
+    # with a where (0 in the forward, the ruled-out marker in the backward).
+    from attncc.backends.gluon.codegen import generate
+    variant = attncc.parse(spec)
+    assert GluonBackend().supports(variant) is None
+    source = generate(variant).source
+    forward, backward = source.split("def attn_bwd_dq", 1)
+    assert "alpha" not in forward and "w = gl.where(allowed, w, 0.0)" in forward
+    assert ("l_i = l_i + gl.sum(w, 1)" in forward) == (variant.normalize == "sum")
+    assert backward.count('ds = gl.where(ruled_out == float("-inf"), 0.0, ds)') == 2
 
 
 # ------------------------------------------------------------- differential attention (recipe)

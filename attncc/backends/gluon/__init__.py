@@ -48,9 +48,6 @@ class GluonBackend:
         if variant.dropout:
             return (f"variant '{variant.name}' has dropout {variant.dropout}, which the Gluon "
                     "forward does not implement yet")
-        if variant.normalize != ir.SOFTMAX:
-            return (f"variant '{variant.name}' has `normalize {variant.normalize}`, which the "
-                    "Gluon kernels do not implement yet (the portable kernels do)")
         if variant.block is not None and variant.block < 64 and ir.index_lists(variant.layout):
             return (f"variant '{variant.name}' lists layout blocks of {variant.block} by index; "
                     "its tiles must nest in them, and a wgmma tile has at least 64 rows")
