@@ -405,3 +405,13 @@ def test_differential_attention_recipe_is_the_diff_transformer():
     got = dict(zip(["out", "dx"] + [f"d{n}" for n in names], [out, *grads]))
     check(got, formula(torch.float64), formula(torch.float32))
     assert float(got["dlq1"].abs().max()) > 0  # λ's vectors do receive gradients
+
+
+def test_bench_compares_with_nothing_that_normalises_otherwise():
+    # FlexAttention and SDPA normalise by softmax: `attncc bench` must not time them as
+    # the same attention (the softmax of the same mask is benched on its own).
+    from attncc.tools import flex
+    variant = attncc.parse(RELU)
+    assert flex.sdpa_expressible(variant, 64, 64) is None
+    with pytest.raises(CallError, match="softmax only"):
+        flex.flex_mods(variant, len_q=64, len_k=64, dim=16, inputs={})

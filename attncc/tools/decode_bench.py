@@ -172,7 +172,8 @@ def bench_decode(variant: ir.Variant, kernel, *, batch: int, length: int, heads:
             record("flex", call, {"decoding_kernel": decoding})
         except Exception as err:
             results["flex"] = {"skipped": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
-    plain = variant.score is None and variant.layout is None and bool(allowed.all())
+    plain = (variant.score is None and variant.layout is None and variant.normalize == "softmax"
+             and bool(allowed.all()))
     if plain:
         from ..semantics.reference import scale_value
         scale = scale_value(variant, dim)
