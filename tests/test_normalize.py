@@ -58,8 +58,8 @@ def check(got: dict, ref: dict, eager: dict):
 
 def run(fn, tensors: dict, learnable: tuple, dout, dtype) -> dict:
     """fn's output and the gradients of q, k, v and the learnable tensors, in dtype."""
-    xs = {n: t.to(dtype).requires_grad_(n in ("q", "k", "v") or n in learnable)
-          for n, t in tensors.items()}
+    xs = {n: (t.to(dtype).requires_grad_(n in ("q", "k", "v") or n in learnable)
+              if t.is_floating_point() else t) for n, t in tensors.items()}
     out = fn(**xs)
     wanted = [n for n in xs if xs[n].requires_grad]
     grads = torch.autograd.grad(out, [xs[n] for n in wanted], dout.to(dtype))
@@ -415,3 +415,17 @@ def test_bench_compares_with_nothing_that_normalises_otherwise():
     assert flex.sdpa_expressible(variant, 64, 64) is None
     with pytest.raises(CallError, match="softmax only"):
         flex.flex_mods(variant, len_q=64, len_k=64, dim=16, inputs={})
+
+
+def test_a_document_mask_runs_the_one_launch_backward_on_tile_tables():
+    # Tile tables (a mask that reads a tensor): the one-launch backward and its delta pass.
+    spec = ("attention doc_sum { input doc: i32[q]  mask doc[q] == doc[k] and q >= k  "
+            "normalize sum  weight sigmoid(s) * sigmoid(s) }")
+    doc = torch.tensor([0] * 9 + [1] * 20 + [2] * 16, dtype=torch.int32)
+
+    def formula(q, k, v, doc):
+        s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        allowed = (doc.view(-1, 1) == doc.view(1, -1)) & causal(45, 45)
+        w = torch.where(allowed, torch.sigmoid(s) ** 2, 0.0)
+        return w @ v / w.sum(-1, keepdim=True)
+    compare(spec, formula, Lq=45, Lk=45, inputs={"doc": doc})
