@@ -382,21 +382,21 @@ def diff_transformer(x, wq, wk, wv, wo, lq1, lk1, lq2, lk2, lam_init, heads):
 def test_differential_attention_recipe_is_the_diff_transformer():
     recipe = _differential_module()
     torch.manual_seed(8)
-    layer = recipe.DifferentialAttention(d_model=96, n_heads=3, layer=3)
+    layer = recipe.DifferentialAttention(d_model=64, n_heads=2, layer=3)
     with torch.no_grad():
         for p in (layer.lq1, layer.lk1, layer.lq2, layer.lk2):
             p.normal_(0, 0.3)  # a λ far from λ_init, so its gradient shows
-    x = torch.randn(1, 21, 96, dtype=torch.float64)
+    x = torch.randn(1, 21, 64, dtype=torch.float64)
     names = ["wq", "wk", "wv", "wo", "lq1", "lk1", "lq2", "lk2"]
     weights = {"wq": layer.wq.weight, "wk": layer.wk.weight, "wv": layer.wv.weight,
                "wo": layer.wo.weight, "lq1": layer.lq1, "lk1": layer.lk1, "lq2": layer.lq2,
                "lk2": layer.lk2}
-    dout = torch.randn(1, 21, 96, dtype=torch.float64)
+    dout = torch.randn(1, 21, 64, dtype=torch.float64)
 
     def formula(dtype):
         leaves = {n: w.detach().to(dtype).requires_grad_() for n, w in weights.items()}
         xs = x.to(dtype).requires_grad_()
-        out = diff_transformer(xs, *(leaves[n] for n in names), layer.lam_init, 3)
+        out = diff_transformer(xs, *(leaves[n] for n in names), layer.lam_init, 2)
         grads = torch.autograd.grad(out, [xs] + [leaves[n] for n in names], dout.to(dtype))
         return dict(zip(["out", "dx"] + [f"d{n}" for n in names], [out, *grads]))
     xs = x.float().requires_grad_()
