@@ -165,7 +165,10 @@ def bench_decode(variant: ir.Variant, kernel, *, batch: int, length: int, heads:
                                                      block_table=table, **inputs),
                {"page_size": page_size})
         del kp, vp
-    if flex:
+    if flex and variant.normalize != "softmax":
+        results["flex"] = {"skipped": f"FlexAttention normalises by softmax only, not "
+                                      f"`normalize {variant.normalize}`"}
+    elif flex:
         try:
             call, decoding = flex_decode(variant, q=q, k=k, v=v, length=length, n_q=n_q, dim=dim,
                                          inputs=inputs)
