@@ -37,13 +37,16 @@ STRICT_SUM = "attention strict_sum { mask q > k  normalize sum  weight sigmoid(s
 STRICT_NONE = "attention strict_none { mask q > k  normalize none  weight 1.0 + sigmoid(s) }"
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def randn(gen, *shape):
-    return torch.randn(*shape, generator=gen, dtype=torch.float64)
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).to(DEVICE)
 
 
 def causal(Lq, Lk, strict=False):
-    q, k = torch.arange(Lq).view(-1, 1), torch.arange(Lk).view(1, -1)
-    return q > k if strict else q >= k
+    q, k = (torch.arange(n, device=DEVICE) for n in (Lq, Lk))
+    return q.view(-1, 1) > k.view(1, -1) if strict else q.view(-1, 1) >= k.view(1, -1)
 
 
 def check(got: dict, ref: dict, eager: dict):
@@ -70,7 +73,7 @@ def compare(spec, formula, *, B=1, H=3, Lq=37, Lk=45, D=24, inputs=None, seed=0)
     """The kernel and attncc.reference against `formula(q, k, v, **inputs)`, float64."""
     gen = torch.Generator().manual_seed(seed)
     tensors = {"q": randn(gen, B, H, Lq, D), "k": randn(gen, B, H, Lk, D),
-               "v": randn(gen, B, H, Lk, D), **(inputs or {})}
+               "v": randn(gen, B, H, Lk, D), **{n: t.to(DEVICE) for n, t in (inputs or {}).items()}}
     variant = attncc.parse(spec)
     learnable = tuple(d.name for d in variant.learnable_inputs)
     dout = randn(gen, B, H, Lq, D)
@@ -178,8 +181,9 @@ def test_decode_splits_merge(spec, splits):
     B, Hq, Hkv, n_q, cap, D = 3, 4, 2, 3, 96, 16
     q = randn(gen, B, Hq, n_q, D)
     k, v = randn(gen, B, Hkv, cap, D), randn(gen, B, Hkv, cap, D)
-    lens = torch.tensor([96, 1, 50], dtype=torch.int32)
-    inputs = {"bias": torch.tensor([-2.0, -1.0, 0.0, 1.0])} if variant.inputs else {}
+    lens = torch.tensor([96, 1, 50], dtype=torch.int32, device=DEVICE)
+    inputs = ({"bias": torch.tensor([-2.0, -1.0, 0.0, 1.0], device=DEVICE)} if variant.inputs
+              else {})
     with_lse = variant.normalize == "sum"
 
     def reference(dtype):
@@ -202,7 +206,8 @@ def test_varlen_runs_each_sequence_on_its_own():
     # ReLU's len_k is each sequence's length under varlen: against the formula per sequence.
     gen = torch.Generator().manual_seed(6)
     lengths = [5, 19, 1, 33]
-    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32,
+                      device=DEVICE)
     total, H, D = sum(lengths), 2, 16
     q, k, v = (randn(gen, total, H, D) for _ in range(3))
     packed = attncc.varlen(RELU)
@@ -254,6 +259,7 @@ def cp_ranks(rank: int, world: int, init_file: str, out_dir: str):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(DEVICE == "cuda", reason="gloo ranks on the CPU, under the interpreter")
 def test_context_parallel_on_two_ranks(tmp_path):
     for spec in CP_SPECS.values():
         attncc.compile(spec)  # generate once, so the ranks load from the cache
@@ -311,7 +317,7 @@ def test_mistakes_are_named(spec, words):
 
 def test_return_lse_under_none_is_refused_everywhere():
     gen = torch.Generator().manual_seed(7)
-    q, k, v = (torch.randn(1, 1, 8, 16, generator=gen) for _ in range(3))
+    q, k, v = (torch.randn(1, 1, 8, 16, generator=gen, device=DEVICE) for _ in range(3))
     variant = attncc.parse(RELU)
     with pytest.raises(CallError, match="divides by nothing"):
         attncc.compile(variant)(q, k, v, return_lse=True)
@@ -382,16 +388,16 @@ def diff_transformer(x, wq, wk, wv, wo, lq1, lk1, lq2, lk2, lam_init, heads):
 def test_differential_attention_recipe_is_the_diff_transformer():
     recipe = _differential_module()
     torch.manual_seed(8)
-    layer = recipe.DifferentialAttention(d_model=64, n_heads=2, layer=3)
+    layer = recipe.DifferentialAttention(d_model=64, n_heads=2, layer=3).to(DEVICE)
     with torch.no_grad():
         for p in (layer.lq1, layer.lk1, layer.lq2, layer.lk2):
             p.normal_(0, 0.3)  # a λ far from λ_init, so its gradient shows
-    x = torch.randn(1, 21, 64, dtype=torch.float64)
+    x = torch.randn(1, 21, 64, dtype=torch.float64).to(DEVICE)
     names = ["wq", "wk", "wv", "wo", "lq1", "lk1", "lq2", "lk2"]
     weights = {"wq": layer.wq.weight, "wk": layer.wk.weight, "wv": layer.wv.weight,
                "wo": layer.wo.weight, "lq1": layer.lq1, "lk1": layer.lk1, "lq2": layer.lq2,
                "lk2": layer.lk2}
-    dout = torch.randn(1, 21, 64, dtype=torch.float64)
+    dout = torch.randn(1, 21, 64, dtype=torch.float64).to(DEVICE)
 
     def formula(dtype):
         leaves = {n: w.detach().to(dtype).requires_grad_() for n, w in weights.items()}
