@@ -316,7 +316,7 @@ class Variant:
     L = log(Σ e^s' + e^σ), P = e^(s' - L), and a row with no key gives 0 and LSE σ.
     Under `normalize sum` a pair's probability is w = weight(s') over its row's sum l
     (LSE log l); under `normalize none` it is w itself (no LSE); masked pairs add
-    exactly nothing either way.
+    exactly nothing either way. A sink is a softmax's logit, so it needs softmax.
     """
     name: str
     heads: Heads | None = None

@@ -315,6 +315,31 @@ def test_mistakes_are_named(spec, words):
         attncc.parse(spec)
 
 
+@pytest.mark.parametrize("normalize", ["sum", "none"])
+def test_a_sink_needs_a_softmax(normalize):
+    # A sink is one more logit in a softmax's denominator: under sum or none there is
+    # none to join, so the pair is refused (at the sink's line), in both front ends.
+    spec = ("attention w {\n    learnable input sinks: f32[h]\n    sink sinks[h]\n"
+            f"    normalize {normalize}\n    weight exp(s)\n}}")
+    with pytest.raises(SpecError, match="softmax's denominator") as err:
+        attncc.parse(spec)
+    assert err.value.line == 3 and "remove the sink" in err.value.message
+    assert "remove `normalize` and `weight`" in err.value.message
+    with pytest.raises(SpecError, match=f"`sink` with `normalize {normalize}`"):
+        @attncc.variant(inputs={"sinks": "f32[h]"}, learnable=["sinks"], normalize=normalize)
+        class w:
+            def sink(h, sinks):
+                return sinks[h]
+
+            def weight(s):
+                return attncc.exp(s)
+    # What the message says to write: softmax, spelled out or not, keeps the sink.
+    softmax = attncc.parse(spec.replace(f"normalize {normalize}", "normalize softmax")
+                           .replace("weight exp(s)", ""))
+    plain = attncc.parse(spec.replace(f"normalize {normalize}", "").replace("weight exp(s)", ""))
+    assert softmax == plain and softmax.key() == plain.key() and softmax.sink is not None
+
+
 def test_return_lse_under_none_is_refused_everywhere():
     gen = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 1, 8, 16, generator=gen, device=DEVICE) for _ in range(3))

@@ -303,6 +303,11 @@ def check_normaliser(v: ir.Variant):
             raise SpecError("`weight` needs `normalize sum` or `normalize none`: under softmax "
                             "a pair's weight is e^score; to change it, use `score`")
         return
+    if v.sink is not None:
+        raise SpecError(f"`sink` with `normalize {v.normalize}` is not supported: a sink is one "
+                        "more logit in a softmax's denominator (e^sink joins the sum of e^s), "
+                        f"and `normalize {v.normalize}` has no softmax; remove the sink, or "
+                        "remove `normalize` and `weight` to keep softmax with its sink")
     if v.weight is None:
         raise SpecError(f"`normalize {v.normalize}` needs `weight EXPR`, what a pair adds as a "
                         "function of its score s, as in `weight sigmoid(s - 9.0)`")

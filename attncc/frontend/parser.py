@@ -338,7 +338,9 @@ class _Builder:
             checker.check_structure(v)
         except SpecError as err:
             culprit = seen.get("block") or seen.get("layout") or seen.get("dropout") or tree
-            if "weight" in err.message or "normalize" in err.message:
+            if err.message.startswith("`sink`"):
+                culprit = seen["sink"]
+            elif "weight" in err.message or "normalize" in err.message:
                 culprit = seen.get("weight") or seen.get("normalize") or tree
             elif "input" in err.message:
                 culprit = next((d for d in decls if d.data == "input_decl"), tree)
