@@ -336,3 +336,12 @@ def random_index_lists(shape: tuple, n_tiles: int, gen: torch.Generator) -> torc
         pad = torch.full((*rows, length - n_tiles), -1, dtype=order.dtype)
         order = torch.cat([order, pad], -1)
     return order
+
+
+def check_return_lse(variant: ir.Variant, return_lse: bool):
+    """`normalize none` divides by nothing, so it has no LSE to return."""
+    if return_lse and variant.normalize == ir.UNNORMALIZED:
+        raise CallError(f"return_lse=True: variant '{variant.name}' has `normalize none`, which "
+                        "divides by nothing, so there is no normaliser to return; use `normalize "
+                        "sum` (whose LSE is the log of the row's sum of weights) or call without "
+                        "return_lse")

@@ -64,7 +64,7 @@ import torch.distributed as dist
 from . import ir
 from .runtime import sinks, tuning
 from .runtime.call_options import CallOptions
-from .arguments import Problem, check_seed
+from .arguments import Problem, check_return_lse, check_seed
 from .errors import CallError
 
 SCHEMES = ("zigzag", "contiguous")
@@ -318,6 +318,7 @@ def context_parallel_attention(kernel, q, k, v, /, *, group=None, scheme: str = 
     try:
         prepared, refusal = _prepare(kernel, q, k, v, group, scheme, dropout_seed, training,
                                      inputs), None
+        check_return_lse(prepared[0].variant, return_lse)
     except CallError as e:
         prepared, refusal = None, e
     if dist.get_rank(group) < 0:  # no rank of the group waits for this process
@@ -373,7 +374,8 @@ def _prepare(kernel, q, k, v, group, scheme, dropout_seed, training, inputs) -> 
                         f"{variant.block}; use a sequence length that is a multiple of "
                         f"{sharding.n_pieces * variant.block}")
     lengths = {"len_q", "len_k"} & set().union(
-        *(ir.free_vars(e) for e in (variant.mask, variant.score, variant.layout, variant.sink)
+        *(ir.free_vars(e) for e in (variant.mask, variant.score, variant.layout, variant.sink,
+                                    variant.weight)
           if e is not None))
     if lengths:
         raise CallError(f"variant '{variant.name}' reads {' and '.join(sorted(lengths))}, which "
@@ -795,7 +797,9 @@ class _RingAttention:
                                            keys.narrow(2, j * c, c), values.narrow(2, j * c, c),
                                            inputs)
                 rows, rows_lse = acc.narrow(2, i * c, c), acc_lse.narrow(2, i * c, c)
-                if i in merged:
+                if i in merged and self.kernel.variant.normalize == ir.UNNORMALIZED:
+                    rows.add_(out)  # `normalize none`: the pieces' outputs add up
+                elif i in merged:
                     merge_partial(rows, rows_lse, out, lse)
                 else:  # the first partial is the result so far
                     rows.copy_(out)
@@ -897,7 +901,8 @@ class _RingAttention:
 
 def merge_partial(acc, acc_lse, out, lse):
     """Merge a partial attention (out, lse) over other keys into (acc, acc_lse), in
-    place and exactly: softmax over the union of two disjoint key sets. Rows with no
+    place and exactly: softmax over the union of two disjoint key sets (and `normalize
+    sum`'s, whose LSE is log of the sum of weights). Rows with no
     allowed key have LSE -inf and output 0 on either side, and stay NaN-free."""
     new_lse = torch.logaddexp(acc_lse, lse)  # -inf only where both are
     base = torch.where(new_lse == float("-inf"), 0.0, new_lse)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 # ----------------------------------------------------------------------------- types
@@ -20,6 +20,11 @@ DTYPES = {
     "i8": INT, "i16": INT, "i32": INT, "i64": INT,
     "f16": FLOAT, "bf16": FLOAT, "f32": FLOAT, "f64": FLOAT,
 }
+
+# The normalisers a variant may declare (`normalize`): softmax divides e^score by its
+# row's sum; `sum` divides `weight` by its row's sum; `none` adds `weight` as it is.
+SOFTMAX, BY_SUM, UNNORMALIZED = "softmax", "sum", "none"
+NORMALIZERS = (SOFTMAX, BY_SUM, UNNORMALIZED)
 
 # Index names and what they stand for. All are integers except `s`, the scaled score.
 INDEX_VARS = {
@@ -206,6 +211,53 @@ def loaded_tensors(e: Expr) -> set:
     return {n.tensor for n in walk(e) if isinstance(n, (Load, Member))}
 
 
+class _Substitute(Visitor):
+    """`e` with every Var named `name` replaced by `value`."""
+
+    def __init__(self, name: str, value):
+        self.name, self.value = name, value
+
+    def Var(self, e):
+        return self.value if e.name == self.name else e
+
+    def Const(self, e):
+        return e
+
+    Param = Const
+
+    def Load(self, e):
+        return Load(e.tensor, tuple(self(i) for i in e.indices))
+
+    def Member(self, e):
+        return Member(self(e.item), e.tensor, tuple(self(i) for i in e.indices))
+
+    def BinOp(self, e):
+        return type(e)(e.op, self(e.lhs), self(e.rhs))
+
+    Cmp = BinOp
+
+    def And(self, e):
+        return type(e)(self(e.lhs), self(e.rhs))
+
+    Or = And
+
+    def Neg(self, e):
+        return type(e)(self(e.operand))
+
+    Not = Neg
+
+    def Call(self, e):
+        return Call(e.fn, tuple(self(a) for a in e.args))
+
+    def Where(self, e):
+        return Where(self(e.cond), self(e.then), self(e.other))
+
+
+def substitute(e: Expr, name: str, value: Expr) -> Expr:
+    """`e` with the index name `name` replaced by the expression `value`."""
+    return _Substitute(name, value)(e)
+
+
 def index_lists(e: Expr | None) -> dict:
     """{tensor: "qb" or "kb"} for each input that `e` reads as an index list (`kb in t[...]`)."""
     if e is None:
@@ -263,6 +315,9 @@ class Variant:
     dropout p applied to the probabilities, times V. A `sink` σ(b, h, q) is one more
     logit in each row's softmax that carries no value (gpt-oss's learnable sinks):
     L = log(Σ e^s' + e^σ), P = e^(s' - L), and a row with no key gives 0 and LSE σ.
+    Under `normalize sum` a pair's probability is w = weight(s') over its row's sum l
+    (LSE log l); under `normalize none` it is w itself (no LSE); masked pairs add
+    exactly nothing either way. A sink is a softmax's logit, so it needs softmax.
     """
     name: str
     heads: Heads | None = None
@@ -275,13 +330,18 @@ class Variant:
     score: Expr | None = None
     dropout: float | None = None
     sink: Expr | None = None  # one extra logit per (b, h, q) row; reads no k and no s
+    # The normaliser (README "Normalisers"): softmax, or `sum` / `none` of `weight`, a
+    # function of the score's value s. Kept out of repr: key() adds them only where they
+    # differ from softmax, so every softmax variant keeps its key, modules and tunings.
+    normalize: str = field(default=SOFTMAX, repr=False)
+    weight: Expr | None = field(default=None, repr=False)
 
     def __repr__(self) -> str:
         """The dataclass's repr, less the fields added after keys were first shipped while
         they are unset: `key()` hashes it, and a variant that does not use them keeps its
         key (module names, tuning files, caches)."""
-        shown = [f.name for f in dataclasses.fields(self)
-                 if f.name not in _NAMED_WHEN_SET or getattr(self, f.name) is not None]
+        shown = [f.name for f in dataclasses.fields(self) if f.repr
+                 and (f.name not in _NAMED_WHEN_SET or getattr(self, f.name) is not None)]
         return f"Variant({', '.join(f'{n}={getattr(self, n)!r}' for n in shown)})"
 
     def param(self, name: str) -> ParamDecl:
@@ -302,7 +362,18 @@ class Variant:
 
     def key(self) -> str:
         """A short stable hash of everything in the variant, for module names and caches."""
-        return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
+        text = repr(self)
+        if self.normalize != SOFTMAX:
+            text += f" normalize={self.normalize!r} weight={self.weight!r}"
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    @property
+    def weighted(self) -> Expr | None:
+        """What a pair adds under `sum` or `none`, as a function of the raw scaled
+        product: `weight` with the score's value put in for s (None under softmax)."""
+        if self.normalize == SOFTMAX:
+            return None
+        return substitute(self.weight, "s", self.score if self.score is not None else Var("s"))
 
     def __str__(self) -> str:
         return print_variant(self)
@@ -407,5 +478,9 @@ def print_variant(v: Variant) -> str:
         lines.append(f"    dropout {v.dropout!r}")
     if v.sink is not None:
         lines.append(f"    sink    {print_expr(v.sink)}")
+    if v.normalize != SOFTMAX:
+        lines.append(f"    normalize {v.normalize}")
+    if v.weight is not None:
+        lines.append(f"    weight  {print_expr(v.weight)}")
     lines.append("}")
     return "\n".join(lines) + "\n"

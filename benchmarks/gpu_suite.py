@@ -91,21 +91,29 @@ def error_vs_reference(variant, q, k, v, inputs, dtype, seed):
     read = ir.loaded_tensors(variant.sink) if variant.sink is not None else set()
     sinks = {n: t for n, t in inputs.items() if n in read and variant.input(n).learnable}
     fixed = {n: t for n, t in inputs.items() if n not in sinks}
+    # `normalize none` has no LSE (return_lse is refused): a row of zeros stands for it.
+    with_lse = variant.normalize != "none"
 
     def leaves(cast):
         return ([t.to(cast).requires_grad_() for t in (q, k, v)],
                 {n: t.detach().to(torch.float64 if cast == torch.float64 else t.dtype,
                                   copy=True).requires_grad_() for n, t in sinks.items()})
+
+    def run(fn, qkv, own):
+        got = fn(*qkv, return_lse=with_lse, dropout_seed=seed, **fixed, **own)
+        return got if with_lse else (got, torch.zeros(got.shape[:3], device=got.device))
+
+    def reference(*args, **kw):
+        return attncc.reference(variant, *args, **kw)
     qk, own = leaves(dtype)
-    out, lse = kern(*qk, return_lse=True, dropout_seed=seed, **fixed, **own)
+    out, lse = run(kern, qk, own)
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, qk + list(own.values()), do)
     q64, own64 = leaves(torch.float64)
-    ref, rlse = attncc.reference(variant, *q64, return_lse=True, dropout_seed=seed, **fixed, **own64)
+    ref, rlse = run(reference, q64, own64)
     rgrads = torch.autograd.grad(ref, q64 + list(own64.values()), do.double())
     qe, owne = leaves(dtype)
-    eager, else_ = attncc.reference(variant, *qe, return_lse=True, dropout_seed=seed, **fixed,
-                                    **owne)
+    eager, else_ = run(reference, qe, owne)
     egrads = torch.autograd.grad(eager, qe + list(owne.values()), do)
     from attncc.semantics.reference import scale_value
     scales = gradient_scales(q64[0], q64[1], ref, do, scale_value(variant, q.shape[-1]),
@@ -142,6 +150,12 @@ def correctness(args):
         "gpt_oss_sinks": ("attention gs { learnable input sinks: f32[h] "
                           "mask q >= k and q - k < 128 sink sinks[h] }"),
         "sink_empty_rows": "attention se { learnable input sinks: f32[h] mask k > q + 100 sink sinks[h] }",
+        # Normalisers (README "Normalisers"): Apple's sigmoid attention with b = -log n,
+        # ReLU attention, and `sum` of a weight that is 1 at -inf (masked pairs add nothing).
+        "sigmoid": ("attention sig { param bias: float = -7.0 mask q >= k normalize none "
+                    "weight sigmoid(s + bias) }"),
+        "relu": "attention relu { normalize none weight max(s, 0.0) / len_k }",
+        "sum_relu": "attention sr { mask q >= k normalize sum weight 1.0 + max(s, 0.0) }",
     })
     shapes = [  # B, Hq, Hkv, Lq, Lk, D
         (2, 4, 4, 1000, 1000, 128),

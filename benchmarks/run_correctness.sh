@@ -4,7 +4,7 @@
 set -u
 groups=("full,causal" "causal_gqa,sliding_window" "document,bigbird" "alibi,softcap"
         "bottom_right,prefix_lm" "sinks_window,chunked" "dropout,rel_bias" "empty_rows"
-        "gpt_oss_sinks,sink_empty_rows")
+        "gpt_oss_sinks,sink_empty_rows" "sigmoid,relu" "sum_relu")
 # Correctness, not speed: the first candidate config, no tuning (tuning compiles many).
 export ATTNCC_TUNE=0
 mkdir -p /tmp/corr

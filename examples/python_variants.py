@@ -188,10 +188,25 @@ class gpt_oss_sinks:
         return sinks[h]
 
 
+@attncc.variant(params={"bias": -9.0}, normalize="none")
+class sigmoid_attention:
+    def mask(q, k):
+        return q >= k
+
+    def weight(s, bias):
+        return attncc.sigmoid(s + bias)
+
+
+@attncc.variant(normalize="none")
+class relu_attention:
+    def weight(s, len_k):
+        return attncc.maximum(s, 0.0) / len_k
+
+
 # Keyed by the stem of the .attn file that declares the same variant.
 EXAMPLES = {v.name: v for v in (
     full, causal, causal_bottom_right, gqa_causal, sliding_window, prefix_lm, document,
     dilated_window, chunked_local, longformer, alibi, softcap, relative_bias, bigbird,
     bigbird_seeded, dropout, sparse_strided, sparse_fixed, sparse_heads, dilated_blocks,
-    vertical_slash, nsa_selected, nsa_topk, gpt_oss_sinks,
+    vertical_slash, nsa_selected, nsa_topk, gpt_oss_sinks, sigmoid_attention, relu_attention,
 )}

@@ -177,7 +177,7 @@ def test_class_with_an_unknown_member():
             def scroe(s):
                 return s
     msg = _error(make)
-    assert "has ['scroe']; it may define only mask, score, layout, scale and sink" in msg
+    assert "has ['scroe']; it may define only mask, score, layout, scale, sink and weight" in msg
 
 
 def test_param_of_unsupported_type():

@@ -132,8 +132,8 @@ def test_gluon_kernels_compile_for_hopper(tmp_path):
 
 @pytest.mark.slow
 def test_gluon_kernels_compile_for_hopper_at_every_head_dim(tmp_path):
-    # Two intervals, a layout, index lists, a score, a sink: every kernel at both backward
-    # head dims.
+    # Two intervals, a layout, index lists, a score, a sink, a normaliser other than
+    # softmax: every kernel at both backward head dims.
     examples = ["prefix_lm.attn", "bigbird.attn", "nsa_topk.attn", "relative_bias.attn",
-                "gpt_oss_sinks.attn"]
+                "gpt_oss_sinks.attn", "sigmoid_attention.attn"]
     _check(_compile(examples, [64, 128], tmp_path), examples, [64, 128])

@@ -84,7 +84,10 @@ def compare(variant, *, B=2, H=None, Hkv=None, Lq=37, Lk=45, D=32, dtype=torch.f
         qkv = [t.to(DEVICE, cast).requires_grad_() for t in (q, k, v)]
         ins = {n: (t.to(cast if cast == torch.float64 else t.dtype).requires_grad_()
                    if n in learnable else t) for n, t in inputs.items()}
-        out, lse = fn(*qkv, return_lse=True, **ins, **extra)
+        # `normalize none` has no LSE (return_lse is refused): zeros stand for it.
+        with_lse = variant.normalize != "none"
+        out = fn(*qkv, return_lse=with_lse, **ins, **extra)
+        out, lse = out if with_lse else (out, torch.zeros(out.shape[:3], dtype=cast))
         # A score that ignores s (`score 0.0`) leaves q and k out of the graph: zeros.
         grads = torch.autograd.grad(out, qkv + [ins[n] for n in learnable], do.to(DEVICE, cast),
                                     allow_unused=True, materialize_grads=True)

@@ -256,11 +256,11 @@ def test_compile_and_check_read_a_variant_from_a_decorator_file(tmp_path, capsys
 
 
 @pytest.mark.parametrize("spec,message", [
-    (f"{PY_VARIANTS}:nope", r"has no variant 'nope' \(it defines full, causal, .*and 16 more"),
+    (f"{PY_VARIANTS}:nope", r"has no variant 'nope' \(it defines full, causal, .*and 18 more"),
     (f"{PY_VARIANTS}:causall", r"has no variant 'causall'; did you mean 'causal'\?"),
     (f"{PY_VARIANTS}:EXAMPLES", r"'EXAMPLES' .* is a dict, not a variant.*@attncc.variant"),
     (f"{PY_VARIANTS}:maximum", r"'maximum' .* is a function, not a variant.*@attncc.variant"),
-    (str(PY_VARIANTS), r"defines 24 variants; name the one to use, as in .*python_variants.py:full"),
+    (str(PY_VARIANTS), r"defines 26 variants; name the one to use, as in .*python_variants.py:full"),
     ("missing.py:x", r"no such file: missing.py"),
 ])
 @pytest.mark.parametrize("command", ["show", "compile", "check", "bench"])

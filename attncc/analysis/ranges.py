@@ -357,7 +357,7 @@ def check(e, params: dict, inputs: dict, block=None, on_error=None):
 def check_variant(v: ir.Variant):
     """check() on every expression of a variant (the decorator's path)."""
     params, inputs, block = _context(v)
-    for decl in ("scale", "mask", "layout", "score", "sink"):
+    for decl in ("scale", "mask", "layout", "score", "sink", "weight"):
         e = getattr(v, decl)
         if e is not None:
             try:

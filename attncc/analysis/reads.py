@@ -54,7 +54,7 @@ def escaping_reads(variant: ir.Variant) -> list:
     """(declaration, EscapingRead) for each index of a numbered axis that can leave it."""
     sizes = {i.name: i.axes for i in variant.inputs}
     found = []
-    for decl in ("mask", "layout", "score", "sink"):
+    for decl in ("mask", "layout", "score", "sink", "weight"):
         e = getattr(variant, decl)
         if e is None:
             continue

@@ -30,7 +30,9 @@ USERS = {
 
 # What each family's template code reads of the lists: always, and under each flag of
 # the variant that adds code ("score": a score is computed, "no score": the scale is
-# folded into qk_scale; "dropout"; "decode layout": the layout over decode rows).
+# folded into qk_scale; "dropout"; "decode layout": the layout over decode rows;
+# "normalised": rows are divided by a normaliser, read back as the LSE, with its delta
+# term: softmax and `normalize sum`, not `normalize none`).
 READS = {
     "fwd": {
         "always": {"q", "q_tail", "m_valid", "K", "V", "stride_kn", "stride_kd", "stride_vn",
@@ -39,14 +41,16 @@ READS = {
         "score": {"sm_scale"}, "no score": {"qk_scale"},
     },
     "dq": {
-        "always": {"q", "do", "lse2", "delta", "m_valid", "K", "V", "stride_kn",
-                   "stride_kd", "stride_vn", "stride_vd", "k_offset", "len_k"},
+        "always": {"q", "do", "m_valid", "K", "V", "stride_kn", "stride_kd", "stride_vn",
+                   "stride_vd", "k_offset", "len_k"},
+        "normalised": {"lse2", "delta"},
         "dropout": {"seed", "pid_bh", "offs_m", "q_offset"},
         "score": {"sm_scale"}, "no score": {"qk_scale"},
     },
     "dkdv": {
-        "always": {"k", "v", "k_valid", "Q", "DO", "LSE", "DELTA", "stride_qm", "stride_qd",
-                   "stride_dom", "stride_dod", "len_q", "q_offset"},
+        "always": {"k", "v", "k_valid", "Q", "DO", "stride_qm", "stride_qd", "stride_dom",
+                   "stride_dod", "len_q", "q_offset"},
+        "normalised": {"LSE", "DELTA"},
         "dropout": {"seed", "pid_bh", "offs_n", "k_offset"},
         "score": {"sm_scale"}, "no score": {"qk_scale"},
     },

@@ -12,7 +12,7 @@ import re
 from .. import ir
 from ..operators import FUNCTIONS, entry_of
 from ..reserved import call_keywords
-from ..analysis import ranges, reads
+from ..analysis import ranges, reads, signs
 from ..errors import SpecError, SpecWarning, did_you_mean, warn
 
 # A name as the grammar's NAME token spells it; the decorator's names must match it too,
@@ -24,6 +24,7 @@ ALLOWED_VARS = {
     "mask": {"b", "h", "q", "k", "dim", "len_q", "len_k"},
     "layout": {"b", "h", "qb", "kb", "dim", "len_q", "len_k"},
     "score": {"b", "h", "q", "k", "s", "dim", "len_q", "len_k"},
+    "weight": {"b", "h", "q", "k", "s", "dim", "len_q", "len_k"},
     "scale": {"dim", "dim_v"},
     "param": set(),
     "sink": {"b", "h", "q", "dim", "len_q", "len_k"},
@@ -35,6 +36,8 @@ WHY_NOT = {
     ("mask", "kb"): "qb and kb are tile indices and only mean something in `layout`",
     ("score", "qb"): "qb and kb are tile indices and only mean something in `layout`",
     ("score", "kb"): "qb and kb are tile indices and only mean something in `layout`",
+    ("weight", "qb"): "qb and kb are tile indices and only mean something in `layout`",
+    ("weight", "kb"): "qb and kb are tile indices and only mean something in `layout`",
     ("layout", "q"): "a layout decides whole tiles; use qb and kb there, or put "
                      "element conditions in `mask`",
     ("layout", "k"): "a layout decides whole tiles; use qb and kb there, or put "
@@ -47,7 +50,7 @@ WHY_NOT = {
     ("sink", "qb"): "qb and kb are tile indices and only mean something in `layout`",
     ("sink", "kb"): "qb and kb are tile indices and only mean something in `layout`",
     **{(decl, "dim_v"): "v's head dim only sizes the output; `scale` may read it"
-       for decl in ("mask", "layout", "score", "sink")},
+       for decl in ("mask", "layout", "score", "sink", "weight")},
 }
 
 # Deeper expressions are refused: every pass walks the IR recursively, and no real
@@ -57,7 +60,7 @@ MAX_DEPTH = 128
 TYPE_WORDS = ir.TYPE_WORDS
 
 DECL_NAMES = ("heads", "scale", "param", "input", "mask", "layout", "block", "score", "dropout",
-              "sink")
+              "sink", "normalize", "weight")
 
 
 class Scope:
@@ -265,7 +268,7 @@ def check_declared_type(decl: str, t: str):
         example = "qb >= kb" if decl == "layout" else "q >= k"
         raise SpecError(f"`{decl}` must be a condition (true/false), but this is "
                         f"{TYPE_WORDS[t]}; compare it, as in `{example}`")
-    if decl in ("score", "scale", "sink") and t == ir.BOOL:
+    if decl in ("score", "scale", "sink", "weight") and t == ir.BOOL:
         raise SpecError(f"`{decl}` must be a number, but this is a condition; "
                         "use where(cond, a, b) to choose between numbers")
 
@@ -286,6 +289,39 @@ def check_heads(hq: int, hkv: int):
 def check_dropout(p):
     if not (0 <= p < 1):
         raise SpecError(f"dropout {p} is out of range: the probability must be in [0, 1)")
+
+
+def check_normalize(name: str):
+    if name not in ir.NORMALIZERS:
+        raise SpecError(f"unknown normaliser '{name}': use softmax, sum or none"
+                        f"{did_you_mean(name, ir.NORMALIZERS)}")
+
+
+def check_normaliser(v: ir.Variant):
+    """`weight` goes with `normalize sum` or `none`, and `sum` needs a weight that
+    cannot be negative (a row's sum could otherwise be 0 or change sign)."""
+    if v.normalize == ir.SOFTMAX:
+        if v.weight is not None:
+            raise SpecError("`weight` needs `normalize sum` or `normalize none`: under softmax "
+                            "a pair's weight is e^score; to change it, use `score`")
+        return
+    if v.sink is not None:
+        raise SpecError(f"`sink` with `normalize {v.normalize}` is not supported: a sink is one "
+                        "more logit in a softmax's denominator (e^sink joins the sum of e^s), "
+                        f"and `normalize {v.normalize}` has no softmax; remove the sink, or "
+                        "remove `normalize` and `weight` to keep softmax with its sink")
+    if v.weight is None:
+        raise SpecError(f"`normalize {v.normalize}` needs `weight EXPR`, what a pair adds as a "
+                        "function of its score s, as in `weight sigmoid(s - 9.0)`")
+    if v.dropout is not None:
+        raise SpecError(f"`dropout` with `normalize {v.normalize}` is not supported: dropout "
+                        "is implemented for softmax only; remove one of the two")
+    if v.normalize == ir.BY_SUM:
+        why = signs.why_not_nonnegative(v.weight, v)
+        if why is not None:
+            raise SpecError(f"`normalize sum` divides by the row's sum of weights, so the weight "
+                            f"must be provably >= 0, but {why}; use a weight such as "
+                            "exp(s), sigmoid(s), max(s, 0.0), abs(s) or s * s, or `normalize none`")
 
 
 def check_input(inp: ir.InputDecl):
@@ -309,7 +345,8 @@ def check_input(inp: ir.InputDecl):
 
 
 KEYWORDS = ("attention", "heads", "scale", "param", "input", "learnable", "mask", "layout",
-            "block", "score", "dropout", "sink", "and", "or", "not", "in", "true", "false")
+            "block", "score", "dropout", "sink", "normalize", "weight", "and", "or", "not", "in",
+            "true", "false")
 
 
 def check_identifier(name, what: str):
@@ -358,7 +395,8 @@ def check_variant(v: ir.Variant) -> ir.Variant:
         check_heads(v.heads.q, v.heads.kv)
     params = {p.name: p for p in v.params}
     inputs = {i.name: i for i in v.inputs}
-    for decl in ("scale", "mask", "layout", "score", "sink"):
+    check_normalize(v.normalize)
+    for decl in ("scale", "mask", "layout", "score", "sink", "weight"):
         e = getattr(v, decl)
         if e is not None:
             check_depth(e)
@@ -380,6 +418,7 @@ def check_structure(v: ir.Variant):
         raise SpecError("`block` sets the tile size of a `layout`, but there is no layout")
     if v.dropout is not None:
         check_dropout(v.dropout)
+    check_normaliser(v)
     for i in v.inputs:
         if any(a in ir.TILE_VARS for a in i.axes if isinstance(a, str)) and v.block is None:
             raise SpecError(f"input '{i.name}' has a tile axis (qb or kb), which needs `block N`")

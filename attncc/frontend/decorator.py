@@ -270,7 +270,7 @@ def _where_is(fn) -> str:
 
 def build_variant(name: str, *, mask=None, score=None, layout=None, scale=None, heads=None,
                   params=None, inputs=None, learnable=(), block=None, dropout=None,
-                  sink=None) -> ir.Variant:
+                  sink=None, normalize=ir.SOFTMAX, weight=None) -> ir.Variant:
     """The Variant for these Python pieces; the decorator's engine, usable directly."""
     _check_arguments(name, heads, params, inputs, learnable, block, dropout)
     params = dict(params or {})
@@ -282,8 +282,9 @@ def build_variant(name: str, *, mask=None, score=None, layout=None, scale=None, 
     pmap = {p.name: p for p in param_decls}
     imap = {i.name: i for i in input_decls}
     fields = {}
+    checker.check_normalize(normalize)
     for decl, fn in (("scale", scale), ("mask", mask), ("layout", layout), ("score", score),
-                     ("sink", sink)):
+                     ("sink", sink), ("weight", weight)):
         if fn is None:
             continue
         if isinstance(fn, (int, float)) and not isinstance(fn, bool) and decl == "scale":
@@ -300,7 +301,8 @@ def build_variant(name: str, *, mask=None, score=None, layout=None, scale=None, 
     if heads is not None:
         heads = ir.Heads(*heads)
     v = ir.Variant(name=name, heads=heads, params=param_decls, inputs=input_decls, block=block,
-                   dropout=None if dropout is None else float(dropout), **fields)
+                   dropout=None if dropout is None else float(dropout), normalize=normalize,
+                   **fields)
     try:
         return checker.check_variant(v)
     except SpecError as err:
@@ -308,19 +310,21 @@ def build_variant(name: str, *, mask=None, score=None, layout=None, scale=None, 
 
 
 def variant(_obj=None, *, name=None, heads=None, params=None, inputs=None, learnable=(),
-            block=None, dropout=None, scale=None):
-    """Decorate a function (the mask) or a class holding mask/score/layout/scale/sink functions.
+            block=None, dropout=None, scale=None, normalize=ir.SOFTMAX):
+    """Decorate a function (the mask) or a class holding mask/score/layout/scale/sink functions
+    (and `weight`, with normalize="sum" or "none").
 
     Returns an ir.Variant, which attncc.compile() and attncc.reference() accept.
     """
     def wrap(obj):
         if inspect.isclass(obj):
-            parts = {d: obj.__dict__.get(d) for d in ("mask", "score", "layout", "scale", "sink")}
+            parts = {d: obj.__dict__.get(d)
+                     for d in ("mask", "score", "layout", "scale", "sink", "weight")}
             parts = {d: (f.__func__ if isinstance(f, staticmethod) else f) for d, f in parts.items()}
             unknown = [a for a in vars(obj) if not a.startswith("_") and a not in parts]
             if unknown:
                 raise SpecError(f"variant class '{obj.__name__}' has {unknown}; it may define "
-                                "only mask, score, layout, scale and sink"
+                                "only mask, score, layout, scale, sink and weight"
                                 f"{did_you_mean(unknown[0], parts)}")
         elif callable(obj):
             parts = {"mask": obj}
@@ -330,6 +334,7 @@ def variant(_obj=None, *, name=None, heads=None, params=None, inputs=None, learn
         if scale is not None:
             parts["scale"] = scale
         return build_variant(name or obj.__name__, heads=heads, params=params, inputs=inputs,
-                             learnable=learnable, block=block, dropout=dropout, **parts)
+                             learnable=learnable, block=block, dropout=dropout,
+                             normalize=normalize, **parts)
 
     return wrap(_obj) if _obj is not None else wrap

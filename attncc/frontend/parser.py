@@ -338,7 +338,11 @@ class _Builder:
             checker.check_structure(v)
         except SpecError as err:
             culprit = seen.get("block") or seen.get("layout") or seen.get("dropout") or tree
-            if "input" in err.message:
+            if err.message.startswith("`sink`"):
+                culprit = seen["sink"]
+            elif "weight" in err.message or "normalize" in err.message:
+                culprit = seen.get("weight") or seen.get("normalize") or tree
+            elif "input" in err.message:
                 culprit = next((d for d in decls if d.data == "input_decl"), tree)
             raise self._locate(err, culprit)
         self._warn_reads(v, seen)
@@ -358,7 +362,7 @@ class _Builder:
         """Divisions by zero and integers past 64 bits (attncc/analysis/ranges.py), located at the
         operator; once every declaration is known, since ranges depend on params and block."""
         params = {p.name: p.value for p in v.params}
-        for kind in ("scale", "mask", "layout", "score", "sink"):
+        for kind in ("scale", "mask", "layout", "score", "sink", "weight"):
             e = getattr(v, kind)
             if e is None:
                 continue
@@ -464,6 +468,17 @@ class _Builder:
 
     def decl_sink(self, d, fields):
         self._expr_decl("sink", d, fields)
+
+    def decl_normalize(self, d, fields):
+        (tok,) = d.children
+        try:
+            checker.check_normalize(str(tok))
+        except SpecError as err:
+            raise self._locate(err, tok)
+        fields["normalize"] = str(tok)
+
+    def decl_weight(self, d, fields):
+        self._expr_decl("weight", d, fields)
 
     def decl_scale(self, d, fields):
         self._expr_decl("scale", d, fields)

@@ -12,6 +12,7 @@ import warnings
 
 import torch
 
+from .. import ir
 from ..semantics.tolerance import (gradient_scales, input_gradient_scales, max_abs_error,
                                    within_tolerance)
 
@@ -41,10 +42,13 @@ def _run_attention(fn, variant, q, k, v, inputs, dout):
     """(results {name: tensor}) of fn = kernel or reference: out, lse, dq, dk, dv, d<input>."""
     learn = [d.name for d in variant.learnable_inputs]
     kwargs = {"dropout_seed": CHECK_DROPOUT_SEED} if variant.dropout else {}
-    out, lse = fn(q, k, v, return_lse=True, layout="bhsd", **kwargs, **inputs)
+    # `normalize none` has no LSE (return_lse is refused): only the output is checked.
+    with_lse = variant.normalize != ir.UNNORMALIZED
+    result = fn(q, k, v, return_lse=with_lse, layout="bhsd", **kwargs, **inputs)
+    out, lse = result if with_lse else (result, None)
     wrt = [q, k, v] + [inputs[n] for n in learn]
     grads = torch.autograd.grad(out, wrt, dout, allow_unused=True)
-    res = {"out": out, "lse": lse}
+    res = {"out": out, **({"lse": lse} if with_lse else {})}
     for name, g, x in zip(["dq", "dk", "dv"] + [f"d{n}" for n in learn], grads, wrt):
         res[name] = g if g is not None else torch.zeros_like(x)
     return res

@@ -21,7 +21,7 @@ import torch
 
 from .. import ir
 from . import precompile, tuning
-from ..arguments import Problem, check_input_names, check_inputs
+from ..arguments import Problem, check_input_names, check_inputs, check_return_lse
 from .call_options import CallRecord, call_record, option
 from ..errors import CallError
 from ..analysis.ranges import MAX_EXTENT
@@ -424,6 +424,7 @@ def decode(kernel, q, k_cache, v_cache, /, *, cache_seqlens=None, k_new=None, v_
             raise CallError(f"decode takes no {name}=: {_NOT_DECODE_ARGUMENTS[name]}")
     if not isinstance(return_lse, bool):
         raise CallError(f"return_lse must be True or False, got {return_lse!r}")
+    check_return_lse(kernel.variant, return_lse)
     _, seqlens = check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                    block_table, inputs)
     pinned = check_pins(num_splits, config)
@@ -609,10 +610,20 @@ def decode_reference(variant: ir.Variant, q, /, k_cache, v_cache, *, cache_seqle
 
     A variant that does not read len_q gets the same rows from attncc.reference with
     q_offset = L - n_q, which costs n_q x L per head instead of L x L (long caches)."""
-    from ..semantics.reference import reference
+    from ..semantics.reference import reference as reference_rows
+    check_return_lse(variant, return_lse)
     variant = dataclasses.replace(variant, dropout=None)
     reads_len_q = any("len_q" in ir.free_vars(e) for e in (variant.mask, variant.score,
-                                                              variant.layout) if e is not None)
+                                                              variant.layout, variant.weight)
+                      if e is not None)
+
+    def reference(*args, return_lse, **kwargs):
+        # `normalize none` has no LSE: the kernels' is -inf, which nothing reads.
+        if variant.normalize != ir.UNNORMALIZED:
+            return reference_rows(*args, return_lse=return_lse, **kwargs)
+        o = reference_rows(*args, **kwargs)
+        return o, torch.full(o.shape[:-1], -math.inf, dtype=o.dtype, device=o.device)
+
     B, Hq, n_q, D = q.shape
     capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
                 else k_cache.shape[2])

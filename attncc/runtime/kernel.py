@@ -22,7 +22,8 @@ from ..errors import CallError, did_you_mean
 from ..frontend.load import load
 from ..semantics.evaluate import check_index_list
 from . import configs, dispatch, ops, precompile, tuning
-from ..arguments import _shape, as_bhsd, axis_extent, bind, check_seed, refuse_positional
+from ..arguments import (_shape, as_bhsd, axis_extent, bind, check_return_lse, check_seed,
+                         refuse_positional)
 from .cache import load_generated
 from .call_options import NO_TABLES, CallOptions
 from .settings import MAX_HEAD_DIM, MAX_HEAD_DIM_V, MIN_HEAD_DIM, SUPPORTED_DTYPES, interpreting
@@ -265,6 +266,7 @@ class Kernel:
         # Python on shapes, dtypes and devices, no tensor data read.
         if positional:
             refuse_positional(self.variant, positional)
+        check_return_lse(self.variant, return_lse)
         if not isinstance(training, bool):
             raise CallError(f"training must be True or False, got {training!r}")
         if dropout_seed is not None:

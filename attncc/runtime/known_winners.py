@@ -53,6 +53,10 @@ def variant_class(variant: ir.Variant, uses_tables: bool, density_bucket: str) -
         heavy = any(isinstance(e, ir.Call) and e.fn in FLOAT_FUNCTIONS
                     for e in ir.walk(variant.score))
         kind += "+heavyscore" if heavy else "+score"
+    if variant.normalize != ir.SOFTMAX:
+        # Other kernels' work per tile (no max, a weight): a class of its own, so that
+        # no softmax winner stands in for a timing it never had.
+        kind += f"+normalize-{variant.normalize}"
     return f"{kind}@{density_bucket}"
 
 

@@ -277,6 +277,7 @@ def _rewrite_variant(variant: ir.Variant):
     mask = same_sequence if variant.mask is None else ir.And(same_sequence, rewrite(variant.mask))
     score = None if variant.score is None else rewrite(variant.score)
     sink = None if variant.sink is None else rewrite(variant.sink)
+    weight = None if variant.weight is None else rewrite(variant.weight)
     inputs = tuple(dataclasses.replace(d, axes=tuple("q" if a == "b" else a for a in d.axes))
                    for d in variant.inputs)
     inputs += tuple(ir.InputDecl(PREFIX + name, "i32", (axis,))
@@ -284,7 +285,7 @@ def _rewrite_variant(variant: ir.Variant):
     terms = dict(sorted(rewrite.terms.items()))
     inputs += tuple(ir.InputDecl(t.name, "i32", (t.side,)) for t in terms.values())
     packed = dataclasses.replace(variant, name=f"{variant.name}_varlen", inputs=inputs,
-                                 mask=mask, score=score, sink=sink)
+                                 mask=mask, score=score, sink=sink, weight=weight)
     return packed, terms
 
 

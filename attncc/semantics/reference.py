@@ -12,7 +12,7 @@ import torch
 
 from .. import dropout as dropout_bits
 from .. import ir
-from ..arguments import Problem, as_bhsd, bind, check_seed, refuse_positional
+from ..arguments import Problem, as_bhsd, bind, check_return_lse, check_seed, refuse_positional
 from ..errors import CallError
 from .evaluate import evaluate
 
@@ -115,6 +115,8 @@ def reference(variant: ir.Variant, q, k, v, /, *positional, return_lse: bool = F
         s = s.expand(p.batch, p.heads_q, p.len_q, p.len_k)
     allowed = allowed_pairs(variant, p, inputs, device).expand_as(s)
     row_any = allowed.any(dim=-1, keepdim=True)  # [B, Hq, Lq, 1]
+    if variant.normalize != ir.SOFTMAX:
+        return _weighted(variant, s, allowed, v_full, env, return_lse, layout)
 
     neg_inf = torch.tensor(-math.inf, dtype=dtype, device=device)
     if variant.sink is None:
@@ -139,3 +141,24 @@ def reference(variant: ir.Variant, q, k, v, /, *positional, return_lse: bool = F
     if return_lse:
         return out, torch.where(row_any, lse, neg_inf).squeeze(-1)
     return out
+
+
+def _weighted(variant: ir.Variant, s, allowed, v_full, env, return_lse: bool, layout):
+    """`normalize sum` or `none`: each attended pair adds weight(s') V_j; `sum` divides
+    by the row's sum l (LSE log l; a row whose l is 0 gives 0 and LSE -inf)."""
+    check_return_lse(variant, return_lse)
+    dtype = s.dtype
+    w = torch.as_tensor(evaluate(variant.weight, {**env, "s": s}, float_dtype=dtype),
+                        device=s.device).to(dtype).expand_as(s)
+    # A masked pair adds exactly nothing, whatever weight(-inf) or its gradient would be.
+    w = torch.where(allowed, w, torch.zeros_like(w))
+    if variant.normalize == ir.UNNORMALIZED:
+        return as_bhsd(torch.matmul(w, v_full), layout)
+    l = w.sum(dim=-1, keepdim=True)  # [B, Hq, Lq, 1]
+    empty = l == 0
+    out = as_bhsd(torch.matmul(w / torch.where(empty, torch.ones_like(l), l), v_full), layout)
+    if return_lse:
+        lse = torch.where(empty, torch.full_like(l, -math.inf), torch.log(torch.where(empty, torch.ones_like(l), l)))
+        return out, lse.squeeze(-1)
+    return out
+

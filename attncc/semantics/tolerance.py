@@ -77,7 +77,9 @@ def input_gradient_scales(variant, q, k, v, out, dout, inputs: dict, q_offset: i
     from ..semantics.evaluate import evaluate
     from ..semantics.reference import allowed_pairs, index_env, scale_value
     learnable = [d.name for d in variant.learnable_inputs]
-    if not learnable or variant.score is None:
+    # Under `normalize sum` or `none` the inputs reach the loss through the weight.
+    per_pair = variant.score if variant.normalize == "softmax" else variant.weighted
+    if not learnable or per_pair is None:
         return {}
     q, k, v = (t.detach().double() for t in (q, k, v))
     values = {n: (t.detach().double() if t.is_floating_point() else t) for n, t in inputs.items()}
@@ -91,7 +93,7 @@ def input_gradient_scales(variant, q, k, v, out, dout, inputs: dict, q_offset: i
 
     def score(name, x):
         env = index_env(variant, p, {**values, name: x}, q.device, torch.float64)
-        return torch.as_tensor(evaluate(variant.score, {**env, "s": s}), dtype=torch.float64)
+        return torch.as_tensor(evaluate(per_pair, {**env, "s": s}), dtype=torch.float64)
 
     scales = {}
     for name in learnable:

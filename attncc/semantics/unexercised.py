@@ -49,11 +49,13 @@ def behaviour(variant: ir.Variant, p: Problem, inputs: dict) -> tuple:
     full = (p.batch, p.heads_q, p.len_q, p.len_k)
     allowed = allowed_pairs(variant, p, inputs, "cpu").expand(full)
     score = None
-    if variant.score is not None:
+    # Under `normalize sum` or `none`, what a pair adds: the weight of the score.
+    per_pair = variant.score if variant.normalize == ir.SOFTMAX else variant.weighted
+    if per_pair is not None:
         env = index_env(variant, p, inputs, "cpu", torch.float64)
         env["s"] = torch.randn(full, generator=torch.Generator().manual_seed(0),
                                dtype=torch.float64)
-        value = torch.as_tensor(evaluate(variant.score, env), dtype=torch.float64).expand(full)
+        value = torch.as_tensor(evaluate(per_pair, env), dtype=torch.float64).expand(full)
         score = torch.where(allowed, value, torch.zeros((), dtype=torch.float64))
     return allowed, score, scale_value(variant, p.dim, p.dim_v)
 

@@ -114,6 +114,10 @@ def bench_backends(variant, kernel, *, n: int, batch: int, heads: tuple, dim: in
 
     if variant.dropout:
         results["flex"] = {"skipped": "FlexAttention has no attention dropout"}
+    elif variant.normalize != "softmax":
+        results["flex"] = {"skipped": f"FlexAttention normalises by softmax only, not `normalize "
+                                      f"{variant.normalize}`: bench the same mask without it "
+                                      "for the softmax baseline"}
     else:
         try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention

@@ -165,14 +165,18 @@ def bench_decode(variant: ir.Variant, kernel, *, batch: int, length: int, heads:
                                                      block_table=table, **inputs),
                {"page_size": page_size})
         del kp, vp
-    if flex:
+    if flex and variant.normalize != "softmax":
+        results["flex"] = {"skipped": f"FlexAttention normalises by softmax only, not "
+                                      f"`normalize {variant.normalize}`"}
+    elif flex:
         try:
             call, decoding = flex_decode(variant, q=q, k=k, v=v, length=length, n_q=n_q, dim=dim,
                                          inputs=inputs)
             record("flex", call, {"decoding_kernel": decoding})
         except Exception as err:
             results["flex"] = {"skipped": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
-    plain = variant.score is None and variant.layout is None and bool(allowed.all())
+    plain = (variant.score is None and variant.layout is None and variant.normalize == "softmax"
+             and bool(allowed.all()))
     if plain:
         from ..semantics.reference import scale_value
         scale = scale_value(variant, dim)

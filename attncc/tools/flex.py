@@ -70,7 +70,8 @@ def flex_mods(variant: ir.Variant, *, len_q: int, len_k: int, dim: int, inputs: 
 
     mask_mod(b, h, q_idx, kv_idx) is the mask and the layout (evaluated on q // block,
     k // block); score_mod(score, b, h, q_idx, kv_idx) is the score transform. Neither
-    includes dropout, which FlexAttention cannot express."""
+    includes dropout, which FlexAttention cannot express, nor a normaliser other than
+    softmax (FlexAttention has only softmax: the benches skip it for those)."""
     const = {"len_q": len_q, "len_k": len_k, "dim": dim}
     mask = lower(variant.mask, variant, inputs) if variant.mask is not None else None
     layout = lower(variant.layout, variant, inputs) if variant.layout is not None else None
@@ -107,7 +108,7 @@ def variant_uses(variant: ir.Variant, name: str) -> bool:
 def sdpa_expressible(variant: ir.Variant, len_q: int, len_k: int):
     """None when SDPA cannot compute the variant, else its keyword arguments (is_causal...)."""
     if (variant.score is not None or variant.layout is not None or variant.inputs
-            or variant.sink is not None):
+            or variant.sink is not None or variant.normalize != ir.SOFTMAX):
         return None
     causal = ir.Cmp(">=", ir.Var("q"), ir.Var("k"))
     if variant.mask is None:

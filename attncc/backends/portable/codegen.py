@@ -11,6 +11,7 @@ machine, the time or dict order.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -224,7 +225,17 @@ class VariantCode:
         return self.fwd_plan.needs_classify or self.bwd_plan.needs_classify
 
 
+def per_pair(variant: ir.Variant) -> ir.Variant:
+    """The variant as the kernels see a pair: under `normalize sum` or `none` its score
+    slot holds what the pair adds, weight(score(s)), so the score's code, derivatives
+    (in s and in learnable inputs) and integer widths are the weight's."""
+    if variant.normalize == ir.SOFTMAX:
+        return variant
+    return dataclasses.replace(variant, score=variant.weighted)
+
+
 def variant_code(variant: ir.Variant) -> VariantCode:
+    variant = per_pair(variant)
     # Each expression in 32-bit integers where that cannot wrap, else in 64 (ranges.py).
     widths = {decl: integer_width(getattr(variant, decl), variant)
               for decl in ("mask", "score", "layout", "sink")}
@@ -330,6 +341,7 @@ def _pruning(variant: ir.Variant, code: VariantCode) -> dict:
     }
     flags = {"score" if code.score is not None else "no score"}
     flags |= {"dropout"} if variant.dropout else set()
+    flags |= {"normalised"} if variant.normalize != ir.UNNORMALIZED else set()
     flags |= {"decode layout"} if code.decode_layout is not None else set()
     return dict(emit=helpers.needed(device | host_helpers(code) | set(ALWAYS_DEFINED)).__contains__,
                 host_aliases=aliases, unread=parameters.unread(flags, reads))
@@ -349,6 +361,7 @@ def template_context(variant: ir.Variant, code: VariantCode | None = None) -> di
     module defines and passes of them. Every backend's template renders from this one
     dict (`code`: the variant's, printed already), so the pieces exist once."""
     code = code or variant_code(variant)
+    pair = per_pair(variant)
     uses_tables = code.uses_tables
     summary_reads = code.summary_reads
     params = common_params(variant, uses_tables, partial_params(code.input_grads))
@@ -381,8 +394,10 @@ def template_context(variant: ir.Variant, code: VariantCode | None = None) -> di
         decode_sink=_text(code.decode_sink),
         # A score that does not vary over both q and k (`score 0.0`, `score x[h]`) is
         # broadcast to the tile: the softmax sums over the tile's columns.
-        score_is_tile=variant.score is not None and (
-            "s" in ir.free_vars(variant.score) or {"q", "k"} <= ir.free_vars(variant.score)),
+        score_is_tile=pair.score is not None and (
+            "s" in ir.free_vars(pair.score) or {"q", "k"} <= ir.free_vars(pair.score)),
+        # softmax, or `sum`/`none` of the weight (the `score` slot then holds it).
+        normalize=variant.normalize,
         d_score=code.d_score.text,
         # d score / d s at a masked pair may be inf or NaN (`s * sqrt(q - k)` past a
         # causal mask) and multiplies a dS of 0 there: the backward zeroes those pairs.
