@@ -4,7 +4,8 @@ The independent reference is gpt-oss's own `sdpa()` (gpt_oss/torch/model.py), re
 for (batch, heads, seq, dim) tensors and any boolean mask: the scaled scores, -inf
 where the mask forbids, the sinks concatenated as one more column, the softmax, that
 column dropped. Computed in float64, differentiated by autograd for the sinks'
-gradient, it checks the kernels under the interpreter: forward, LSE and every gradient,
+gradient, it checks the kernels (on the GPU where there is one, else under the
+interpreter; the references run on the CPU): forward, LSE and every gradient,
 with sinks 40 above and below the logits, rows that see no key, len_q != len_k, lengths
 off the tile, heads that are not a power of two, GQA; then decoding with 1 to 8 splits,
 packed sequences, context parallelism on two gloo ranks, the flash API's
@@ -24,6 +25,8 @@ import attncc
 from attncc.errors import CallError, SpecError
 from attncc.runtime.sinks import fixed_order_sum
 from attncc.semantics.tolerance import max_abs_error, slack, within_tolerance
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the interpreter
 
 GPT_OSS = """attention gpt_oss {
     heads 6 / 2
@@ -62,7 +65,9 @@ def close(got, ref64, eager, what):
 
 def run_both(spec, B, len_q, len_k, D, sink_values, allowed, *, shift=0, seed=0):
     """The kernel and gpt_oss_sdpa (float64 and float32) on the same random inputs, with
-    the same upstream gradients for the output and the LSE; asserts every result agrees."""
+    the same upstream gradients for the output and the LSE; asserts every result agrees.
+    The kernel runs on DEVICE, the formula on the CPU; the kernel's results come back on
+    the CPU."""
     kernel = attncc.compile(spec)
     Hq, Hkv = kernel.variant.heads.q, kernel.variant.heads.kv
     gen = torch.Generator().manual_seed(seed)
@@ -70,15 +75,16 @@ def run_both(spec, B, len_q, len_k, D, sink_values, allowed, *, shift=0, seed=0)
                ((Hq, len_q), (Hkv, len_k), (Hkv, len_k)))
     dout, dlse = torch.randn(B, Hq, len_q, D, generator=gen), torch.randn(B, Hq, len_q, generator=gen)
 
-    def run(fn, dtype):
-        leaves = [t.detach().to(dtype, copy=True).requires_grad_() for t in (q, k, v, sink_values)]
+    def run(fn, dtype, device):
+        leaves = [t.detach().to(device, dtype, copy=True).requires_grad_()
+                  for t in (q, k, v, sink_values)]
         out, lse = fn(*leaves)
-        ((out * dout.to(dtype)).sum() + (lse * dlse.to(dtype)).sum()).backward()
-        return [out, lse] + [t.grad for t in leaves]
+        ((out * dout.to(device, dtype)).sum() + (lse * dlse.to(device, dtype)).sum()).backward()
+        return [t.detach().cpu() for t in [out, lse] + [t.grad for t in leaves]]
 
-    got = run(lambda q, k, v, s: kernel(q, k, v, sinks=s, return_lse=True), torch.float32)
+    got = run(lambda q, k, v, s: kernel(q, k, v, sinks=s, return_lse=True), torch.float32, DEVICE)
     formula = lambda q, k, v, s: gpt_oss_sdpa(q, k, v, s, allowed, D ** -0.5)
-    ref, eager = run(formula, torch.float64), run(formula, torch.float32)
+    ref, eager = run(formula, torch.float64, "cpu"), run(formula, torch.float32, "cpu")
     for name, g, r, e in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), got, ref, eager):
         close(g, r, e, name)
     return got, ref
@@ -110,14 +116,14 @@ def test_rows_that_see_no_key_give_zero_and_the_sink_as_lse():
 
 def test_a_call_with_no_key_gives_the_sink_and_its_gradient():
     kernel = attncc.compile(GPT_OSS)
-    q = torch.randn(1, 6, 4, 16)
-    k = v = torch.randn(1, 2, 0, 16)
-    sinks = torch.randn(6, requires_grad=True)
+    q = torch.randn(1, 6, 4, 16).to(DEVICE)
+    k = v = torch.randn(1, 2, 0, 16).to(DEVICE)
+    sinks = torch.randn(6).to(DEVICE).requires_grad_()
     out, lse = kernel(q, k, v, sinks=sinks, return_lse=True)
     assert torch.equal(out, torch.zeros_like(out))
     assert torch.equal(lse, sinks.detach().view(1, 6, 1).expand(1, 6, 4))
     lse.sum().backward()  # L = σ there: dσ = dL
-    assert torch.equal(sinks.grad, torch.full((6,), 4.0))
+    assert torch.equal(sinks.grad, torch.full((6,), 4.0, device=DEVICE))
 
 
 def test_sink_expressions_of_b_h_q_and_inputs_match_the_reference():
@@ -136,15 +142,16 @@ def test_sink_expressions_of_b_h_q_and_inputs_match_the_reference():
     inputs = {"sinks": torch.randn(3, generator=gen), "bias": torch.randn(2, 6, 17, generator=gen)}
     dout = torch.randn(2, 6, 17, 16, generator=gen)
 
-    def run(fn, dtype):
-        leaves = [t.detach().to(dtype, copy=True).requires_grad_() for t in (q, k, v, inputs["sinks"])]
-        out = fn(*leaves[:3], sinks=leaves[3], bias=inputs["bias"].to(dtype))
-        (out * dout.to(dtype)).sum().backward()
-        return [out] + [t.grad for t in leaves]
+    def run(fn, dtype, device):
+        leaves = [t.detach().to(device, dtype, copy=True).requires_grad_()
+                  for t in (q, k, v, inputs["sinks"])]
+        out = fn(*leaves[:3], sinks=leaves[3], bias=inputs["bias"].to(device, dtype))
+        (out * dout.to(device, dtype)).sum().backward()
+        return [t.detach().cpu() for t in [out] + [t.grad for t in leaves]]
 
-    got = run(kernel, torch.float32)
+    got = run(kernel, torch.float32, DEVICE)
     reference = lambda *a, **i: attncc.reference(variant, *a, **i)
-    ref, eager = run(reference, torch.float64), run(reference, torch.float32)
+    ref, eager = run(reference, torch.float64, "cpu"), run(reference, torch.float32, "cpu")
     for name, g, r, e in zip(("out", "dq", "dk", "dv", "dsinks"), got, ref, eager):
         close(g, r, e, name)
 
@@ -155,21 +162,21 @@ def test_a_constant_sink_is_softmax_plus_one():
     q, k, v = (torch.randn(1, 2, 17, 16, dtype=torch.float64) for _ in range(3))
     scores = (q @ k.transpose(-1, -2) / 4.0).masked_fill(~causal(17, 17), -math.inf)
     expected = torch.exp(scores) @ v / (1.0 + torch.exp(scores).sum(-1, keepdim=True))
-    assert max_abs_error(kernel(q.float(), k.float(), v.float()), expected) < 1e-5
+    assert max_abs_error(kernel(*(t.float().to(DEVICE) for t in (q, k, v))), expected) < 1e-5
 
 
 def test_the_sinks_gradient_is_the_same_bits_on_every_call():
     kernel = attncc.compile(GPT_OSS.replace("sink sinks[h]", "sink sinks[h % 4] * 0.5"))
     gen = torch.Generator().manual_seed(11)
     q, k, v = torch.randn(1, 6, 20, 16, generator=gen), *(torch.randn(1, 2, 20, 16, generator=gen) for _ in range(2))
-    sinks = torch.randn(6, generator=gen)
+    q, k, v, sinks = (t.to(DEVICE) for t in (q, k, v, torch.randn(6, generator=gen)))
     grads = []
     for _ in range(2):
         s = sinks.clone().requires_grad_()
         kernel(q, k, v, sinks=s).pow(2).sum().backward()
         grads.append(s.grad)
     assert all(torch.equal(grads[0], g) for g in grads[1:])
-    assert torch.equal(grads[0][4:], torch.zeros(2))  # entries 4, 5 are never read
+    assert torch.equal(grads[0][4:], torch.zeros(2, device=DEVICE))  # entries 4, 5 are never read
 
 
 @pytest.mark.parametrize("reads, entries", [(1000, 7), (40000, 9000)])  # compared; sorted
@@ -178,7 +185,8 @@ def test_fixed_order_sum_adds_every_read_of_an_entry(reads, entries):
     values = torch.randn(reads, generator=gen, dtype=torch.float64)
     index = torch.randint(0, entries, (reads,), generator=gen)
     expected = torch.zeros(entries, dtype=torch.float64).index_add_(0, index, values)
-    assert torch.allclose(fixed_order_sum(values, index, entries), expected, atol=1e-12)
+    got = fixed_order_sum(values.to(DEVICE), index.to(DEVICE), entries)
+    assert torch.allclose(got.cpu(), expected, atol=1e-12)
 
 
 # ---------------------------------------------------------------- the language
@@ -230,9 +238,10 @@ def test_decode_adds_the_sink_once_over_any_split_count(splits):
     k_cache, v_cache = (torch.randn(3, 2, capacity, 16, generator=gen) for _ in range(2))
     lengths = torch.tensor([1, 37, 77], dtype=torch.int32)
     sinks = torch.randn(6, generator=gen) * 4
-    out, lse = kernel.decode(q, k_cache, v_cache, cache_seqlens=lengths, return_lse=True,
-                             sinks=sinks, config=dict(BLOCK_N=16, num_warps=4, num_stages=1,
-                                                      num_splits=splits))
+    out, lse = kernel.decode(*(t.to(DEVICE) for t in (q, k_cache, v_cache)),
+                             cache_seqlens=lengths.to(DEVICE), return_lse=True,
+                             sinks=sinks.to(DEVICE), config=dict(BLOCK_N=16, num_warps=4,
+                                                                 num_stages=1, num_splits=splits))
     ref = decode_reference(variant, q.double(), k_cache.double(), v_cache.double(),
                            cache_seqlens=lengths, return_lse=True, sinks=sinks.double())
     eager = decode_reference(variant, q, k_cache, v_cache, cache_seqlens=lengths,
@@ -250,8 +259,9 @@ def test_packed_sequences_take_the_sink_per_sequence():
     gen = torch.Generator().manual_seed(4)
     total = int(cu[-1])
     q, k, v = torch.randn(total, 6, 16, generator=gen), *(torch.randn(total, 2, 16, generator=gen) for _ in range(2))
-    sinks = torch.randn(6, generator=gen).requires_grad_()
-    out = kernel(q, k, v, cu, cu, max(lengths), max(lengths), sinks=sinks)
+    q, k, v = (t.to(DEVICE) for t in (q, k, v))
+    sinks = torch.randn(6, generator=gen).to(DEVICE).requires_grad_()
+    out = kernel(q, k, v, cu.to(DEVICE), cu.to(DEVICE), max(lengths), max(lengths), sinks=sinks)
     out.pow(2).sum().backward()
     packed_grad, sinks.grad = sinks.grad, None
     total_loss = 0.0
@@ -268,22 +278,23 @@ def test_flash_learnable_sink_matches_gpt_oss_with_its_gradient():
     from attncc.flash import flash_attn_func, flash_attn_varlen_func
     gen = torch.Generator().manual_seed(9)
     B, len_q, len_k, D = 1, 13, 29, 16
-    q = torch.randn(B, len_q, 6, D, generator=gen)
-    k, v = (torch.randn(B, len_k, 2, D, generator=gen) for _ in range(2))
-    sinks = (torch.randn(6, generator=gen) * 2).requires_grad_()
+    q = torch.randn(B, len_q, 6, D, generator=gen).to(DEVICE)
+    k, v = (torch.randn(B, len_k, 2, D, generator=gen).to(DEVICE) for _ in range(2))
+    sinks = (torch.randn(6, generator=gen) * 2).to(DEVICE).requires_grad_()
     out, lse, _ = flash_attn_func(q, k, v, causal=True, learnable_sink=sinks, return_attn_probs=True)
     out.sum().backward()
     # flash-attn's causal is bottom-right aligned: query i sees keys up to i + len_k - len_q.
     allowed = causal(len_q, len_k, shift=len_q - len_k)
-    s64 = sinks.detach().double().requires_grad_()
-    ref, ref_lse = gpt_oss_sdpa(*(t.double().transpose(1, 2) for t in (q, k, v)), s64, allowed, D ** -0.5)
+    s64 = sinks.detach().cpu().double().requires_grad_()
+    ref, ref_lse = gpt_oss_sdpa(*(t.cpu().double().transpose(1, 2) for t in (q, k, v)), s64, allowed,
+                                D ** -0.5)
     ref.sum().backward()
     assert max_abs_error(out.transpose(1, 2), ref) < 1e-5
     assert max_abs_error(lse, ref_lse) < 1e-5
     assert max_abs_error(sinks.grad, s64.grad) < 1e-4
     # The varlen form: one sequence packed is the same call.
-    packed = flash_attn_varlen_func(q[0], k[0], v[0], torch.tensor([0, len_q], dtype=torch.int32),
-                                    torch.tensor([0, len_k], dtype=torch.int32), len_q, len_k,
+    cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32, device=DEVICE) for n in (len_q, len_k))
+    packed = flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, len_q, len_k,
                                     causal=True, learnable_sink=sinks.detach())
     assert max_abs_error(packed, out[0]) < 1e-5
     # Decoding the last query against the cache: the same row as the full call's.
@@ -294,7 +305,7 @@ def test_flash_learnable_sink_matches_gpt_oss_with_its_gradient():
     with pytest.raises(CallError, match=r"learnable_sink must be a float32 tensor of shape \(nheads,\)"):
         flash_attn_func(q, k, v, learnable_sink=sinks.detach().double())
     with pytest.raises(CallError, match=r"learnable_sink must have shape \(nheads,\) = \(6,\)"):
-        flash_attn_func(q, k, v, learnable_sink=torch.zeros(2))
+        flash_attn_func(q, k, v, learnable_sink=torch.zeros(2, device=DEVICE))
 
 
 # ---------------------------------------------------------------- context parallelism
@@ -326,18 +337,23 @@ def _cp_rank(rank: int, init_file: str, out_dir: str):
 
 
 @pytest.mark.slow
-def test_context_parallel_merges_the_sink_once(tmp_path):
+def test_context_parallel_merges_the_sink_once(tmp_path, monkeypatch):
+    """The ranks run gloo over CPU tensors, so their kernels run under the interpreter even
+    on a GPU machine (set in their environment: Triton reads it when the generated module
+    is imported); the whole-sequence call they are compared with runs on DEVICE."""
     import torch.multiprocessing as mp
     kernel = attncc.compile(GPT_OSS)  # generated once, so the ranks load it from the cache
     try:
-        mp.spawn(_cp_rank, (str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+        with monkeypatch.context() as env:  # only the ranks': this process keeps its own
+            env.setenv("TRITON_INTERPRET", "1")
+            mp.spawn(_cp_rank, (str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     except Exception:
         errors = [p.read_text() for p in sorted(tmp_path.glob("error-*"))]
         pytest.fail("a rank failed:\n" + "\n".join(errors or ["(no traceback)"]))
     got = torch.load(tmp_path / "cp.pt")
     gen = torch.Generator().manual_seed(0)
-    q, k, v, dout = (torch.randn(1, h, 32, 16, generator=gen) for h in (6, 2, 2, 6))
-    sinks = (torch.randn(6, generator=gen) * 3).requires_grad_()
+    q, k, v, dout = (torch.randn(1, h, 32, 16, generator=gen).to(DEVICE) for h in (6, 2, 2, 6))
+    sinks = (torch.randn(6, generator=gen) * 3).to(DEVICE).requires_grad_()
     q.requires_grad_()
     out, lse = kernel(q, k, v, sinks=sinks, return_lse=True)
     (out * dout).sum().backward()
@@ -363,7 +379,7 @@ def test_a_tiny_gpt_oss_model_matches_eager_attention():
     model = transformers.GptOssForCausalLM(config).float()
     for layer in model.model.layers:
         torch.nn.init.normal_(layer.self_attn.sinks, std=3.0)
-    ids = torch.randint(0, 97, (2, 21))
+    model, ids = model.to(DEVICE), torch.randint(0, 97, (2, 21)).to(DEVICE)
 
     def run(implementation):
         model.zero_grad()
