@@ -116,7 +116,7 @@ def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int) -> str | N
     dim, or None: the forward takes every head dim the call checks let through; dQ and
     dK/dV fewer, and dQ no learnable inputs; there is no one-launch backward."""
     if kind == "fwd":
-        return None
+        return _scale_unsupported(variant, head_dim)
     if kind not in ("dq", "dkdv"):
         return f"the Gluon backend has no {KERNEL_NAMES[kind]} kernel of one launch"
     name = KERNEL_NAMES[kind]
@@ -129,3 +129,18 @@ def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int) -> str | N
         return (f"variant '{variant.name}' has learnable inputs ({names}), whose gradients "
                 "the portable dQ kernel accumulates; the Gluon dQ kernel does not yet")
     return None
+
+
+def _scale_unsupported(variant: ir.Variant, head_dim: int) -> str | None:
+    """The Gluon forward of a variant without a score takes each row's max of the raw
+    products and applies the scale inside the exp2 (one FFMA per element), which is
+    right only for a positive scale."""
+    if variant.score is not None:
+        return None
+    from ...semantics.reference import scale_value
+    scale = scale_value(variant, head_dim)
+    if scale > 0:
+        return None
+    return (f"variant '{variant.name}' has scale {scale} at head dim {head_dim}; the Gluon "
+            "forward folds the scale into the exp2 of the raw scores' row max, which needs a "
+            "scale > 0 (write the sign into the score instead: `score -s`)")
