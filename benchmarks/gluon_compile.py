@@ -124,7 +124,8 @@ def softmax_overlap(sass: str) -> list:
     """For each tile loop of a forward kernel (a conditional branch back to a label,
     around wgmma and no exit; a mbarrier's retry loop holds no wgmma), (exp2s between
     its S wait and the next P V wait, exp2s in the loop, spill loads and stores in the
-    loop). The loop body is read as a cycle: ptxas may rotate it, so the P V wait can
+    loop; None for the first where the loop has no S wait of its own). The loop body is
+    read as a cycle: ptxas may rotate it, so the P V wait can
     come first in the listing."""
     instructions, labels = [], {}
     for line in sass.splitlines():
@@ -143,23 +144,23 @@ def softmax_overlap(sass: str) -> list:
         body = instructions[start:end + 1]
         if not any(t.startswith("HGMMA") for t in body) or any(t == "EXIT" for t in body):
             continue
-        if _S_WAIT not in body or _PV_WAIT not in body:
-            continue
-        at = body.index(_S_WAIT)
-        between = 0
-        for step in range(1, len(body)):
-            text = body[(at + step) % len(body)]
-            if text == _PV_WAIT:
-                break
-            between += text.startswith("MUFU.EX2")
+        between = None  # a loop that waits for S and P V at once overlaps nothing
+        if _S_WAIT in body and _PV_WAIT in body:
+            at, between = body.index(_S_WAIT), 0
+            for step in range(1, len(body)):
+                text = body[(at + step) % len(body)]
+                if text == _PV_WAIT:
+                    break
+                between += text.startswith("MUFU.EX2")
         loops.append((between, sum(t.startswith("MUFU.EX2") for t in body),
                       sum(t.startswith(("LDL", "STL")) for t in body)))
     return loops
 
 
 def overlap_failures(loops: list, exp2s_per_tile: int) -> list:
-    """The loops whose exp2s of the tile's probabilities do not all run under P V."""
-    return [loop for loop in loops if loop[0] < exp2s_per_tile]
+    """The loops that wait for S apart from P V but not all of the tile's exp2s between
+    (a loop that waits for both at once, a partial tiles' one, is meant to)."""
+    return [loop for loop in loops if loop[0] is not None and loop[0] < exp2s_per_tile]
 
 
 def loop_spills(loops: list) -> int:
@@ -185,12 +186,12 @@ def _check_forward(ck, config: dict, require_overlap: bool) -> int:
     warpgroups = 2 if config["num_warps"] == tiles.WS_WARPS else config["num_warps"] // 4
     per_tile = config["BLOCK_M"] // warpgroups * config["BLOCK_N"] // 128
     stack, in_loops = stack_bytes(cubin), loop_spills(loops)
-    bad = overlap_failures(loops, per_tile)
-    shown = " ".join(f"{between}/{total}" for between, total, _ in loops)
-    print(f"    exp2s under P V per tile loop (of {per_tile} per tile): {shown or 'no loop found'}"
-          f"{'' if not bad and loops else ' (OVERLAP LOST)'}; stack {stack} B, "
+    bad = overlap_failures(loops, per_tile) or not any(loop[0] is not None for loop in loops)
+    shown = " ".join(f"{'-' if between is None else between}/{total}" for between, total, _ in loops)
+    print(f"    exp2s under P V per tile loop (of {per_tile} per tile; -: waits for both at once): {shown or 'no loop found'}"
+          f"{' (OVERLAP LOST)' if bad else ''}; stack {stack} B, "
           f"{in_loops} spill loads/stores in the tile loops{' (SPILLS)' if in_loops else ''}")
-    return int(in_loops > 0 or (require_overlap and (bool(bad) or not loops)))
+    return int(in_loops > 0 or (require_overlap and bool(bad)))
 
 
 def main() -> int:

@@ -150,18 +150,23 @@ def test_gluon_kernels_compile_for_hopper_at_every_head_dim(tmp_path):
 
 
 def _check_overlap(results: list):
-    # Both forward kernels run the softmax of key tile i under the P V product of tile
-    # i - 1: in the machine code, every tile loop computes all of the tile's exp2s (64
-    # per thread: a warpgroup's 64 x 128 slice of P over 128 threads) between the wait
-    # for S_i and the wait for P_{i-1} V_{i-1}. Before the full and partial tiles had
-    # loops of their own, ptxas put the second wait first: 0 of 66 there. And no spill
-    # inside a loop (Triton 3.9's ptxas keeps a scalar on the stack across them).
+    # The forward runs the softmax of key tile i under the P V product of tile i - 1: in
+    # the machine code, a tile loop computes all of the tile's exp2s (64 per thread: a
+    # warpgroup's 64 x 128 slice of P over 128 threads) between the wait for S_i and
+    # the wait for P_{i-1} V_{i-1}: the full tiles' loop (of each consumer warpgroup of
+    # attn_fwd_ws); the partial tiles' loops wait for P V first (the mask beside the
+    # in-flight product spilled). Before the full and partial tiles had loops of their
+    # own, ptxas put the P V wait first: 0 of 66. And no spill inside a loop (Triton
+    # 3.9's ptxas keeps a scalar on the stack across them).
     for r in results:
         what = f"{Path(r['example']).name}: {r['kernel']} at head dim {r['dim']}"
-        assert r["overlap"], f"{what}: no tile loop with both waits found in the SASS"
-        starved = [loop for loop in r["overlap"] if loop[0] < 64]
-        assert not starved, f"{what}: (exp2s under P V, in the loop, spills): {r['overlap']}"
-        assert not any(loop[2] for loop in r["overlap"]), f"{what}: spills: {r['overlap']}"
+        loops = r["overlap"]
+        overlapped = [loop for loop in loops if loop[0] is not None]
+        assert len(overlapped) >= (2 if r["kernel"] == "attn_fwd_ws" else 1), \
+            f"{what}: (exp2s under P V, in the loop, spills): {loops}"
+        starved = [loop for loop in overlapped if loop[0] < 64]
+        assert not starved, f"{what}: (exp2s under P V, in the loop, spills): {loops}"
+        assert not any(loop[2] for loop in loops), f"{what}: spills: {loops}"
 
 
 def test_gluon_forward_softmax_runs_under_the_pv_product(tmp_path):
@@ -174,8 +179,8 @@ def test_gluon_forward_softmax_runs_under_the_pv_product(tmp_path):
 def test_gluon_forward_softmax_runs_under_the_pv_product_of_every_timed_variant(tmp_path):
     # The forward variants benchmarks/gpu_suite.py times, at its head dim, and causal's
     # one-partition kernel. Not held to it: head dim 64, where ptxas still waits for part
-    # of the (shorter) P V product before the exp2s; a plan of two segments (prefix_lm),
-    # which keeps one loop; document, whose tables spill at head dim 128 as before. The
+    # of the (shorter) P V product before the exp2s; a plan of two segments (prefix_lm)
+    # or a score of more than s (ALiBi), which keep one loop and no overlap. The
     # machine code that runs is the GPU machine's ptxas's (Triton 3.6, CUDA 12.8); Triton
     # 3.9's (CUDA 13) places the warp-specialized consumer's P V wait right after a
     # barrier arrive it puts after about 20 of the 66 exp2s: there, attn_fwd only.

@@ -37,7 +37,10 @@ def generate(variant: ir.Variant):
     # The shared host side (tile tables, launch arguments) is rendered into this module
     # too: its helpers are the portable module's.
     called |= host_helpers(code)
-    context = dict(template_context(variant, code), emit=helpers.needed(called).__contains__)
+    context = dict(template_context(variant, code), emit=helpers.needed(called).__contains__,
+                   # A score of s alone (a softcap) is cheap in registers beside the
+                   # in-flight P V product; one reading positions or inputs spilled there.
+                   score_of_s_alone=variant.score is None or ir.free_vars(variant.score) <= {"s"})
     source = templating.environment(TEMPLATES).get_template("attention_gluon.py.jinja").render(**context)
     source = re.sub(r"\n{4,}", "\n\n\n", source)  # where left-out helpers were
     return Generated(source=source, strategy=context["strategy"],
