@@ -179,8 +179,8 @@ def test_gluon_forward_softmax_runs_under_the_pv_product(tmp_path):
 def test_gluon_forward_softmax_runs_under_the_pv_product_of_every_timed_variant(tmp_path):
     # The forward variants benchmarks/gpu_suite.py times, at its head dim, and causal's
     # one-partition kernel. Not held to it: head dim 64, where ptxas still waits for part
-    # of the (shorter) P V product before the exp2s; a plan of two segments (prefix_lm)
-    # or a score of more than s (ALiBi), which keep one loop and no overlap. The
+    # of the (shorter) P V product before the exp2s; tile tables, a plan of two segments
+    # and a score of more than s (ALiBi), which keep one loop and no overlap. The
     # machine code that runs is the GPU machine's ptxas's (Triton 3.6, CUDA 12.8); Triton
     # 3.9's (CUDA 13) places the warp-specialized consumer's P V wait right after a
     # barrier arrive it puts after about 20 of the 66 exp2s: there, attn_fwd only.
