@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ... import ir
+from . import folds_scale
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
@@ -37,7 +38,11 @@ def generate(variant: ir.Variant):
     # The shared host side (tile tables, launch arguments) is rendered into this module
     # too: its helpers are the portable module's.
     called |= host_helpers(code)
-    context = dict(template_context(variant, code), emit=helpers.needed(called).__contains__)
+    context = dict(template_context(variant, code), emit=helpers.needed(called).__contains__,
+                   # A score of s alone (a softcap) is cheap in registers beside the
+                   # in-flight P V product; one reading positions or inputs spilled there.
+                   score_of_s_alone=variant.score is None or ir.free_vars(variant.score) <= {"s"},
+                   fold_scale=folds_scale(variant))
     source = templating.environment(TEMPLATES).get_template("attention_gluon.py.jinja").render(**context)
     source = re.sub(r"\n{4,}", "\n\n\n", source)  # where left-out helpers were
     return Generated(source=source, strategy=context["strategy"],
