@@ -15,7 +15,6 @@ import weakref
 import torch
 
 from .. import backends, ir
-from ..analysis import gradient_owners
 from ..backends.tile_config import EXAMPLE
 from ..codegen.generated import Generated
 from ..errors import CallError, did_you_mean
@@ -213,6 +212,8 @@ class Kernel:
         if not (torch.is_grad_enabled() and self.variant.learnable_inputs):
             return
         atomic = self.module.atomic_reads(p.batch, p.heads_q, p.len_q, p.len_k, inputs)
+        # Imported here: the analysis needs sympy, which a warm start never imports.
+        from ..analysis import gradient_owners
         for name in atomic:
             if not inputs[name].requires_grad:
                 continue

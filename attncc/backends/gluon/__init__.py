@@ -12,7 +12,6 @@ import functools
 import os
 
 from ... import ir
-from ...analysis.gradient_owners import gradient_owners, learnable_reads
 from ..base import ENTRY_POINTS, KERNEL_NAMES
 from ..tile_config import TileConfig, fits_variant
 from . import tiles
@@ -119,6 +118,10 @@ def _call_unsupported(q, k, v) -> str | None:
 @functools.lru_cache(maxsize=64)
 def _read_by_keys(variant: ir.Variant) -> tuple:
     """The learnable inputs the variant reads by key alone (their gradients are dK/dV's)."""
+    if not variant.learnable_inputs:
+        return ()
+    # Imported here: the analysis needs sympy, which a warm start never imports.
+    from ...analysis.gradient_owners import gradient_owners, learnable_reads
     return tuple(sorted({o.load.tensor for o in gradient_owners(variant, learnable_reads(variant))
                          if o.kind == "cols"}))
 
