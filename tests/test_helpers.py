@@ -83,7 +83,7 @@ def _full_portable(variant) -> str:
 
 
 def _full_gluon(variant) -> str:
-    context = dict(portable.template_context(variant), emit=lambda name: True)
+    context = dict(gluon.template_context(variant), emit=lambda name: True)
     return templating.environment(gluon.TEMPLATES).get_template(
         "attention_gluon.py.jinja").render(**context)
 

@@ -91,7 +91,7 @@ def _fake_call(monkeypatch, entries, spec="attention a { mask q >= k }"):
     variant = attncc.parse(spec)
     kernel = types.SimpleNamespace(variant=variant, key="k", pinned_config=None,
                                    module=types.SimpleNamespace(USES_TABLES=False))
-    problem = types.SimpleNamespace(dim=128, len_q=16000, len_k=16000, group=1)
+    problem = types.SimpleNamespace(dim=128, dim_v=128, tile_dim=128, len_q=16000, len_k=16000, group=1)
     return kernel, problem
 
 

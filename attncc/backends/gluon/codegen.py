@@ -30,7 +30,7 @@ def generate(variant: ir.Variant):
     from ...codegen import helpers, templating
     from ...codegen.generated import Generated, module_name
     from ...codegen.printed import used
-    from ..portable.codegen import host_helpers, template_context, variant_code
+    from ..portable.codegen import host_helpers, variant_code
     code = variant_code(variant)
     d_score = code.d_score if code.score is not None else None
     called, _ = used([code.mask, code.score, d_score, code.layout_elem, code.sink,
@@ -38,12 +38,18 @@ def generate(variant: ir.Variant):
     # The shared host side (tile tables, launch arguments) is rendered into this module
     # too: its helpers are the portable module's.
     called |= host_helpers(code)
-    context = dict(template_context(variant, code), emit=helpers.needed(called).__contains__,
-                   # A score of s alone (a softcap) is cheap in registers beside the
-                   # in-flight P V product; one reading positions or inputs spilled there.
-                   score_of_s_alone=variant.score is None or ir.free_vars(variant.score) <= {"s"},
-                   fold_scale=folds_scale(variant))
+    context = dict(template_context(variant, code), emit=helpers.needed(called).__contains__)
     source = templating.environment(TEMPLATES).get_template("attention_gluon.py.jinja").render(**context)
     source = re.sub(r"\n{4,}", "\n\n\n", source)  # where left-out helpers were
     return Generated(source=source, strategy=context["strategy"],
                      module_name=module_name(variant, "gluon"))
+
+
+def template_context(variant: ir.Variant, code=None) -> dict:
+    """The portable templates' context, and what only the Gluon forward's loops decide."""
+    from ..portable.codegen import template_context as shared_context
+    # A score of s alone (a softcap) is cheap in registers beside the in-flight P V
+    # product; one reading positions or inputs spilled there.
+    return dict(shared_context(variant, code),
+                score_of_s_alone=variant.score is None or ir.free_vars(variant.score) <= {"s"},
+                fold_scale=folds_scale(variant))
