@@ -266,7 +266,7 @@ def speed(args, dog):
             if config["num_warps"] == tiles.WS_WARPS and os.environ.get("GLUON_SKIP_WS") == "1":
                 continue  # it hung in the correctness part
             label = f"gluon {config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
-            run = lambda: glu.module_of("gluon").forward(q, k, v, inputs, host=glu.module,
+            run = lambda: glu.module_of("gluon").forward(q, k, v, inputs,
                                                          config=config)
             try:
                 out_g, _ = run()
