@@ -6,17 +6,7 @@ Triton's bundled ptxas. What this catches before any GPU time is spent: Gluon ty
 layout errors, shared memory over the limit, register spills (from `ptxas -v`).
 It proves nothing about the results: that is benchmarks/gluon_check.py's job, on the GPU.
 
-For each forward kernel it also reads the machine code (SASS, from the cubin by Triton's
-bundled nvdisasm) and counts, in each tile loop, the exp2s (MUFU.EX2) between the wait
-for the scores S_i = Q K_i^T (WARPGROUP.DEPBAR.LE gsb0, 0x1) and the wait for the last
-tile's P V product (... 0x0): the softmax of tile i runs under P_{i-1} V_{i-1} only if
-they sit there, and ptxas is free to move the waits (it did: benchmarks/RESULTS.md,
-the forward's overlap). A kernel that spills inside its tile loops fails (its stack,
-where ptxas keeps a scalar or two across the loops, is shown); with --require-overlap,
-so does a loop with fewer than the tile's exp2s there.
-
     python benchmarks/gluon_compile.py [examples/causal.attn ...] [--dims 64,128,256] [--backward]
-                                        [--all-configs] [--require-overlap]
 
 Runs with whichever Triton is importable (put another first on PYTHONPATH to try it).
 """
@@ -92,106 +82,12 @@ def _ptxas_report(ptx: str) -> str:
     return f"{regs.group(1)} regs, spills {spill.group(1)}/{spill.group(2)} B"
 
 
-def disassemble(cubin: bytes) -> str:
-    """The cubin's SASS, by the nvdisasm bundled with the importable Triton."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True,
-                              check=True).stdout
-
-
-def stack_bytes(cubin: bytes) -> int:
-    """The kernel's stack frame (cuobjdump's resource usage): these kernels keep no
-    local arrays, so anything there is spilled registers."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True,
-                             check=True).stdout
-    return max(int(n) for n in re.findall(r"STACK:(\d+)", out))
-
-
-_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
-_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
-_BACK_BRANCH = re.compile(r"^@!?U?P\w+\s+BRA\s.*`\((\.L_x_\d+)\)")
-_S_WAIT, _PV_WAIT = "WARPGROUP.DEPBAR.LE gsb0, 0x1", "WARPGROUP.DEPBAR.LE gsb0, 0x0"
-
-
-def softmax_overlap(sass: str) -> list:
-    """For each tile loop of a forward kernel (a conditional branch back to a label,
-    around wgmma and no exit; a mbarrier's retry loop holds no wgmma), (exp2s between
-    its S wait and the next P V wait, exp2s in the loop, spill loads and stores in the
-    loop; None for the first where the loop has no S wait of its own). The loop body is
-    read as a cycle: ptxas may rotate it, so the P V wait can
-    come first in the listing."""
-    instructions, labels = [], {}
-    for line in sass.splitlines():
-        label = _LABEL.match(line)
-        if label:
-            labels[label.group(1)] = len(instructions)
-        found = _INSTRUCTION.search(line)
-        if found:
-            instructions.append(found.group(2))
-    loops = []
-    for end, text in enumerate(instructions):
-        branch = _BACK_BRANCH.match(text)
-        start = labels.get(branch.group(1)) if branch else None
-        if start is None or start > end:
-            continue
-        body = instructions[start:end + 1]
-        if not any(t.startswith("HGMMA") for t in body) or any(t == "EXIT" for t in body):
-            continue
-        between = None  # a loop that waits for S and P V at once overlaps nothing
-        if _S_WAIT in body and _PV_WAIT in body:
-            at, between = body.index(_S_WAIT), 0
-            for step in range(1, len(body)):
-                text = body[(at + step) % len(body)]
-                if text == _PV_WAIT:
-                    break
-                between += text.startswith("MUFU.EX2")
-        loops.append((between, sum(t.startswith("MUFU.EX2") for t in body),
-                      sum(t.startswith(("LDL", "STL")) for t in body)))
-    return loops
-
-
-def overlap_failures(loops: list, exp2s_per_tile: int) -> list:
-    """The loops that wait for S apart from P V but not all of the tile's exp2s between
-    (a loop that waits for both at once, a partial tiles' one, is meant to)."""
-    return [loop for loop in loops if loop[0] is not None and loop[0] < exp2s_per_tile]
-
-
-def loop_spills(loops: list) -> int:
-    """Spill loads and stores inside the tile loops, where they cost every step."""
-    return sum(loop[2] for loop in loops)
-
-
 def _import(path: Path, name: str):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def _check_forward(ck, config: dict, require_overlap: bool) -> int:
-    """Print the forward's exp2s under P V per tile loop and its stack; 1 if it spills,
-    or (`require_overlap`) if a loop's softmax does not run under P V."""
-    cubin = ck.asm["cubin"]
-    loops = softmax_overlap(disassemble(cubin))
-    # Each of a consumer warpgroup's 128 threads computes its share of the warpgroup's
-    # rows of P: the warp-specialized kernel has two consumers, the other num_warps / 4.
-    warpgroups = 2 if config["num_warps"] == tiles.WS_WARPS else config["num_warps"] // 4
-    per_tile = config["BLOCK_M"] // warpgroups * config["BLOCK_N"] // 128
-    stack, in_loops = stack_bytes(cubin), loop_spills(loops)
-    bad = overlap_failures(loops, per_tile) or not any(loop[0] is not None for loop in loops)
-    shown = " ".join(f"{'-' if between is None else between}/{total}" for between, total, _ in loops)
-    print(f"    exp2s under P V per tile loop (of {per_tile} per tile; -: waits for both at once): {shown or 'no loop found'}"
-          f"{' (OVERLAP LOST)' if bad else ''}; stack {stack} B, "
-          f"{in_loops} spill loads/stores in the tile loops{' (SPILLS)' if in_loops else ''}")
-    return int(in_loops > 0 or (require_overlap and bool(bad)))
 
 
 def main() -> int:
@@ -201,9 +97,6 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--all-configs", action="store_true", help="every candidate, not the first")
     ap.add_argument("--backward", action="store_true", help="the dK/dV kernel too")
-    ap.add_argument("--require-overlap", action="store_true",
-                    help="fail a forward whose softmax does not run under P V in every tile loop "
-                         "(a plan of two segments keeps one loop, which loses it)")
     args = ap.parse_args()
     specs = args.specs or sorted(glob.glob(str(Path(__file__).resolve().parent.parent / "examples" / "*.attn")))
     triton.runtime.driver.set_active(Sm90Driver())
@@ -253,8 +146,6 @@ def main() -> int:
                         launch(config)
                         ck = compiled[-1]
                         print(f"{label}: ok, smem {ck.metadata.shared} B, {_ptxas_report(ck.asm['ptx'])}")
-                        if not what:  # the forward: its overlap, and no spills
-                            failures += _check_forward(ck, config, args.require_overlap)
                     except Exception as e:  # report and go on: the point is the whole list
                         failures += 1
                         msg = str(e).strip().splitlines()

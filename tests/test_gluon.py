@@ -126,13 +126,6 @@ def test_calls_the_gluon_forward_does_not_take_are_named():
     assert "16-byte aligned" in unsupported(q, q, odd)
     # No one-launch backward: that is the portable module's.
     assert "no backward kernel of one launch" in GLUON.supports_call(causal, q, q, q, "bwd")
-    # Without a score the forward takes the raw products' row max and folds the scale
-    # into the exp2: a scale <= 0 would reverse the max. A score takes any scale.
-    negative = attncc.parse("attention t { scale -0.5 / sqrt(dim) mask q >= k }")
-    assert "scale > 0" in GLUON.supports_call(negative, q, q, q, "fwd")
-    assert "scale > 0" in GLUON.supports_call(attncc.parse("attention t { scale 0.0 }"), q, q, q, "fwd")
-    scored = attncc.parse("attention t { scale -0.5 score -s mask q >= k }")
-    assert GLUON.supports_call(scored, q, q, q, "fwd") is None
 
 
 def test_candidates_fit_and_pinned_configs_are_checked():

@@ -70,30 +70,18 @@ def signature(variant, module, fn, consts, dim, rows):
     return sig
 
 
-harness_spec = importlib.util.spec_from_file_location("gluon_compile", "benchmarks/gluon_compile.py")
-harness = importlib.util.module_from_spec(harness_spec)
-harness_spec.loader.exec_module(harness)
-
-
 def report(example, name, dim, compiled):
     ttgir = compiled.asm["ttgir"]
     ops = ("ttng.async_tma_copy_global_to_local", "ttng.wait_barrier", "ttng.warp_group_dot",
            "ttng.async_tma_copy_local_to_global", "ttg.warp_specialize")
-    cubin = compiled.asm["cubin"]
-    forward = name.startswith("attn_fwd")
     print(json.dumps({"example": example, "kernel": name, "dim": dim,
-                      "shared": compiled.metadata.shared, "cubin": len(cubin),
-                      "ops": {op: op in ttgir for op in ops},
-                      "stack": harness.stack_bytes(cubin),
-                      "overlap": harness.softmax_overlap(harness.disassemble(cubin)) if forward else None}),
-          flush=True)
+                      "shared": compiled.metadata.shared, "cubin": len(compiled.asm["cubin"]),
+                      "ops": {op: op in ttgir for op in ops}}), flush=True)
 
 
-only = sys.argv[4].split(",") if len(sys.argv) > 4 else list(KERNELS)
 for example in sys.argv[1].split(","):
     variant, module = load(example, f"{sys.argv[3]}/{len(sys.modules)}.py")
-    for dim, name in itertools.product(head_dims, only):
-        bm, bn, warps, stages, extra = KERNELS[name]
+    for dim, (name, (bm, bn, warps, stages, extra)) in itertools.product(head_dims, KERNELS.items()):
         fn = getattr(module, name)
         consts = dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=dim, NUM_STAGES=stages, WIDE=False, **extra)
         half = bm // 2 if name == "attn_fwd_ws" else bm
@@ -106,13 +94,13 @@ for example in sys.argv[1].split(","):
 '''
 
 
-def _compile(examples: list, head_dims: list, tmp_path, kernels: tuple = ()) -> list:
+def _compile(examples: list, head_dims: list, tmp_path) -> list:
     pytest.importorskip("triton.experimental.gluon")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     result = subprocess.run([sys.executable, "-c", COMPILE_GLUON,
                              ",".join(str(ROOT / "examples" / e) for e in examples),
-                             ",".join(map(str, head_dims)), str(tmp_path), *[",".join(kernels)] * bool(kernels)],
+                             ",".join(map(str, head_dims)), str(tmp_path)],
                             capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
@@ -149,45 +137,3 @@ def test_gluon_kernels_compile_for_hopper_at_every_head_dim(tmp_path):
     examples = ["prefix_lm.attn", "bigbird.attn", "nsa_topk.attn", "relative_bias.attn",
                 "gpt_oss_sinks.attn", "sigmoid_attention.attn"]
     _check(_compile(examples, [64, 128], tmp_path), examples, [64, 128])
-
-
-def _check_overlap(results: list):
-    # The forward runs the softmax of key tile i under the P V product of tile i - 1: in
-    # the machine code, a tile loop computes all of the tile's exp2s (64 per thread: a
-    # warpgroup's 64 x 128 slice of P over 128 threads) between the wait for S_i and
-    # the wait for P_{i-1} V_{i-1}: the full tiles' loop (of each consumer warpgroup of
-    # attn_fwd_ws); the partial tiles' loops wait for P V first (the mask beside the
-    # in-flight product spilled). Before the full and partial tiles had loops of their
-    # own, ptxas put the P V wait first: 0 of 66. And no spill inside a loop (Triton
-    # 3.9's ptxas keeps a scalar on the stack across them).
-    for r in results:
-        what = f"{Path(r['example']).name}: {r['kernel']} at head dim {r['dim']}"
-        loops = r["overlap"]
-        overlapped = [loop for loop in loops if loop[0] is not None]
-        assert len(overlapped) >= (2 if r["kernel"] == "attn_fwd_ws" else 1), \
-            f"{what}: (exp2s under P V, in the loop, spills): {loops}"
-        starved = [loop for loop in overlapped if loop[0] < 64]
-        assert not starved, f"{what}: (exp2s under P V, in the loop, spills): {loops}"
-        assert not any(loop[2] for loop in loops), f"{what}: spills: {loops}"
-
-
-def test_gluon_forward_softmax_runs_under_the_pv_product(tmp_path):
-    # Causal, the warp-specialized kernel (the first candidate at head dims 64 and 128):
-    # the full tiles and the diagonal's partial ones in loops of their own; about 18 s.
-    _check_overlap(_compile(["causal.attn"], [128], tmp_path, ("attn_fwd_ws",)))
-
-
-@pytest.mark.slow
-def test_gluon_forward_softmax_runs_under_the_pv_product_of_every_timed_variant(tmp_path):
-    # The forward variants benchmarks/gpu_suite.py times, at its head dim, and causal's
-    # one-partition kernel. Not held to it: head dim 64, where ptxas still waits for part
-    # of the (shorter) P V product before the exp2s; tile tables, a plan of two segments
-    # and a score of more than s (ALiBi), which keep one loop and no overlap. The
-    # machine code that runs is the GPU machine's ptxas's (Triton 3.6, CUDA 12.8); Triton
-    # 3.9's (CUDA 13) places the warp-specialized consumer's P V wait right after a
-    # barrier arrive it puts after about 20 of the 66 exp2s: there, attn_fwd only.
-    import triton
-    kernels = ("attn_fwd", "attn_fwd_ws") if triton.__version__.startswith("3.6") else ("attn_fwd",)
-    examples = ["full.attn", "gqa_causal.attn", "sliding_window.attn", "softcap.attn"]
-    results = _compile(examples, [128], tmp_path, kernels)
-    _check_overlap(results + _compile(["causal.attn"], [128], tmp_path, ("attn_fwd",)))

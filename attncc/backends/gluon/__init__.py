@@ -131,7 +131,7 @@ def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int) -> str | N
     dim, or None: the forward takes every head dim the call checks let through; dQ and
     dK/dV fewer, and dQ no learnable inputs; there is no one-launch backward."""
     if kind == "fwd":
-        return _scale_unsupported(variant, head_dim)
+        return None
     if kind not in ("dq", "dkdv"):
         return f"the Gluon backend has no {KERNEL_NAMES[kind]} kernel of one launch"
     name = KERNEL_NAMES[kind]
@@ -152,26 +152,3 @@ def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int) -> str | N
                 f"({', '.join(by_keys)}), whose gradients the portable dK/dV kernel owns; the "
                 "Gluon dK/dV kernel does not yet")
     return None
-
-
-def _scale_unsupported(variant: ir.Variant, head_dim: int) -> str | None:
-    """The Gluon forward of a variant without a score takes each row's max of the raw
-    products and applies the scale inside the exp2 (one FFMA per element), which is
-    right only for a positive scale."""
-    if not folds_scale(variant):
-        return None
-    from ...semantics.reference import scale_value
-    scale = scale_value(variant, head_dim)
-    if scale > 0:
-        return None
-    return (f"variant '{variant.name}' has scale {scale} at head dim {head_dim}; the Gluon "
-            "forward folds the scale into the exp2 of the raw scores' row max, which needs a "
-            "scale > 0 (write the sign into the score instead: `score -s`)")
-
-
-def folds_scale(variant: ir.Variant) -> bool:
-    """Whether the forward takes each row's max of the raw products and applies the scale
-    inside the exp2 (one FFMA per element): with no score to apply it to first, and
-    no sink or other normaliser, whose epilogues read the row max in the scaled score's
-    units."""
-    return variant.score is None and variant.sink is None and variant.normalize == ir.SOFTMAX

@@ -14,7 +14,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from ... import ir
-from . import folds_scale
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
