@@ -44,11 +44,9 @@ def generate(variant: ir.Variant):
                      module_name=module_name(variant, "gluon"))
 
 
+
 def template_context(variant: ir.Variant, code=None) -> dict:
-    """The portable templates' context, and what only the Gluon forward's loops decide."""
+    """The context the Gluon templates render with: the portable templates' (the Gluon
+    module shares their expressions and host side)."""
     from ..portable.codegen import template_context as shared_context
-    # A score of s alone (a softcap) is cheap in registers beside the in-flight P V
-    # product; one reading positions or inputs spilled there.
-    return dict(shared_context(variant, code),
-                score_of_s_alone=variant.score is None or ir.free_vars(variant.score) <= {"s"},
-                fold_scale=folds_scale(variant))
+    return shared_context(variant, code)
