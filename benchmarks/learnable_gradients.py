@@ -97,7 +97,8 @@ def main():
     mine = run_cases(lengths, args.heads, args.dim, args.batch)
     base = []
     if args.baseline:
-        env = dict(os.environ, PYTHONPATH=os.path.abspath(args.baseline),
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(  # the baseline first, then the rest
+                       [os.path.abspath(args.baseline), os.environ.get("PYTHONPATH", "")]),
                    ATTNCC_CACHE_DIR=os.environ.get("ATTNCC_CACHE_DIR", "/tmp/attncc-baseline"))
         done = subprocess.run([sys.executable, __file__, "--rows-only", "--lengths", args.lengths,
                                "--heads", str(args.heads), "--dim", str(args.dim),
