@@ -410,6 +410,7 @@ def _train_gpt():
     return module
 
 
+@pytest.mark.slow  # 12 s under the interpreter: the CI budget
 def test_train_gpt_compiled_trains_like_the_reference_model():
     # The example's CPU run: the compiled model with attncc's operator against the same
     # model, eager, with attncc.reference attention: same weights, same batches.

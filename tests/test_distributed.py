@@ -1,6 +1,6 @@
 """Context parallelism (attncc/distributed.py) against the single-process kernel.
 
-Real processes: one spawn per world size (2 and 4; 4 and 8 behind slow) runs every case with
+Real processes: one spawn per world size (2; 4 and 8 behind slow) runs every case with
 gloo on localhost, each rank passing its shard; rank 0 saves the gathered results and
 the kernel launches and transfers every rank made. The tests here compare them with the
 single-process kernel on the whole sequence and with the float64 reference (the
@@ -50,16 +50,16 @@ CASES = {
         ("layout_zigzag", "layout", "zigzag", 64, 1),
         ("dropout_zigzag", "dropout", "zigzag", 32, 2),
         ("gqa_learnable_contiguous", "gqa_learnable", "contiguous", 32, 4)],
+}
+# Longer runs (issue 36): 4 and 8 processes, each spawn ~17 s under the interpreter.
+SLOW_CASES = {
     4: [("causal_contiguous", "causal", "contiguous", 64, 1),
         ("window_zigzag", "window", "zigzag", 64, 1),
         ("window_contiguous", "window", "contiguous", 64, 1),
         ("document_contiguous", "document", "contiguous", 64, 1),
         ("layout_contiguous", "layout", "contiguous", 64, 1),
-        ("document_zigzag", "document", "zigzag", 48, 3)],
-}
-# Longer runs (issue 36): causal and document masks, zig-zag, on 4 and 8 processes.
-SLOW_CASES = {
-    4: [("causal_zigzag", "causal", "zigzag", 96, 3)],
+        ("document_zigzag", "document", "zigzag", 48, 3),
+        ("causal_zigzag", "causal", "zigzag", 96, 3)],
     8: [("causal_zigzag", "causal", "zigzag", 80, 3),
         ("document_zigzag", "document", "zigzag", 64, 2),
         ("window_zigzag", "window", "zigzag", 64, 1)],

@@ -440,6 +440,7 @@ def compiled_equals_eager(attend, dynamic, calls):
 SLOPES = torch.rand(2, 6, generator=torch.Generator().manual_seed(10)).to(DEVICE)
 
 
+@pytest.mark.slow  # 12 s under the interpreter: the CI budget
 def test_flash_attn_func_under_torch_compile_with_symbolic_options():
     # softcap and the window side are arguments, symbolic under dynamic=True: each picks
     # the variant, so each is specialised; GQA, causal and ALiBi too.
