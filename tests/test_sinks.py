@@ -179,6 +179,29 @@ def test_the_sinks_gradient_is_the_same_bits_on_every_call():
     assert torch.equal(grads[0][4:], torch.zeros(2, device=DEVICE))  # entries 4, 5 are never read
 
 
+@pytest.mark.parametrize("axes", ["h", "b, h", "h, b"])
+def test_a_sink_read_as_is_takes_the_summed_gradient_of_the_general_path(axes):
+    """`sink t[h]` (and t[b, h], t[h, b]) skips the vjp through the evaluator: its
+    gradient is dσ summed over the other row axes, the general path's value."""
+    from attncc.arguments import Problem
+    from attncc.runtime.sinks import _direct_read, add_sink_gradients
+    B, H, L = 2, 6, 13
+    shape = [{"b": B, "h": H}[a] for a in axes.split(", ")]
+    spec = f"attention t {{ learnable input t: f32[{axes}]  mask q >= k  sink t[{axes}] }}"
+    general = spec.replace(f"sink t[{axes}]", f"sink t[{axes}] + 0.0")  # not a bare read
+    problem = Problem(B, H, H, L, L, 16, 16)
+    gen = torch.Generator().manual_seed(4)
+    values = {"t": torch.randn(*shape, generator=gen)}
+    lse, delta = torch.randn(B, H, L, generator=gen), torch.randn(B, H, L, generator=gen)
+    fast_variant, slow_variant = attncc.parse(spec), attncc.parse(general)
+    assert _direct_read(fast_variant, problem, values) is not None
+    assert _direct_read(slow_variant, problem, values) is None
+    fast = add_sink_gradients(fast_variant, problem, values, lse, delta, {})["t"]
+    slow = add_sink_gradients(slow_variant, problem, values, lse, delta, {})["t"]
+    assert fast.shape == values["t"].shape
+    assert torch.allclose(fast, slow, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("reads, entries", [(1000, 7), (40000, 9000)])  # compared; sorted
 def test_fixed_order_sum_adds_every_read_of_an_entry(reads, entries):
     gen = torch.Generator().manual_seed(2)

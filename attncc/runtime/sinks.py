@@ -133,6 +133,9 @@ def add_sink_gradients(variant: ir.Variant, problem: Problem, values: dict, lse:
     names = sink_learnables(variant)
     if not names:
         return dinputs
+    direct = _direct_read(variant, problem, values)
+    if direct is not None:
+        return _add_direct_gradient(variant, values, lse, delta, dinputs, direct)
     device = lse.device
     fixed = {n: t for n, t in values.items() if n not in names}
 
@@ -148,4 +151,48 @@ def add_sink_gradients(variant: ir.Variant, problem: Problem, values: dict, lse:
         dtype = values[name].dtype
         earlier = out.get(name)
         out[name] = (grad if earlier is None else earlier.float() + grad).to(dtype)
+    return out
+
+
+# Where a row's index names sit in lse's [B, H, Lq].
+_ROW_AXES = {"b": 0, "h": 1}
+
+
+def _direct_read(variant: ir.Variant, problem: Problem, values: dict):
+    """(input, its row axes) where the sink is one learnable input read as-is at distinct
+    row index names that are also its declared axes (gpt-oss's `sinks[h]`, `s[b, h]`),
+    else None. Such a sink's gradient is dσ summed over the rows' other axes: no
+    expression to differentiate, and none of the general path's host work (a vjp through
+    the evaluator costs about 2 ms a call, more than the kernels at short lengths)."""
+    read = variant.sink
+    if not isinstance(read, ir.Load) or read.tensor not in values:
+        return None
+    decl = next((d for d in variant.learnable_inputs if d.name == read.tensor), None)
+    axes = tuple(getattr(i, "name", None) for i in read.indices)
+    if decl is None or tuple(decl.axes) != axes or len(set(axes)) != len(axes) \
+            or not all(a in _ROW_AXES for a in axes):
+        return None
+    sizes = {"b": problem.batch, "h": problem.heads_q}
+    if tuple(values[read.tensor].shape) != tuple(sizes[a] for a in axes):
+        return None
+    return read.tensor, axes
+
+
+def _add_direct_gradient(variant, values, lse, delta, dinputs, direct) -> dict:
+    name, axes = direct
+    table = values[name]
+    # σ broadcast over lse's [B, H, Lq]: the table's axes in row order, size 1 elsewhere.
+    in_row_order = sorted(axes, key=_ROW_AXES.get)
+    sigma = table.detach().float().permute(*(axes.index(a) for a in in_row_order))
+    shape = [1, 1, 1]
+    for a in in_row_order:
+        shape[_ROW_AXES[a]] = sigma.shape[in_row_order.index(a)]
+    d_sink = -torch.exp(sigma.reshape(shape) - lse) * delta  # [B, H, Lq]
+    # torch's sum reduces in a fixed order (no atomics): the same bits on every call.
+    summed = [d for d in range(3) if d not in {_ROW_AXES[a] for a in axes}]
+    grad = d_sink.sum(dim=summed)  # the remaining axes, in row order
+    grad = grad.permute(*(in_row_order.index(a) for a in axes))
+    out = dict(dinputs)
+    earlier = out.get(name)
+    out[name] = (grad if earlier is None else earlier.float() + grad).to(table.dtype)
     return out
