@@ -1,7 +1,7 @@
 """GPU check of v's head dim independent of q·k's (issue 34): correctness in fp16 and
 bf16, and the (192, 128) speed at 16K tokens.
 
-    python benchmarks/head_dims_v.py --part correctness
+    python benchmarks/head_dims_v.py --part correctness [--match "MLA decode"]
     python benchmarks/head_dims_v.py --part speed [--len 16384]
     python benchmarks/head_dims_v.py --part mla [--hbm-tbs 4.8] [--tflops 989] [--nq 1,4]
 
@@ -128,7 +128,7 @@ def check_mla_decode(n_q: int, paged: bool, config) -> list:
                  ok=bool(out.shape == ref.shape and within_tolerance(err, eerr, dt, ref, 1.0)))]
 
 
-def correctness() -> list:
+def correctness(match: str) -> list:
     results = []
     cases = [(f"E{E} Ev{Ev} {str(dt)[6:]} {'causal' if c else 'full'}",
               lambda E=E, Ev=Ev, dt=dt, c=c: check(E, Ev, dt, c))
@@ -143,6 +143,8 @@ def correctness() -> list:
                lambda n_q=n_q, p=p, c=c: check_mla_decode(n_q, p, c))
               for n_q in (1, 4) for p in (False, True) for c in wide]
     for label, fn in cases:
+        if match not in label:
+            continue
         try:
             rows = fn()
             ok = all(r.get("ok", True) for r in rows)
@@ -266,9 +268,10 @@ def main():
     ap.add_argument("--hbm-tbs", type=float, default=4.8)
     ap.add_argument("--tflops", type=float, default=989.0, help="dense bf16 tensor peak")
     ap.add_argument("--nq", default="1,4", help="MLA new tokens per row, comma-separated")
+    ap.add_argument("--match", default="", help="correctness: only the cases whose label has this")
     args = ap.parse_args()
     if args.part == "correctness":
-        results = correctness()
+        results = correctness(args.match)
     elif args.part == "speed":
         results = speed(args.len)
     else:
