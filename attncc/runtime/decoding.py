@@ -38,8 +38,9 @@ INTERPRETER_SPLITS = 3  # under the interpreter: enough splits to exercise the m
 # where Triton gives each warpgroup half the value columns (FlashMLA's split).
 WIDE_ACCUMULATOR = 128 * 128
 # Their tiles (BLOCK_N, num_warps, num_stages), most likely winner first: BLOCK_N 64 gives
-# q·k 64-key wgmma instructions (at 16 keys the q tile is reread from shared memory for
-# every 16 keys); each compiles for sm_90 with at most ~300 B of spills at 255 registers.
+# q·k wgmma instructions twice as wide as BLOCK_N 32's (n32, not n16), which reread the
+# q tile from shared memory half as often; each compiles for sm_90 at 255 registers with
+# at most ~350 B of spills (benchmarks/portable_compile.py --mla).
 WIDE_SHAPES = [(64, 8, 2), (32, 8, 3), (32, 8, 2), (16, 8, 3)]
 
 # Keywords of the training call that mean nothing here, each with what to do instead.
