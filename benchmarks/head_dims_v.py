@@ -1,23 +1,30 @@
 """GPU check of v's head dim independent of q·k's (issue 34): correctness in fp16 and
 bf16, and the (192, 128) speed at 16K tokens.
 
-    python benchmarks/head_dims_v.py --part correctness
+    python benchmarks/head_dims_v.py --part correctness [--match "MLA decode"]
     python benchmarks/head_dims_v.py --part speed [--len 16384]
-    python benchmarks/head_dims_v.py --part mla [--hbm-tbs 4.8]
+    python benchmarks/head_dims_v.py --part mla [--hbm-tbs 4.8] [--tflops 989] [--nq 1,4]
 
 correctness: (192, 128), (128, 64), (64, 512), (80, 96) forward and backward, causal
 and not, GQA 6 / 2, lengths off the tile, against float64 autograd of attncc.reference,
 held to attncc/semantics/tolerance.py's rule; then decoding with a v cache 128 wide
-beside 192-wide keys, contiguous and paged, against decode_reference.
+beside 192-wide keys, contiguous and paged, against decode_reference; then MLA decoding
+(v = k[..., :512], 128 heads, n_q 1 and 4, ragged rows to 4000 keys, contiguous and
+paged) at each wide-accumulator tile the tuner may pick (decoding.WIDE_SHAPES, pinned)
+and tuned.
 speed: forward and forward + backward of causal (192, 128) attention in bf16, batch 1,
 16 heads: attncc as given; attncc with q, k padded to 256 and v to 256 (what the
 padding workaround and a padded head dim cost: the scale fixed to 1/sqrt(192)); cuDNN
 through SDPA (which takes d_qk 192 / d_v 128 on Hopper) and FA4 (flash_attn.cute) where
 installed. mla: MLA decoding, one latent cache 576 wide with v = k[..., :512] (the kernel
 takes the values from the K tile), batch 32, 128 query heads on one kv head, n_q 1 and
-4, caches of 4K to 32K tokens in bf16: correctness against decode_reference on the
-first case, then the time and the cache bytes read per second against the HBM peak
-(--hbm-tbs, 4.8 TB/s for an H200). Results go to $OUT/head_dims_v.json.
+4 (--nq), caches of 4K to 32K tokens in bf16: correctness against decode_reference on
+the first case, then per case the config the tuner chose (tile, warps, stages, splits,
+programs against the SMs), the time, the cache bytes read per second against the HBM
+peak (--hbm-tbs, 4.8 TB/s for an H200) and the tensor FLOP/s against --tflops (989 for
+dense bf16): at 128 heads MLA decoding does 2 x 128 x n_q x (576 + 512) FLOPs per
+1152-byte cache row, about the H200's ridge at n_q 1 and compute-bound beyond, so
+`bound` gives the larger of the two floors. Results go to $OUT/head_dims_v.json.
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import attncc  # noqa: E402
+from attncc.runtime import decoding  # noqa: E402
 from attncc.semantics.tolerance import gradient_scales, max_abs_error, within_tolerance  # noqa: E402
 
 OUT = os.environ.get("OUT", "out")
@@ -93,7 +101,34 @@ def check_decode(dtype, paged: bool) -> list:
                  ok=bool(out.shape == ref.shape and within_tolerance(err, eerr, dtype, ref, 1.0)))]
 
 
-def correctness() -> list:
+def check_mla_decode(n_q: int, paged: bool, config) -> list:
+    """MLA decoding, v = k[..., :512] (one latent cache), 128 heads, ragged rows, bf16,
+    at `config` (None: tuned), against decode_reference in float64."""
+    torch.manual_seed(576 + n_q)
+    B, H, E, Ev, dt = 4, 128, 576, 512, torch.bfloat16
+    kernel = attncc.compile(CAUSAL)
+    q = torch.randn(B, H, n_q, E, device="cuda", dtype=dt)
+    seqlens = torch.tensor([1, 700, 1500, 4000], device="cuda", dtype=torch.int32)
+    table = None
+    if paged:
+        page, pages = 64, 4 * 64
+        latent = torch.randn(pages, page, 1, E, device="cuda", dtype=dt)
+        table = torch.randperm(pages, device="cuda")[:B * 64].reshape(B, 64).int()
+    else:
+        latent = torch.randn(B, 1, 4096, E, device="cuda", dtype=dt)
+    out = kernel.decode(q, latent, latent[..., :Ev], cache_seqlens=seqlens, block_table=table,
+                        config=config)
+    ref = attncc.decode_reference(kernel.variant, q.double(), latent.double(),
+                                  latent[..., :Ev].double(), cache_seqlens=seqlens,
+                                  block_table=table)
+    eager = attncc.decode_reference(kernel.variant, q, latent, latent[..., :Ev],
+                                    cache_seqlens=seqlens, block_table=table)
+    err, eerr = max_abs_error(out, ref), max_abs_error(eager, ref)
+    return [dict(tensor="out", err=err, eager_err=eerr,
+                 ok=bool(out.shape == ref.shape and within_tolerance(err, eerr, dt, ref, 1.0)))]
+
+
+def correctness(match: str) -> list:
     results = []
     cases = [(f"E{E} Ev{Ev} {str(dt)[6:]} {'causal' if c else 'full'}",
               lambda E=E, Ev=Ev, dt=dt, c=c: check(E, Ev, dt, c))
@@ -101,7 +136,15 @@ def correctness() -> list:
     cases += [(f"decode 192/128 {str(dt)[6:]} {'paged' if p else 'contiguous'}",
                lambda dt=dt, p=p: check_decode(dt, p))
               for dt in (torch.float16, torch.bfloat16) for p in (False, True)]
+    wide = [None] + [dict(BLOCK_N=bn, num_warps=w, num_stages=s, num_splits=3)
+                     for bn, w, s in decoding.WIDE_SHAPES]
+    cases += [(f"MLA decode n_q {n_q} {'paged' if p else 'contiguous'} "
+               + (decoding.label(c) if c else "tuned"),
+               lambda n_q=n_q, p=p, c=c: check_mla_decode(n_q, p, c))
+              for n_q in (1, 4) for p in (False, True) for c in wide]
     for label, fn in cases:
+        if match not in label:
+            continue
         try:
             rows = fn()
             ok = all(r.get("ok", True) for r in rows)
@@ -175,15 +218,16 @@ def speed(length: int) -> list:
     return results
 
 
-def mla(hbm_tbs: float) -> list:
+def mla(hbm_tbs: float, tflops: float, n_qs: list) -> list:
     from triton.testing import do_bench
     torch.manual_seed(0)
     B, H, E, Ev, dt = 32, 128, 576, 512, torch.bfloat16
     kernel = attncc.compile("attention mla { scale 1.0 / sqrt(192.0)  mask q >= k }")
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
     for length in (4096, 8192, 16384, 32768):
         latent = torch.randn(B, 1, length, E, device="cuda", dtype=dt)
-        for n_q in (1, 4):
+        for n_q in n_qs:
             q = torch.randn(B, H, n_q, E, device="cuda", dtype=dt)
             step = lambda: kernel.decode(q, latent, latent[..., :Ev], cache_seqlens=length)
             row = dict(len=length, n_q=n_q)
@@ -197,11 +241,21 @@ def mla(hbm_tbs: float) -> list:
                 row.update(err=err, eager_err=eerr,
                            ok=bool(within_tolerance(err, eerr, dt, ref, 1.0)))
             ms = do_bench(step)
-            tbs = latent.numel() * latent.element_size() / ms / 1e9
-            row.update(ms=ms, cache_tbs=tbs, of_peak=tbs / hbm_tbs)
+            plan = kernel._decode_plans[decoding.plan_key(
+                q, latent, latent[..., :Ev], length, None, None, None, None, None, False, {})]
+            p, cfg = plan.problem, plan.config
+            programs = p.batch * p.heads_kv * p.row_tiles * cfg["num_splits"]
+            nbytes = latent.numel() * latent.element_size()
+            flops = 2 * B * H * n_q * length * (E + Ev)
+            tbs, tf = nbytes / ms / 1e9, flops / ms / 1e9
+            bound = max(nbytes / hbm_tbs / 1e9, flops / tflops / 1e9)  # ms
+            row.update(ms=ms, cache_tbs=tbs, of_peak=tbs / hbm_tbs, tflops=tf, bound_ms=bound,
+                       config=cfg, programs=programs, sms=n_sm)
             results.append(row)
-            print(f"MLA decode cache {length:6d} n_q {n_q}: {ms:7.3f} ms, cache read "
-                  f"{tbs:5.2f} TB/s ({100 * tbs / hbm_tbs:4.1f}% of {hbm_tbs} TB/s)"
+            print(f"MLA decode cache {length:6d} n_q {n_q}: {ms:7.3f} ms (bound {bound:6.3f}), "
+                  f"cache read {tbs:5.2f} TB/s ({100 * tbs / hbm_tbs:4.1f}% of {hbm_tbs}), "
+                  f"{tf:4.0f} TFLOP/s; {decoding.label(cfg)}, {p.row_tiles} row tiles, "
+                  f"{programs} programs on {n_sm} SMs"
                   + (f", error {row['err']:.3g} ({'ok' if row['ok'] else 'FAIL'})"
                      if "err" in row else ""), flush=True)
     return results
@@ -212,11 +266,16 @@ def main():
     ap.add_argument("--part", choices=("correctness", "speed", "mla"), default="correctness")
     ap.add_argument("--len", type=int, default=16384)
     ap.add_argument("--hbm-tbs", type=float, default=4.8)
+    ap.add_argument("--tflops", type=float, default=989.0, help="dense bf16 tensor peak")
+    ap.add_argument("--nq", default="1,4", help="MLA new tokens per row, comma-separated")
+    ap.add_argument("--match", default="", help="correctness: only the cases whose label has this")
     args = ap.parse_args()
     if args.part == "correctness":
-        results = correctness()
+        results = correctness(args.match)
+    elif args.part == "speed":
+        results = speed(args.len)
     else:
-        results = speed(args.len) if args.part == "speed" else mla(args.hbm_tbs)
+        results = mla(args.hbm_tbs, args.tflops, [int(n) for n in args.nq.split(",")])
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "head_dims_v.json"), "w") as f:
         json.dump(dict(part=args.part, results=results), f, indent=1)

@@ -9,6 +9,12 @@ through; the shipped winners must be among them (runtime/configs.py, usable).
 
     python benchmarks/portable_compile.py [examples/causal.attn ...] [--dims 16,32,64]
         [--dtypes float16,bfloat16] [--directions fwd,dq,dkdv] [--all-configs] [--dim-v 128]
+    python benchmarks/portable_compile.py --mla [--nq 1,4]
+
+--mla compiles MLA decoding's candidates instead (B=32, 128 heads on one latent head,
+576/512 with v = k[..., :512], bf16, a 32K cache: runtime/decoding.py's candidates) and
+prints each decode_split's shared memory, registers and spills (`ptxas -v`: the
+ptxas bundled with Triton 3.6 reads its PTX; 3.9's may not).
 
 Exits 1 if any compile failed. Runs with whichever Triton is importable.
 """
@@ -28,7 +34,7 @@ from attncc.arguments import Problem  # noqa: E402
 from attncc import backends  # noqa: E402
 from attncc.runtime import tuning  # noqa: E402
 from attncc.semantics.samples import sample_inputs  # noqa: E402
-from gluon_compile import Sm90Driver, _compile_only  # noqa: E402
+from gluon_compile import Sm90Driver, _compile_only, _ptxas_report  # noqa: E402
 
 DIMS = "16,32,48,64,80,96,128,192,256"
 
@@ -48,6 +54,33 @@ def launches(module, variant, dim: int, dtype, dim_v: int) -> dict:
     return runs
 
 
+def mla_decode(n_qs: list, compiled: list) -> int:
+    """Compile decode_split at each MLA decoding candidate; the number that failed."""
+    from attncc.runtime import decoding
+    kernel = attncc.compile("attention mla { scale 1.0 / sqrt(192.0)  mask q >= k }")
+    B, H, E, Ev, dtype = 32, 128, 576, 512, torch.bfloat16
+    latent = torch.empty(B, 1, 1024, E, dtype=dtype)  # the kernel does not specialise on capacity
+    seqlens = torch.full((B,), 1000, dtype=torch.int32)
+    failures = 0
+    for n_q in n_qs:
+        q = torch.empty(B, H, n_q, E, dtype=dtype)
+        p = decoding.DecodeProblem(B, H, 1, n_q, 0, E, 32768, 0, Ev, v_is_k=True)
+        for config in decoding.candidates(kernel.variant, p, 2, 132, lambda bn: 32768 // bn):
+            label = f"mla decode n_q {n_q} {decoding.label(config)}"
+            compiled.clear()
+            try:
+                kernel.module.decode(q, latent, latent[..., :Ev], seqlens, {}, config=config)
+                split = next(ck for ck in compiled if ck.name.startswith("decode_split"))
+                print(f"{label}: ok, smem {split.metadata.shared} B, "
+                      f"{_ptxas_report(split.asm['ptx'])}", flush=True)
+            except Exception as e:  # report and go on: the point is the whole list
+                failures += 1
+                lines = [x for x in str(e).strip().splitlines() if x.strip()]
+                print(f"{label}: FAILED {type(e).__name__}: {lines[-1][:300] if lines else ''}",
+                      flush=True)
+    return failures
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("specs", nargs="*")
@@ -58,6 +91,8 @@ def main() -> int:
                     help="every kept candidate, not only the ones the tuner times")
     ap.add_argument("--dim-v", type=int, default=None,
                     help="v's head dim (default: each q·k head dim)")
+    ap.add_argument("--mla", action="store_true", help="MLA decoding's candidates instead")
+    ap.add_argument("--nq", default="1,4", help="with --mla: new tokens per row")
     args = ap.parse_args()
     root = Path(__file__).resolve().parent.parent
     specs = args.specs or [str(root / "examples" / "causal.attn")]
@@ -66,6 +101,10 @@ def main() -> int:
     _compile_only(compiled)
     failures = 0
     print(f"triton {triton.__version__}", flush=True)
+    if args.mla:
+        failures = mla_decode([int(n) for n in args.nq.split(",")], compiled)
+        print(f"{failures} failed")
+        return 1 if failures else 0
     for spec in specs:
         variant = attncc.load(spec)
         module = attncc.compile(variant).module

@@ -396,6 +396,108 @@ def test_mla_decode_takes_v_from_the_k_tile_and_appends_k_alone(paged, monkeypat
     assert not seen["decode_split"]["V_IS_K"]
 
 
+def _mla_formula(q, latent, n_q):
+    """MLA decoding written from its definition, in float64: q (H, n_q, 576) against one
+    row's latent sequence (L, 576), query token i at position L - n_q + i, causal, scale
+    1/sqrt(576), values the latent's first 512 columns; a token before position 0 sees
+    no key and gives 0."""
+    L = latent.shape[0]
+    s = q.double() @ latent.double().T / math.sqrt(q.shape[-1])  # (H, n_q, L)
+    allowed = (L - n_q + torch.arange(n_q))[:, None] >= torch.arange(L)[None, :]
+    p = torch.softmax(s.masked_fill(~allowed, -math.inf), -1).nan_to_num(0.0)
+    return p @ latent[:, :512].double()
+
+
+def _mla_case(paged, gen, B, H, n_q, n_new, cached, capacity, page=16):
+    """A latent cache (contiguous, or in shuffled pages of `page`) holding `cached[b]`
+    positions of each row's latent sequence, NaN everywhere a call must not read; q,
+    k_new; and the rows' whole latent sequences after the append (for _mla_formula)."""
+    E = 576
+    logical = torch.randn(B, capacity, E, generator=gen)
+    k_new = torch.randn(B, 1, n_new, E, generator=gen)
+    q = torch.randn(B, H, n_q, E, generator=gen) * 2  # peaked softmax rows
+    rows = [torch.cat([logical[b, :cached[b]], k_new[b, 0]]) for b in range(B)]
+    dense = logical.clone()
+    for b in range(B):
+        dense[b, cached[b]:] = math.nan
+    if not paged:
+        return q, dense[:, None], None, k_new, rows
+    per_row = capacity // page
+    table = torch.randperm(B * per_row + 1, generator=gen)[:B * per_row].reshape(B, per_row)
+    cache = torch.full((B * per_row + 1, page, 1, E), math.nan)
+    for b in range(B):
+        for j in range(per_row):
+            cache[table[b, j], :, 0] = dense[b, j * page:(j + 1) * page]
+    return q, cache, table.int(), k_new, rows
+
+
+# (paged, B, heads, n_q, n_new, keys cached per row, splits)
+MLA_ROW_TILE_CASES = [
+    pytest.param((True, 1, 17, 4, 2, [37], 1), id="paged-68rows"),
+    pytest.param((False, 2, 32, 3, 2, [0, 41], 2), id="contiguous-ragged-96rows"),
+    pytest.param((False, 2, 128, 4, 1, [29, 6], 3), id="contiguous-128heads-nq4"),  # 8 row tiles
+]
+
+
+@pytest.mark.slow  # 1.5-9 s each: the interpreter at 576 wide, 64 rows a program
+@pytest.mark.parametrize("case", MLA_ROW_TILE_CASES)
+def test_mla_decode_at_eight_warps_over_row_tiles(case):
+    """MLA decoding at the 8-warp config the GPU's tuner chooses among (pinned here: the
+    interpreter ignores warps but runs the same kernel) with more rows (query heads x new
+    tokens) than one program's 64: row tiles (the last part empty) reading the same K
+    tiles; splits, tokens appended, tiles off the 16-key grid, a row holding
+    fewer keys than n_q (its first token sees none), MLA's 128 heads; against the formula and
+    decode_reference in float64."""
+    paged, B, H, n_q, n_new, cached, splits = case
+    gen = torch.Generator().manual_seed(5760 + paged)
+    q, cache, table, k_new, rows = _mla_case(paged, gen, B, H, n_q, n_new, cached, 64)
+    kernel = attncc.compile(CAUSAL)
+    config = dict(BLOCK_N=16, num_warps=8, num_stages=2, num_splits=splits)
+    seqlens = torch.tensor(cached, dtype=torch.int32)
+    ref = attncc.decode_reference(kernel.variant, q.double(), cache.double(),
+                                  cache[..., :512].double(), cache_seqlens=seqlens,
+                                  k_new=k_new.double(), v_new=k_new[..., :512].double(),
+                                  block_table=table)
+    cache, q, k_new, seqlens = (t.to(DEVICE) for t in (cache, q, k_new, seqlens))
+    out = kernel.decode(q, cache, cache[..., :512], cache_seqlens=seqlens, k_new=k_new,
+                        v_new=k_new[..., :512], config=config,
+                        block_table=table if table is None else table.to(DEVICE))
+    want = torch.stack([_mla_formula(q[b].cpu(), rows[b], n_q) for b in range(B)])
+    _close(out, want, "MLA decode against the formula", 1e-5)
+    _close(out, ref, "MLA decode against decode_reference", 1e-5)
+    if cached[0] + n_new < n_q:  # tokens before position 0: no key
+        assert out[0, :, :n_q - cached[0] - n_new].abs().max() == 0
+    plan = list(kernel._decode_plans.values())[-1]
+    assert plan.config == config and plan.problem.v_is_k
+    assert plan.problem.row_tiles == -(-H * n_q // 64) > 1
+
+
+def test_mla_decode_configs_hold_the_accumulator_at_eight_warps():
+    """MLA at its benchmark shape (B=32, 128 heads on one latent head, 576/512): a 64 x 512
+    fp32 P·V accumulator is 256 registers a thread at 4 warps (ptxas spilled 2.8 KB a
+    thread there), so every candidate runs 8 warps; the K tile is the V tile, so 64-key
+    tiles in two stages fit shared memory; the splits fill the 132 SMs once (one
+    program each: 2 row tiles x 32 rows x 2 splits = 128)."""
+    from attncc.runtime.decoding import DecodeProblem, candidates, tuning_key
+    variant = attncc.parse(CAUSAL)
+    reach = lambda bn: 32768 // bn
+    mla = DecodeProblem(32, 128, 1, 1, 0, 576, 32768, 0, 512, v_is_k=True)
+    assert mla.wide_accumulator and mla.row_tiles == 2
+    first = candidates(variant, mla, 2, 132, reach)
+    assert first[0] == dict(BLOCK_N=64, num_warps=8, num_stages=2, num_splits=2)
+    assert {c["num_warps"] for c in first} == {8}
+    four = DecodeProblem(32, 128, 1, 4, 0, 576, 32768, 0, 512, v_is_k=True)
+    assert four.row_tiles == 8 and candidates(variant, four, 2, 132, reach)[0]["num_splits"] == 1
+    # A v cache of its own: its tiles take shared memory too, 64 keys in two stages do not fit.
+    separate = DecodeProblem(32, 128, 1, 1, 0, 576, 32768, 0, 512)
+    assert candidates(variant, separate, 2, 132, reach)[0]["BLOCK_N"] == 32
+    assert tuning_key(mla, torch.bfloat16, None) != tuning_key(separate, torch.bfloat16, None)
+    # Head dims to 256 keep their 4-warp tiles.
+    assert not DecodeProblem(8, 32, 8, 1, 0, 256, 32768, 0).wide_accumulator
+    assert candidates(variant, DecodeProblem(8, 32, 8, 1, 0, 128, 32768, 0), 2, 132,
+                      reach)[0]["num_warps"] == 4
+
+
 @pytest.mark.slow  # Dynamo's first compile in a process takes seconds
 def test_torch_compile_traces_v_of_another_width():
     """The operator's fake implementation gives the output and dV v's width, so a traced

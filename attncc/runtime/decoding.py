@@ -32,6 +32,16 @@ MIN_TILES_PER_SPLIT = 4  # fewer, and a program's fixed costs (q, bounds, partia
 SHARED_MEMORY = 227 * 1024  # per SM on Hopper (H100, H200)
 TUNE_AT_MOST = 6  # decode candidates are cheap to time (no backward, short calls)
 INTERPRETER_SPLITS = 3  # under the interpreter: enough splits to exercise the merge
+# A program's fp32 P·V accumulator (BLOCK_M x v's tile width) over this many elements
+# needs more than 128 registers a thread at 4 warps: MLA's 64 x 512 needs 256, which
+# ptxas spills (2.8 KB a thread on sm_90, every key tile). Such problems run at 8 warps,
+# where Triton gives each warpgroup half the value columns (FlashMLA's split).
+WIDE_ACCUMULATOR = 128 * 128
+# Their tiles (BLOCK_N, num_warps, num_stages), most likely winner first: BLOCK_N 64 gives
+# q·k wgmma instructions twice as wide as BLOCK_N 32's (n32, not n16), which reread the
+# q tile from shared memory half as often; each compiles for sm_90 at 255 registers with
+# at most ~350 B of spills (benchmarks/portable_compile.py --mla).
+WIDE_SHAPES = [(64, 8, 2), (32, 8, 3), (32, 8, 2), (16, 8, 3)]
 
 # Keywords of the training call that mean nothing here, each with what to do instead.
 _NOT_DECODE_ARGUMENTS = {
@@ -58,6 +68,7 @@ class DecodeProblem:
     capacity: int  # positions a row's cache can hold
     page_size: int  # 0: a contiguous cache
     dim_v: int | None = None  # v's head dim; None: as wide as q's and k's
+    v_is_k: bool = False  # v a view of k's first columns: its tiles are the K tiles' (MLA)
 
     @property
     def pads(self) -> tuple:
@@ -81,16 +92,23 @@ class DecodeProblem:
     def row_tiles(self) -> int:
         return -(-self.group * self.n_q // self.rows_block)
 
+    @property
+    def wide_accumulator(self) -> bool:
+        """Whether the P·V accumulator needs 8 warps (WIDE_ACCUMULATOR)."""
+        return self.rows_block * self.pads[1] > WIDE_ACCUMULATOR
 
-def decode_problem(q, k_cache, v_cache, k_new, block_table) -> DecodeProblem:
-    """The sizes of a decode call whose shapes check_decode_call has checked."""
+
+def decode_problem(q, k_cache, v_cache, k_new, block_table, v_is_k: bool = False) -> DecodeProblem:
+    """The sizes of a decode call whose shapes check_decode_call has checked; v_is_k as the
+    generated module's v_is_k(k_cache, v_cache) says (it reads data pointers: real tensors)."""
     B, Hq, n_q, D = q.shape
     n_new = 0 if k_new is None else k_new.shape[2]
     if block_table is not None:  # (num_pages, page_size, kv heads, dim)
         page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
         return DecodeProblem(B, Hq, Hkv, n_q, n_new, D, block_table.shape[1] * page_size, page_size,
-                             v_cache.shape[3])
-    return DecodeProblem(B, Hq, k_cache.shape[1], n_q, n_new, D, k_cache.shape[2], 0, v_cache.shape[3])
+                             v_cache.shape[3], v_is_k)
+    return DecodeProblem(B, Hq, k_cache.shape[1], n_q, n_new, D, k_cache.shape[2], 0, v_cache.shape[3],
+                         v_is_k)
 
 
 def _shape(t) -> str:
@@ -266,7 +284,10 @@ def _sm_count(device_index: int) -> int:
 def programs_per_sm(p: DecodeProblem, block_n: int, stages: int, elem: int) -> int:
     """How many decode programs an SM holds at once, from their shared memory (the
     pipeline keeps stages - 1 K and V tiles in flight, as Triton 3.x allocates them on
-    Hopper) and at most 4 (registers: about 110 per thread at D = 128)."""
+    Hopper) and at most 4 (registers: about 110 per thread at D = 128). A wide
+    accumulator's program (8 warps at 255 registers) fills an SM's register file alone."""
+    if p.wide_accumulator:
+        return 1
     pad, pad_v = p.pads
     smem = max(1, stages - 1) * block_n * (pad + pad_v) * elem + p.rows_block * pad * elem
     return max(1, min(4, SHARED_MEMORY // smem))
@@ -288,18 +309,32 @@ def _fits(p: DecodeProblem, block_n: int, stages: int, elem: int) -> bool:
     return max(1, stages - 1) * block_n * (pad + pad_v) * elem <= SHARED_MEMORY - 16 * 1024
 
 
+def _wide_fits(p: DecodeProblem, block_n: int, stages: int, elem: int) -> bool:
+    """Whether a wide accumulator's program fits shared memory: `stages` K tiles (and V
+    tiles, unless they are the K tiles) and the q tile, as Triton 3.6 allocates them for
+    sm_90 (MLA: 221184 B at BLOCK_N 64, two stages; 184320 B at 32, three), with 4 KB
+    to spare for the reductions' scratch."""
+    pad, pad_v = p.pads
+    row = pad + (0 if p.v_is_k else pad_v)
+    smem = stages * block_n * row * elem + p.rows_block * pad * elem
+    return smem <= SHARED_MEMORY - 4 * 1024
+
+
 def candidates(variant: ir.Variant, p: DecodeProblem, elem: int, n_sm: int, reach_tiles,
                num_splits: int | None = None) -> list:
     """Decode configs, most likely winner first; `reach_tiles(block_n)` counts a full row's
     reachable key tiles. With a layout, key tiles stay within its block, so that a tile's
     layout is one value per row. The favourite tile is also tried with one program per
-    SM (at 1 x 128K the fastest: RESULTS.md run 99), and with half and twice its splits."""
-    shapes = [(64, 4, 3), (64, 4, 4), (128, 4, 2), (32, 4, 4), (128, 8, 3), (16, 4, 2)]
+    SM (at 1 x 128K the fastest: RESULTS.md run 99), and with half and twice its splits.
+    A wide accumulator (MLA) takes WIDE_SHAPES, at 8 warps."""
+    wide = p.wide_accumulator
+    shapes = WIDE_SHAPES if wide else [(64, 4, 3), (64, 4, 4), (128, 4, 2), (32, 4, 4), (128, 8, 3), (16, 4, 2)]
+    fits = _wide_fits if wide else _fits
     out = []
     for bn, w, s in shapes:
         if variant.block is not None and bn > variant.block:
             continue
-        if not _fits(p, bn, s, elem):
+        if not fits(p, bn, s, elem):
             continue
         base = num_splits or default_splits(p, bn, s, elem, n_sm, reach_tiles(bn))
         splits = [base]
@@ -311,7 +346,7 @@ def candidates(variant: ir.Variant, p: DecodeProblem, elem: int, n_sm: int, reac
             if c not in out:
                 out.append(c)
     if not out:  # nothing fits the estimate: the smallest tile, one stage
-        out.append(dict(BLOCK_N=16, num_warps=4, num_stages=1,
+        out.append(dict(BLOCK_N=16, num_warps=8 if wide else 4, num_stages=1,
                         num_splits=num_splits or default_splits(p, 16, 1, elem, n_sm,
                                                                 reach_tiles(16))))
     return out
@@ -328,7 +363,8 @@ def tuning_key(p: DecodeProblem, dtype, num_splits: int | None) -> str:
     of-two bucket), cache capacity bucket and cache layout."""
     cache = f"page{p.page_size}" if p.page_size else "contiguous"
     bh = 1 << (p.batch * p.heads_kv - 1).bit_length()  # the split count follows it closely
-    dims = f"d{p.dim}" + (f"v{p.dim_v}" if p.dim_v not in (None, p.dim) else "")
+    dims = (f"d{p.dim}" + (f"v{p.dim_v}" if p.dim_v not in (None, p.dim) else "")
+            + ("-vk" if p.v_is_k else ""))  # v read from the K tiles: another kernel
     key = (f"decode-{dims}-{str(dtype).replace('torch.', '')}-g{p.group}-nq{p.n_q}"
            f"-bh{bh}-cap{tuning.length_bucket(p.capacity)}-{cache}")
     return key + (f"-splits{num_splits}" if num_splits else "")
@@ -534,12 +570,14 @@ def keep_plan(kernel, key: tuple, plan) -> None:
 class DecodePlan:
     """The launches of decode calls alike (plan_key): the generated module's plan, run on
     each call's tensors. An int cache_seqlens becomes the (batch,) tensor the kernels read,
-    after the check the checked path makes."""
-    __slots__ = ("run", "batch", "capacity", "n_new", "device")
+    after the check the checked path makes. `problem` and `config` say what it launches
+    (benchmarks print them)."""
+    __slots__ = ("run", "batch", "capacity", "n_new", "device", "problem", "config")
 
-    def __init__(self, run, p: DecodeProblem, device):
+    def __init__(self, run, p: DecodeProblem, device, config: dict):
         self.run = run
         self.batch, self.capacity, self.n_new, self.device = p.batch, p.capacity, p.n_new, device
+        self.problem, self.config = p, config
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, inputs):
         if type(cache_seqlens) is int:
@@ -558,7 +596,7 @@ def make_plan(kernel, q, k_cache, v_cache, seqlens, k_new, v_new, block_table, v
     precompile.wait_for_triton()
     module = kernel.module
     _check_latent_append(k_cache, v_cache, k_new, v_new)
-    p = decode_problem(q, k_cache, v_cache, k_new, block_table)
+    p = decode_problem(q, k_cache, v_cache, k_new, block_table, module.v_is_k(k_cache, v_cache))
 
     def plan_of(cfg):
         return module.decode_plan(q, k_cache, v_cache, seqlens, values, k_new=k_new, v_new=v_new,
@@ -569,7 +607,7 @@ def make_plan(kernel, q, k_cache, v_cache, seqlens, k_new, v_new, block_table, v
         return plan_of(cfg)(q, k_cache, v_cache, seqlens, values, k_new, v_new, block_table)
 
     cfg = decode_config(kernel, p, q.dtype, run, num_splits=num_splits, config=config)
-    return DecodePlan(plan_of(cfg), p, q.device)
+    return DecodePlan(plan_of(cfg), p, q.device, cfg)
 
 
 # ---------------------------------------------------------------------------- reference
