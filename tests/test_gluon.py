@@ -154,6 +154,39 @@ def test_candidates_at_192_are_sized_for_both_widths():
     assert GLUON.candidates("dq", 192, causal) == [] == GLUON.candidates("dkdv", 192, causal)
 
 
+@pytest.mark.parametrize("dims, segments", [((192, 128), (128, 64)), ((128, 64), (128, 0)),
+                                            ((64, 64), (64, 0))])
+def test_the_gluon_forward_launch_splits_qk_into_segments(dims, segments, monkeypatch):
+    """The launcher (no GPU: the kernel and its descriptors stand-ins) hands the forward
+    q·k's two power-of-two segments (192 = 128 + 64), with a bulk copy of each segment's
+    width for Q and K, v's width for V and the output, which is v-wide."""
+    from attncc.runtime.cache import load_generated
+    module = load_generated(attncc.parse_file(EXAMPLES / "causal.attn"), "gluon")[1]
+    launched = {}
+
+    def descriptor(t, shape, strides, block, layout):
+        return SimpleNamespace(tensor=t, width=block[-1])
+
+    class Kernel:  # kernel[grid](*args, **constants) records the launch
+        def __getitem__(self, grid):
+            return lambda *args, **constants: launched.update(args=args, **constants)
+    monkeypatch.setattr(module, "_bind_context", lambda device: None)
+    monkeypatch.setattr(module, "TensorDescriptor", descriptor)
+    monkeypatch.setattr(module, "attn_fwd", Kernel())
+    d, dv = dims
+    q = torch.randn(1, 2, 70, d, dtype=torch.bfloat16)
+    v = torch.randn(1, 2, 70, dv, dtype=torch.bfloat16)
+    out, lse = module.forward(q, q, v, {}, config=dict(BLOCK_M=128, BLOCK_N=64, num_warps=8,
+                                                       num_stages=2))
+    assert out.shape == (1, 2, 70, dv) and lse.shape == (1, 2, 70)
+    assert (launched["HEAD_DIM"], launched["HEAD_DIM_TAIL"]) == segments
+    assert launched["HEAD_DIM_V"] == dv
+    q_desc, k_desc, v_desc, o_desc, qt_desc, kt_desc, o_ptr = launched["args"][:7]
+    assert q_desc.width == k_desc.width == segments[0]
+    assert qt_desc.width == kt_desc.width == (segments[1] or segments[0])
+    assert v_desc.width == o_desc.width == dv and o_ptr is out and o_desc.tensor is out
+
+
 def test_backward_candidates_fit_and_bad_configs_are_named():
     causal = attncc.parse_file(EXAMPLES / "causal.attn")
     for dim in tiles.BACKWARD_HEAD_DIMS:
