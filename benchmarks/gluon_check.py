@@ -8,13 +8,16 @@ Correctness: every example variant the Gluon backend takes, compiled with
 backend="gluon", in bf16 at head dim 128 on two shapes (len_q = len_k = 300 over two
 batches; len_q 200 != len_k 517), fp16 on a subset, head dims 64 and 256 on a subset,
 one query token, GQA, offsets, and the backward (portable, fed by the Gluon forward's
-output and LSE) on a few; each held to attncc/semantics/tolerance.py's rule against
+output and LSE) on a few; v narrower than q·k ((192, 128), (128, 64): DeepSeek's
+shapes), also at every (192, 128) config pinned and against float64 SDPA for full and
+causal attention; each held to attncc/semantics/tolerance.py's rule against
 attncc.reference in float64, with the LSE's -inf rows matched exactly. A watchdog ends
 the process if a case hangs (a wrong mbarrier phase deadlocks), naming the case.
 
 Speed: head dim 128, 16 heads, 16384 tokens, bf16 (the ANCHORS shape); every Gluon
 config against the portable forward at its tuned config, medians of do_bench, the
-same inputs; TFLOP/s count only allowed pairs. Full results go to $OUT/gluon_check.json.
+same inputs; TFLOP/s count only allowed pairs (q·k's and v's widths: 2 (D + Dv) flops
+a pair). --dim-pairs 192:128 times full and causal at those widths too, against cuDNN. Full results go to $OUT/gluon_check.json.
 """
 from __future__ import annotations
 
@@ -42,9 +45,10 @@ OUT = os.environ.get("OUT", "out")
 GLUON = backends.named("gluon")
 
 
-def forward_candidates(D):
-    """The Gluon forward's tile configs, as the dicts config= takes."""
-    return [c.as_dict() for c in tiles.candidates(D)]
+def forward_candidates(D, Dv=None):
+    """The Gluon forward's tile configs, as the dicts config= takes (by the wider dim, as
+    the runtime picks them)."""
+    return [c.as_dict() for c in tiles.candidates(max(D, Dv or D))]
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 RESULTS: dict = {"correctness": [], "speed": []}
 DEV = "cuda"
@@ -88,16 +92,18 @@ def _compare(label, got, ref, eager, dtype, scale=1.0):
 
 
 def check_case(name, variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, backward=False, q_offset=0,
-               k_offset=0, seed=0, config=None):
+               k_offset=0, seed=0, config=None, Dv=None):
+    """`Dv`: v's head dim where it is not q·k's `D`."""
     dev = DEV
     torch.manual_seed(seed)
     if variant.heads:
         Hq, Hkv = variant.heads.q, variant.heads.kv
-    p = Problem(B, Hq, Hkv, Lq, Lk, D, D, q_offset, k_offset)
+    Dv = Dv or D
+    p = Problem(B, Hq, Hkv, Lq, Lk, D, Dv, q_offset, k_offset)
     inputs = sample_inputs(variant, p, seed=seed, device=dev)
     q64 = torch.randn(B, Hq, Lq, D, device=dev, dtype=torch.float64)
     k64 = torch.randn(B, Hkv, Lk, D, device=dev, dtype=torch.float64)
-    v64 = torch.randn(B, Hkv, Lk, D, device=dev, dtype=torch.float64)
+    v64 = torch.randn(B, Hkv, Lk, Dv, device=dev, dtype=torch.float64)
     kernel = attncc.compile(variant, backend="gluon", config=config)
     q, k, v = (t.to(dtype).requires_grad_(backward) for t in (q64, k64, v64))
     offsets = dict(q_offset=q_offset, k_offset=k_offset)
@@ -117,6 +123,13 @@ def check_case(name, variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, backward=False, q
     rows = [_compare("out", out, ref, eager, dtype)]
     if with_lse:
         rows.append(_compare("lse", lse, rlse, else_, dtype))
+    if Dv != D and name in ("full", "causal") and not (q_offset or k_offset):
+        # An independent formula: SDPA's math backend in float64 (it takes Ev != E; its
+        # is_causal is attncc's `causal`, diagonal from the top left).
+        sdpa = lambda *t: torch.nn.functional.scaled_dot_product_attention(
+            *t, is_causal=name == "causal", enable_gqa=Hq != Hkv)
+        rows.append(_compare("out vs sdpa", out, sdpa(*(t.detach() for t in (qr, kr, vr))),
+                             sdpa(q.detach(), k.detach(), v.detach()), dtype))
     if backward:
         do = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), do)
@@ -128,7 +141,7 @@ def check_case(name, variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, backward=False, q
             rows.append(_compare(f"d{n}", g, rg, eg, dtype, scales.get(f"d{n}", 1.0)))
         # backend="gluon": dQ and dK/dV run the Gluon kernels wherever they take the call.
         for kind in ("dq", "dkdv"):
-            if (kernel_unsupported(variant, kind, D) is None
+            if (kernel_unsupported(variant, kind, D, Dv) is None
                     and kernel.last_backward[kind][0] != "gluon"):
                 rows.append(dict(tensor=f"{kind} backend", error=str(kernel.last_backward),
                                  ok=False))
@@ -171,6 +184,19 @@ def correctness(args, dog):
                   ("gpt_oss_sinks", dict(B=1, Hq=64, Hkv=8, Lq=1, Lk=300, D=64), bf, False),
                   ("sigmoid_attention", dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128), bf, True),
                   ("relu_attention", dict(B=1, Hq=3, Hkv=3, Lq=200, Lk=517, D=64), bf, True)]
+        # v narrower than q·k: (192, 128) as 128 + 64 segments, the output through Q's
+        # first segment's buffer; (128, 64), the output by plain stores.
+        for n in ("full", "causal", "document", "alibi", "sliding_window", "gqa_causal"):
+            cases.append((n, dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=192, Dv=128), bf, False))
+        cases += [("causal", dict(B=1, Hq=3, Hkv=3, Lq=200, Lk=517, D=192, Dv=128), bf, False),
+                  ("full", dict(B=1, Hq=3, Hkv=1, Lq=1, Lk=300, D=192, Dv=128), bf, False),
+                  ("full", dict(B=1, Hq=4, Hkv=4, Lq=333, Lk=333, D=192, Dv=128), fp, False),
+                  ("gpt_oss_sinks", dict(B=1, Hq=64, Hkv=8, Lq=300, Lk=300, D=192, Dv=128), bf,
+                   False),
+                  ("causal", dict(B=1, Hq=4, Hkv=2, Lq=700, Lk=700, D=192, Dv=128), bf, True),
+                  ("full", dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128, Dv=64), bf, False),
+                  ("causal", dict(B=1, Hq=3, Hkv=3, Lq=200, Lk=517, D=128, Dv=64), bf, False),
+                  ("document", dict(B=1, Hq=4, Hkv=4, Lq=300, Lk=300, D=128, Dv=64), bf, True)]
     offset_cases = [("causal", 64, 0), ("sliding_window", 96, 96)]
     if args.sweep != "all":
         keep = set(args.sweep.split(",")) if args.sweep else set()
@@ -181,28 +207,32 @@ def correctness(args, dog):
     # strategy and a score), pinned: the tuner may pick any of them.
     names = args.configs.split(",") if args.configs else []
     # Config-major, so that a config that hangs (the watchdog ends the process) comes
-    # after every other config's results.
-    for config in forward_candidates(128):
-        for name in names:
-            label = (f"{name} config {config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} "
-                     f"s{config['num_stages']}")
-            dog.start(label, 60)
-            try:
-                rows = []
-                for shape in (dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128),
-                              dict(B=1, Hq=2, Hkv=2, Lq=200, Lk=517, D=128)):
-                    if name == "document" and shape["Lq"] != shape["Lk"]:
-                        continue
-                    ran, r = check_case(name, taken[name], dtype=bf, config=config, **shape)
-                    rows += r
-                ok = all(r["ok"] for r in rows) and ran == "gluon"
-            except Exception as e:
-                ran, rows, ok = None, [dict(error=f"{type(e).__name__}: {str(e)[:600]}")], False
-                traceback.print_exc()
-            failures += not ok
-            RESULTS["correctness"].append(dict(case=label, ran=ran, ok=ok, rows=rows))
-            worst = max((r.get("err", math.nan) for r in rows), default=math.nan)
-            print(f"{'ok  ' if ok else 'FAIL'} {label}: max err {worst:.3g}", flush=True)
+    # after every other config's results. Then every (192, 128) config on the variants of
+    # --configs-192, in the same way.
+    names192 = args.configs_192.split(",") if args.configs_192 and not args.quick else []
+    plan = [(config, name, 128, None) for config in forward_candidates(128) for name in names]
+    plan += [(config, name, 192, 128) for config in forward_candidates(192, 128)
+             for name in names192]
+    for config, name, D, Dv in plan:
+        label = (f"{name} config {config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} "
+                 f"s{config['num_stages']}" + (f" d{D}:{Dv}" if Dv else ""))
+        dog.start(label, 60)
+        try:
+            rows = []
+            for shape in (dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=D, Dv=Dv),
+                          dict(B=1, Hq=2, Hkv=2, Lq=200, Lk=517, D=D, Dv=Dv)):
+                if name == "document" and shape["Lq"] != shape["Lk"]:
+                    continue
+                ran, r = check_case(name, taken[name], dtype=bf, config=config, **shape)
+                rows += r
+            ok = all(r["ok"] for r in rows) and ran == "gluon"
+        except Exception as e:
+            ran, rows, ok = None, [dict(error=f"{type(e).__name__}: {str(e)[:600]}")], False
+            traceback.print_exc()
+        failures += not ok
+        RESULTS["correctness"].append(dict(case=label, ran=ran, ok=ok, rows=rows))
+        worst = max((r.get("err", math.nan) for r in rows), default=math.nan)
+        print(f"{'ok  ' if ok else 'FAIL'} {label}: max err {worst:.3g}", flush=True)
         _write()
     for name, shape, dtype, backward in cases:
         label = f"{name} {shape} {str(dtype)[6:]}{' +bwd' if backward else ''}"
@@ -246,23 +276,30 @@ def speed(args, dog):
     from gpu_suite import VARIANTS, anchor_problem
     from attncc.tools.bench_command import pairs_per_head
     rows = []
-    plan = [(n, 128) for n in args.variants.split(",")]
-    plan += [("full", int(d)) for d in args.full_dims.split(",") if d]
-    for name, D in plan:
-        dog.start(f"speed {name} d{D}", 240)
+    plan = [(n, 128, 128) for n in args.variants.split(",")]
+    plan += [("full", int(d), int(d)) for d in args.full_dims.split(",") if d]
+    for pair in filter(None, args.dim_pairs.split(",")):
+        D, Dv = map(int, pair.split(":"))
+        plan += [("full", D, Dv), ("causal", D, Dv)]
+    for name, D, Dv in plan:
+        dog.start(f"speed {name} d{D}:{Dv}", 240)
         variant, q, k, v, inputs = anchor_problem(name, 16384, D=D)
         q, k, v = (t.detach() for t in (q, k, v))
-        p = Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], D, D)
+        if Dv != D:
+            v = torch.randn(*v.shape[:3], Dv, device=v.device, dtype=v.dtype)
+        p = Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], D, Dv)
         pairs = pairs_per_head(variant, p, inputs, "cuda")[0]
-        flops = 4 * q.shape[0] * q.shape[1] * D * pairs
+        flops = 2 * q.shape[0] * q.shape[1] * (D + Dv) * pairs  # Q K^T, then P V
         portable = attncc.compile(variant, backend="triton")
         glu = attncc.compile(variant, backend="gluon")
         portable(q, k, v, **inputs)  # tunes
         out_p = portable(q, k, v, **inputs)
         entry = dict(variant=name, dim=D, tflop=flops / 1e12, times={})
+        if Dv != D:
+            entry["dim_v"] = Dv
         t_p = _median_ms(lambda: portable(q, k, v, **inputs))
         entry["times"]["portable"] = t_p
-        for config in forward_candidates(D):
+        for config in forward_candidates(D, Dv):
             if config["num_warps"] == tiles.WS_WARPS and os.environ.get("GLUON_SKIP_WS") == "1":
                 continue  # it hung in the correctness part
             label = f"gluon {config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
@@ -299,9 +336,13 @@ def main():
     ap.add_argument("--quick", action="store_true", help="bf16 head dim 128 correctness only")
     ap.add_argument("--variants", default="full,causal", help="speed: ANCHORS variants at D=128")
     ap.add_argument("--full-dims", default="", help="speed: full attention at these head dims too")
+    ap.add_argument("--dim-pairs", default="192:128",
+                    help="speed: full and causal at these q·k:v head dims too ('' for none)")
     ap.add_argument("--sweep", default="all", help="correctness: the variants of the sweep (all)")
     ap.add_argument("--configs", default="",
                     help="correctness: variants checked at every head-dim-128 config")
+    ap.add_argument("--configs-192", default="causal,document",
+                    help="correctness: variants checked at every (192, 128) config")
     ap.add_argument("--order", default="correctness,speed",
                     help="which part first (speed first keeps the timings if time runs out)")
     ap.add_argument("--tag", default="", help="results file suffix: $OUT/gluon_check<TAG>.json")
@@ -328,7 +369,7 @@ def main():
     for e in rows:
         best = {k: v for k, v in e["times"].items() if isinstance(v, float)}
         line = ", ".join(f"{k} {v:.3f} ms ({e['tflop'] / v * 1e3:.0f} TF/s)" for k, v in best.items())
-        print(f"{e['variant']} d{e['dim']}: {line}")
+        print(f"{e['variant']} d{e['dim']}{':%d' % e['dim_v'] if 'dim_v' in e else ''}: {line}")
     return 1 if failures else 0
 
 

@@ -7,6 +7,9 @@ layout errors, shared memory over the limit, register spills (from `ptxas -v`).
 It proves nothing about the results: that is benchmarks/gluon_check.py's job, on the GPU.
 
     python benchmarks/gluon_compile.py [examples/causal.attn ...] [--dims 64,128,256] [--backward]
+    python benchmarks/gluon_compile.py examples/causal.attn --dims 192:128 --all-configs
+
+(--dims: "D" for q, k, v all D wide, "D:DV" for v DV wide: the forward alone.)
 
 Runs with whichever Triton is importable (put another first on PYTHONPATH to try it).
 """
@@ -116,20 +119,22 @@ def main() -> int:
         path.write_text(gen.source)
         module = _import(path, gen.module_name)
         _, host = load_generated(variant)
-        for dim in (int(d) for d in args.dims.split(",")):
+        for dims in args.dims.split(","):
+            d, _, dv = dims.partition(":")
+            dim, dim_v = int(d), int(dv or d)
             heads = (variant.heads.q, variant.heads.kv) if variant.heads else (4, 2)
             dtype = getattr(torch, args.dtype)
             q = torch.randn(1, heads[0], 300, dim, dtype=dtype)
             k = torch.randn(1, heads[1], 300, dim, dtype=dtype)
-            v = torch.randn_like(k)
-            p = Problem(1, heads[0], heads[1], 300, 300, dim, dim, 0, 0)
+            v = torch.randn(1, heads[1], 300, dim_v, dtype=dtype)
+            p = Problem(1, heads[0], heads[1], 300, 300, dim, dim_v, 0, 0)
             inputs = sample_inputs(variant, p)
             lse = torch.randn(1, heads[0], 300)
             delta = torch.randn(1, heads[0], 300)
             dout = torch.randn_like(q)
-            kernels = [("", _dicts(tiles.candidates(dim)),
+            kernels = [("", _dicts(tiles.candidates(p.tile_dim)),
                         lambda c: module.forward(q, k, v, inputs, config=c))]
-            if args.backward:
+            if args.backward and dim_v == dim:  # the backward kernels take one head dim
                 kernels += [
                     (" dK/dV", _dicts(tiles.backward_candidates(dim)),
                      lambda c: module.backward_dkdv(q, k, v, lse, delta, dout, inputs,
@@ -139,7 +144,7 @@ def main() -> int:
                                                   config=c, out=dout))]
             for what, configs, launch in kernels:
                 for config in configs if args.all_configs else configs[:1]:
-                    label = (f"{variant.name}{what} d{dim} {config['BLOCK_M']}x{config['BLOCK_N']} "
+                    label = (f"{variant.name}{what} d{dims} {config['BLOCK_M']}x{config['BLOCK_N']} "
                              f"w{config['num_warps']} s{config['num_stages']}")
                     compiled.clear()
                     try:

@@ -13,10 +13,11 @@ beside 192-wide keys, contiguous and paged, against decode_reference; then MLA d
 paged) at each wide-accumulator tile the tuner may pick (decoding.WIDE_SHAPES, pinned)
 and tuned.
 speed: forward and forward + backward of causal (192, 128) attention in bf16, batch 1,
-16 heads: attncc as given; attncc with q, k padded to 256 and v to 256 (what the
-padding workaround and a padded head dim cost: the scale fixed to 1/sqrt(192)); cuDNN
-through SDPA (which takes d_qk 192 / d_v 128 on Hopper) and FA4 (flash_attn.cute) where
-installed. mla: MLA decoding, one latent cache 576 wide with v = k[..., :512] (the kernel
+16 heads: attncc as given (auto), with backend="gluon" and with backend="triton"; attncc
+with q, k padded to 256 and v to 256 (what the padding workaround and a padded head dim
+cost: the scale fixed to 1/sqrt(192)); cuDNN through SDPA (which takes d_qk 192 / d_v
+128 on Hopper) and FA4 (flash_attn.cute) where installed.
+mla: MLA decoding, one latent cache 576 wide with v = k[..., :512] (the kernel
 takes the values from the K tile), batch 32, 128 query heads on one kv head, n_q 1 and
 4 (--nq), caches of 4K to 32K tokens in bf16: correctness against decode_reference on
 the first case, then per case the config the tuner chose (tile, warps, stages, splits,
@@ -167,6 +168,10 @@ def speed(length: int) -> list:
     v = torch.randn(B, H, length, Ev, device="cuda", dtype=dt, requires_grad=True)
     dout = torch.randn(B, H, length, Ev, device="cuda", dtype=dt)
     ours = attncc.compile(CAUSAL)
+    # Each backend's forward asked for by name (the Gluon backward hands (192, 128) to the
+    # portable kernels), beside auto's choice above.
+    gluon = attncc.compile(CAUSAL, backend="gluon")
+    portable = attncc.compile(CAUSAL, backend="triton")
     padded = attncc.compile("attention causal_192 { scale 1.0 / sqrt(192.0)  mask q >= k }")
     p256 = [F.pad(t.detach(), (0, 256 - t.shape[-1])).requires_grad_() for t in (q, k, v)]
 
@@ -178,6 +183,8 @@ def speed(length: int) -> list:
 
     candidates = {
         "attncc (192, 128)": (lambda: ours(q, k, v), fwd_bwd(ours, (q, k, v), dout)),
+        "attncc Gluon forward": (lambda: gluon(q, k, v), fwd_bwd(gluon, (q, k, v), dout)),
+        "attncc portable": (lambda: portable(q, k, v), fwd_bwd(portable, (q, k, v), dout)),
         "attncc padded to 256": (lambda: padded(*p256),
                                  fwd_bwd(padded, p256, F.pad(dout, (0, 128)))),
     }

@@ -69,7 +69,7 @@ def test_gluon_module_takes_the_portable_argument_list():
     variant = attncc.parse_file(EXAMPLES / "document.attn")
     tree = ast.parse(gluon.generate(variant).source)
     params = template_context(variant)["common_param_list"]
-    for fn, before in (("attn_fwd", 5), ("attn_fwd_ws", 5), ("attn_bwd_dkdv", 8),
+    for fn, before in (("attn_fwd", 8), ("attn_fwd_ws", 8), ("attn_bwd_dkdv", 8),
                        ("attn_bwd_dq", 16)):
         node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == fn)
         names = [a.arg for a in node.args.args]
@@ -139,6 +139,52 @@ def test_candidates_fit_and_pinned_configs_are_checked():
     # Before a call (no head dim), only what does not depend on it.
     assert GLUON.check_config(TileConfig(128, 256, 8, 3), "fwd", None) is None
     assert GLUON.check_config(TileConfig(64, 64, 4, 2), "bwd", 128) is not None
+
+
+def test_candidates_at_192_are_sized_for_both_widths():
+    """q·k 192 comes with v 128 alone: its tiles' shared memory counts Q and K at 192 and V
+    at 128 (the 128x128 tiles of two stages fit; at v 192 they would not)."""
+    causal = attncc.parse_file(EXAMPLES / "causal.attn")
+    kept = GLUON.candidates("fwd", Problem(1, 2, 2, 64, 64, 192, 128).tile_dim, causal)
+    assert kept[0] == TileConfig(128, 128, tiles.WS_WARPS, 2)
+    assert tiles.smem_bytes(kept[0], 192, 128) == 2 * (128 * 192 + 2 * 128 * (192 + 128))
+    assert tiles.smem_bytes(kept[0], 192) == tiles.smem_bytes(kept[0], 192, 128) <= tiles.SMEM_LIMIT
+    assert tiles.smem_bytes(kept[0], 192, 192) > tiles.SMEM_LIMIT
+    assert all(GLUON.check_config(c, "fwd", 192) is None for c in kept)
+    assert GLUON.candidates("dq", 192, causal) == [] == GLUON.candidates("dkdv", 192, causal)
+
+
+@pytest.mark.parametrize("dims, segments", [((192, 128), (128, 64)), ((128, 64), (128, 0)),
+                                            ((64, 64), (64, 0))])
+def test_the_gluon_forward_launch_splits_qk_into_segments(dims, segments, monkeypatch):
+    """The launcher (no GPU: the kernel and its descriptors stand-ins) hands the forward
+    q·k's two power-of-two segments (192 = 128 + 64), with a bulk copy of each segment's
+    width for Q and K, v's width for V and the output, which is v-wide."""
+    from attncc.runtime.cache import load_generated
+    module = load_generated(attncc.parse_file(EXAMPLES / "causal.attn"), "gluon")[1]
+    launched = {}
+
+    def descriptor(t, shape, strides, block, layout):
+        return SimpleNamespace(tensor=t, width=block[-1])
+
+    class Kernel:  # kernel[grid](*args, **constants) records the launch
+        def __getitem__(self, grid):
+            return lambda *args, **constants: launched.update(args=args, **constants)
+    monkeypatch.setattr(module, "_bind_context", lambda device: None)
+    monkeypatch.setattr(module, "TensorDescriptor", descriptor)
+    monkeypatch.setattr(module, "attn_fwd", Kernel())
+    d, dv = dims
+    q = torch.randn(1, 2, 70, d, dtype=torch.bfloat16)
+    v = torch.randn(1, 2, 70, dv, dtype=torch.bfloat16)
+    out, lse = module.forward(q, q, v, {}, config=dict(BLOCK_M=128, BLOCK_N=64, num_warps=8,
+                                                       num_stages=2))
+    assert out.shape == (1, 2, 70, dv) and lse.shape == (1, 2, 70)
+    assert (launched["HEAD_DIM"], launched["HEAD_DIM_TAIL"]) == segments
+    assert launched["HEAD_DIM_V"] == dv
+    q_desc, k_desc, v_desc, o_desc, qt_desc, kt_desc, o_ptr = launched["args"][:7]
+    assert q_desc.width == k_desc.width == segments[0]
+    assert qt_desc.width == kt_desc.width == (segments[1] or segments[0])
+    assert v_desc.width == o_desc.width == dv and o_ptr is out and o_desc.tensor is out
 
 
 def test_backward_candidates_fit_and_bad_configs_are_named():

@@ -25,7 +25,8 @@ from triton.experimental.gluon._runtime import GluonASTSource
 import attncc
 from attncc.backends.gluon import codegen as gluon
 
-head_dims = [int(d) for d in sys.argv[2].split(",")]
+# "128" (q, k, v all 128 wide) or "192:128" (q·k 192, v 128: the forward kernels alone).
+head_dims = [(int(d), int(dv or d)) for d, _, dv in (a.partition(":") for a in sys.argv[2].split(","))]
 
 
 def load(example, path):
@@ -49,13 +50,14 @@ KERNELS = {"attn_fwd": (128, 128, 8, 2, {}),
            "attn_bwd_dkdv": (64, 64, 4, 2, {})}
 
 
-def signature(variant, module, fn, consts, dim, rows):
+def signature(variant, module, fn, consts, widths, rows):
     sig = {}
     for n in fn.arg_names:
         if n in consts:
             sig[n] = "constexpr"
-        elif n.endswith("_desc"):  # a TMA descriptor of [rows, dim] tiles
-            block, layout = module._shared_layout(rows[n], dim, torch.bfloat16)
+        elif n.endswith("_desc"):  # a TMA descriptor of [rows, width] tiles
+            block, layout = module._shared_layout(rows[n], widths.get(n, widths["q_desc"]),
+                                                  torch.bfloat16)
             sig[n] = f"tensordesc<bf16[{','.join(map(str, block))}],{layout!r}>"
         elif n in POINTERS:
             sig[n] = POINTERS[n]
@@ -70,27 +72,37 @@ def signature(variant, module, fn, consts, dim, rows):
     return sig
 
 
-def report(example, name, dim, compiled):
+def report(example, name, dims, compiled):
     ttgir = compiled.asm["ttgir"]
     ops = ("ttng.async_tma_copy_global_to_local", "ttng.wait_barrier", "ttng.warp_group_dot",
            "ttng.async_tma_copy_local_to_global", "ttg.warp_specialize")
-    print(json.dumps({"example": example, "kernel": name, "dim": dim,
+    print(json.dumps({"example": example, "kernel": name, "dim": "%d:%d" % dims,
                       "shared": compiled.metadata.shared, "cubin": len(compiled.asm["cubin"]),
                       "ops": {op: op in ttgir for op in ops}}), flush=True)
 
 
 for example in sys.argv[1].split(","):
     variant, module = load(example, f"{sys.argv[3]}/{len(sys.modules)}.py")
-    for dim, (name, (bm, bn, warps, stages, extra)) in itertools.product(head_dims, KERNELS.items()):
+    for dims, (name, (bm, bn, warps, stages, extra)) in itertools.product(head_dims, KERNELS.items()):
+        forward = name.startswith("attn_fwd")
+        if dims[0] != dims[1] and not forward:
+            continue  # the backward kernels take one head dim for all three
         fn = getattr(module, name)
-        consts = dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=dim, NUM_STAGES=stages, WIDE=False, **extra)
+        consts = dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=dims[0], NUM_STAGES=stages, WIDE=False,
+                      **extra)
+        widths = {"q_desc": dims[0]}
+        if forward:  # q·k's segments (192 = 128 + 64), as the launcher splits them
+            first, tail = module._segments(dims[0])
+            consts.update(HEAD_DIM=first, HEAD_DIM_TAIL=tail, HEAD_DIM_V=dims[1])
+            widths = dict(q_desc=first, k_desc=first, qt_desc=tail or first,
+                          kt_desc=tail or first, v_desc=dims[1], o_desc=dims[1])
         half = bm // 2 if name == "attn_fwd_ws" else bm
         rows = dict(q_desc=bm, do_desc=bm, dq_desc=bm, o_desc=half, k_desc=bn, v_desc=bn,
-                    dk_desc=bn, dv_desc=bn)
-        src = GluonASTSource(fn=fn, signature=signature(variant, module, fn, consts, dim, rows),
+                    dk_desc=bn, dv_desc=bn, qt_desc=bm, kt_desc=bn)
+        src = GluonASTSource(fn=fn, signature=signature(variant, module, fn, consts, widths, rows),
                              constexprs=consts)
-        report(example, name, dim, triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                                  options=dict(num_warps=warps, num_stages=stages)))
+        report(example, name, dims, triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                                   options=dict(num_warps=warps, num_stages=stages)))
 '''
 
 
@@ -107,19 +119,25 @@ def _compile(examples: list, head_dims: list, tmp_path) -> list:
 
 
 def _check(results: list, examples: list, head_dims: list):
+    """`head_dims`: 64 (all three 64 wide) or "192:128" (q·k, v: the forward alone)."""
     from attncc.backends.gluon.tiles import SMEM_LIMIT
     kernels = ("attn_fwd", "attn_fwd_ws", "attn_bwd_dq", "attn_bwd_dkdv")
+    pairs = [f"{d}:{d}" if isinstance(d, int) else d for d in head_dims]
     assert sorted((Path(r["example"]).name, r["kernel"], r["dim"]) for r in results) == sorted(
-        (e, k, d) for e in examples for k in kernels for d in head_dims)
+        (e, k, d) for e in examples for k in kernels for d in pairs
+        if k.startswith("attn_fwd") or d.split(":")[0] == d.split(":")[1])
     for r in results:
         what = f"{Path(r['example']).name}: {r['kernel']} at head dim {r['dim']}"
         assert r["cubin"] > 0, what
         assert 0 < r["shared"] <= SMEM_LIMIT, what
         ops = r["ops"]
         # Tiles arrive by bulk copy into the mbarrier ring, the products are wgmma, and the
-        # result leaves by bulk copy.
+        # result leaves by bulk copy through Q's buffer (its first segment's: 128 of 192),
+        # by plain stores where v is narrower than that (128 / 64).
+        d, dv = map(int, r["dim"].split(":"))
         assert ops["ttng.async_tma_copy_global_to_local"] and ops["ttng.wait_barrier"], what
-        assert ops["ttng.warp_group_dot"] and ops["ttng.async_tma_copy_local_to_global"], what
+        assert ops["ttng.warp_group_dot"], what
+        assert ops["ttng.async_tma_copy_local_to_global"] == (dv == 1 << (d.bit_length() - 1)), what
         assert ops["ttg.warp_specialize"] == (r["kernel"] == "attn_fwd_ws"), what
 
 
@@ -137,3 +155,11 @@ def test_gluon_kernels_compile_for_hopper_at_every_head_dim(tmp_path):
     examples = ["prefix_lm.attn", "bigbird.attn", "nsa_topk.attn", "relative_bias.attn",
                 "gpt_oss_sinks.attn", "sigmoid_attention.attn"]
     _check(_compile(examples, [64, 128], tmp_path), examples, [64, 128])
+
+
+@pytest.mark.slow
+def test_gluon_forward_compiles_with_v_narrower_than_qk(tmp_path):
+    # DeepSeek's (192, 128): Q and K 192 wide (one wgmma over all 192 columns), V and O
+    # 128, at the 128x128 tiles of two stages (208 KB of shared memory); and (128, 64).
+    examples = ["causal.attn", "document.attn"]
+    _check(_compile(examples, ["192:128", "128:64"], tmp_path), examples, ["192:128", "128:64"])

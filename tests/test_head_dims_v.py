@@ -181,13 +181,26 @@ def test_flash_api_takes_v_of_another_width(Ev):
         flash.flash_attn_func(q.to(DEVICE), k.to(DEVICE), v[:, :5].to(DEVICE), causal=True)
 
 
-def test_gluon_refuses_v_of_another_width_with_its_reason():
-    from attncc.backends.gluon import _call_unsupported
+def test_gluon_takes_v_of_another_width_in_the_forward_alone():
+    """The Gluon forward takes (192, 128) and (128, 64); its backward kernels, and other
+    pairs, are refused with the reason (the portable kernels run them)."""
+    from attncc.backends import named
+    causal = attncc.parse("attention causal { mask q >= k }")
+    why = lambda q, v, kind: named("gluon").supports_call(causal, q, q, v, kind)
+    for d, dv in ((192, 128), (128, 64)):
+        q = torch.randn(1, 1, 64, d, dtype=torch.bfloat16)
+        v = torch.randn(1, 1, 64, dv, dtype=torch.bfloat16)
+        assert why(q, v, "fwd") is None
+        for kind in ("dq", "dkdv"):
+            assert f"v has head dim {dv} and q, k {d}" in why(q, v, kind)
+            assert "one head dim for all three" in why(q, v, kind)
     q = torch.randn(1, 1, 64, 128, dtype=torch.float16)
-    v = torch.randn(1, 1, 64, 64, dtype=torch.float16)
-    why = _call_unsupported(q, q, v)
-    assert why is not None and "v has head dim 64" in why and "portable" in why
-    assert _call_unsupported(q, q, q) is None
+    v = torch.randn(1, 1, 64, 32, dtype=torch.float16)
+    refused = why(q, v, "fwd")
+    assert "v has head dim 32" in refused and "(192, 128)" in refused and "portable" in refused
+    q192 = torch.randn(1, 1, 64, 192, dtype=torch.float16)
+    assert "head dim 192; the Gluon forward takes head dims 64, 128, 256" in why(q192, q192, "fwd")
+    assert why(q, q, "fwd") is None
 
 
 def test_tile_candidates_account_for_the_wider_head_dim():

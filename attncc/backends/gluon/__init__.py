@@ -54,7 +54,8 @@ class GluonBackend:
         return None
 
     def supports_call(self, variant: ir.Variant, q, k, v, kind: str) -> str | None:
-        return _call_unsupported(q, k, v) or kernel_unsupported(variant, kind, q.shape[-1])
+        return (_call_unsupported(q, k, v)
+                or kernel_unsupported(variant, kind, q.shape[-1], v.shape[-1]))
 
     def render(self, variant: ir.Variant):
         from .codegen import generate
@@ -95,14 +96,15 @@ def _call_unsupported(q, k, v) -> str | None:
     dtype = str(q.dtype).replace("torch.", "")
     if dtype not in DTYPES:
         return f"q, k, v are {dtype}; the Gluon forward takes float16 and bfloat16"
-    dim = q.shape[-1]
-    if dim not in HEAD_DIMS:
+    dim, dim_v = q.shape[-1], v.shape[-1]
+    if dim_v != dim:
+        if (dim, dim_v) not in tiles.HEAD_DIM_PAIRS:
+            return (f"v has head dim {dim_v} and q, k {dim}; the Gluon forward takes v of "
+                    f"another width only at (q·k, v) {_pairs()} (the portable kernels take "
+                    "any)")
+    elif dim not in HEAD_DIMS:
         return (f"head dim {dim}; the Gluon forward takes head dims "
                 f"{', '.join(map(str, HEAD_DIMS))}")
-    if v.shape[-1] != dim:
-        # Its shared-memory rings, TMA boxes and accumulators are sized by one head dim.
-        return (f"v has head dim {v.shape[-1]} and q, k {dim}; the Gluon kernels take one head "
-                "dim for all three (the portable kernels take different ones)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         # TMA copies: the last dim contiguous, every other stride and the base 16-byte aligned.
         if t.stride(3) != 1:
@@ -113,6 +115,10 @@ def _call_unsupported(q, k, v) -> str | None:
             return (f"{name} has strides {tuple(t.stride())}: the Gluon forward's bulk copies need "
                     "16-byte aligned rows (call .contiguous())")
     return None
+
+
+def _pairs() -> str:
+    return ", ".join(f"({d}, {dv})" for d, dv in tiles.HEAD_DIM_PAIRS)
 
 
 @functools.lru_cache(maxsize=64)
@@ -126,15 +132,21 @@ def _read_by_keys(variant: ir.Variant) -> tuple:
                          if o.kind == "cols"}))
 
 
-def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int) -> str | None:
+def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int,
+                       dim_v: int | None = None) -> str | None:
     """Why the Gluon kernel of role `kind` cannot take a call of this variant at this head
-    dim, or None: the forward takes every head dim the call checks let through; dQ and
-    dK/dV fewer, and dQ no learnable inputs; there is no one-launch backward."""
+    dim (and v's, `dim_v`, where given), or None: the forward takes every head dim the
+    call checks let through; dQ and dK/dV fewer and one for all three, and dQ no
+    learnable inputs; there is no one-launch backward."""
     if kind == "fwd":
         return None
     if kind not in ("dq", "dkdv"):
         return f"the Gluon backend has no {KERNEL_NAMES[kind]} kernel of one launch"
     name = KERNEL_NAMES[kind]
+    if dim_v is not None and dim_v != head_dim:
+        # Its rings, TMA boxes and accumulators are sized by one head dim.
+        return (f"v has head dim {dim_v} and q, k {head_dim}: the Gluon {name} kernel takes "
+                "one head dim for all three (the portable kernels take different ones)")
     if head_dim not in tiles.BACKWARD_HEAD_DIMS:
         return (f"head dim {head_dim}: the Gluon {name} kernel takes head dims "
                 f"{', '.join(map(str, tiles.BACKWARD_HEAD_DIMS))} (at 256 its fp32 accumulators "

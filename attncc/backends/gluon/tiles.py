@@ -12,11 +12,20 @@ WS_WARPS = 9
 # Head dims of the Gluon dK/dV kernel: each thread holds its rows of dK and dV in fp32,
 # and at 256 columns the two accumulators alone would take every register.
 BACKWARD_HEAD_DIMS = (64, 128)
+# (q·k, v) head dims of the Gluon forward besides equal ones: DeepSeek-V2/V3's 192 / 128
+# (the 192-wide Q·K^T is one wgmma: 12 K steps of 16) and v half of q·k. The runtime
+# picks tiles by the wider of the two; q·k 192 comes only with v 128, so the candidates
+# at 192 are sized for that pair, and v 64 beside q·k 128 fits wherever 128 / 128 does.
+HEAD_DIM_PAIRS = ((192, 128), (128, 64))
+_V_BESIDE = {192: 128}
 
 
-def smem_bytes(config: TileConfig, head_dim: int) -> int:
-    """Q, plus NUM_STAGES slots of K and V, in 16-bit elements."""
-    return 2 * head_dim * (config.block_m + 2 * config.num_stages * config.block_n)
+def smem_bytes(config: TileConfig, head_dim: int, dim_v: int | None = None) -> int:
+    """Q, plus NUM_STAGES slots of K and V, in 16-bit elements. `head_dim` is q·k's (the
+    wider of the two) and v's `dim_v` defaults to the widest the forward takes beside it."""
+    dim_v = _V_BESIDE.get(head_dim, head_dim) if dim_v is None else dim_v
+    stages = config.num_stages * config.block_n
+    return 2 * (head_dim * (config.block_m + stages) + dim_v * stages)
 
 
 def candidates(head_dim: int) -> list:
@@ -31,6 +40,10 @@ def candidates(head_dim: int) -> list:
                    (128, 64, 8, 3), (64, 128, 4, 3)],
               128: [(128, 128, WS_WARPS, 2), (128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3),
                     (128, 64, 8, 3), (128, 64, 8, 2), (64, 128, 4, 2)],
+              # (192, 128): as at 128 (the same registers: O and S are 128 wide), with the
+              # tiles whose K and V slots fit beside a 192-wide Q. Not run on a GPU yet.
+              192: [(128, 128, WS_WARPS, 2), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 2),
+                    (64, 64, 4, 3), (64, 64, 4, 2)],
               256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 2)]}
     configs = [TileConfig(*shape) for shape in shapes.get(head_dim, [])]
     return [c for c in configs if smem_bytes(c, head_dim) <= SMEM_LIMIT]
