@@ -137,3 +137,32 @@ def test_gluon_kernels_compile_for_hopper_at_every_head_dim(tmp_path):
     examples = ["prefix_lm.attn", "bigbird.attn", "nsa_topk.attn", "relative_bias.attn",
                 "gpt_oss_sinks.attn", "sigmoid_attention.attn"]
     _check(_compile(examples, [64, 128], tmp_path), examples, [64, 128])
+
+
+# Learnable score inputs whose gradients the Gluon dQ and dK/dV kernels own
+# (backends/gluon/__init__.py's OWNED_KINDS): a per-head slope (broadcast), a per-query
+# and a per-key gain (rows; cols, in dK/dV), a T5 bucket table, and a weight's bias.
+LEARNABLE_SPECS = {
+    "learned_alibi": """attention learned_alibi { learnable input sl: f32[h] mask q >= k
+        score s + sl[h] * (k - q) }""",
+    "rows_and_keys": """attention rows_and_keys { learnable input w: f32[b, h, q]
+        learnable input g: f32[b, h, k] mask q >= k score s + w[b, h, q] * 0.5 + g[b, h, k] }""",
+    "t5_bidirectional": """attention t5_bidirectional { scale 1.0
+        learnable input table: f32[h, 32] score s + table[h, where(k > q, 16, 0)
+            + where(abs(k - q) < 8, abs(k - q),
+                    min(8 + int(log(max(abs(k - q), 1) / 8.0) / log(128.0 / 8.0) * 8.0), 15))] }""",
+    "sigmoid_bias": """attention sigmoid_bias { learnable input bias: f32[h] mask q >= k
+        normalize none weight sigmoid(s + bias[h]) }""",
+}
+
+
+@pytest.mark.slow
+def test_gluon_kernels_with_learnable_inputs_compile_for_hopper(tmp_path):
+    # Their gradients' sums and partial stores in both backward kernels, at both
+    # backward head dims; about a minute on two cores.
+    paths = []
+    for name, spec in LEARNABLE_SPECS.items():
+        paths.append(tmp_path / f"{name}.attn")
+        paths[-1].write_text(spec)
+    names = [p.name for p in paths]
+    _check(_compile([str(p) for p in paths], [64, 128], tmp_path), names, [64, 128])
