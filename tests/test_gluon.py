@@ -223,19 +223,21 @@ def test_the_backward_runs_the_gluon_dkdv_kernel_where_the_backend_takes_it(monk
         assert backend == "triton" and "head dim 32" in why
 
 
-def test_table_reads_keep_the_portable_dq(monkeypatch):
-    """A table read's gradient (T5's, a clipped relative table) is the portable dQ
-    kernel's; dK/dV may still be Gluon's."""
-    kernel = attncc.compile(str(EXAMPLES / "relative_bias.attn"))
+def test_reads_stored_per_pair_keep_the_portable_dq(monkeypatch):
+    """A read the Gluon dQ kernel does not own (`bias[b, h, q, k]`, stored once per
+    pair) keeps the portable dQ kernel, named with its kind; dK/dV may still be Gluon's."""
+    kernel = attncc.compile("""attention dense_bias { learnable input bias: f32[b, h, q, k]
+        score s + bias[b, h, q, k] }""")
     calls = []
     _stand_in_gluon(kernel, monkeypatch, calls)
     gen = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(1, 2, 24, 64, generator=gen, requires_grad=True) for _ in range(3))
-    bias = torch.randn(2, 511, generator=gen, requires_grad=True)
+    bias = torch.randn(1, 2, 24, 24, generator=gen, requires_grad=True)
     kernel(q, k, v, bias=bias).sum().backward()
     assert calls == ["forward", "dkdv"]
     backend, why = kernel.last_backward["dq"]
-    assert backend == "triton" and "learnable inputs (bias (table))" in why
+    assert backend == "triton" and "learnable inputs (bias (dense))" in why
+    assert "broadcast, rows and table reads only" in why
     assert bias.grad is not None and bias.grad.abs().sum() > 0
 
 
@@ -247,10 +249,12 @@ ROWS_AND_KEYS = """attention rows_and_keys { learnable input w: f32[b, h, q]
     learnable input g: f32[b, h, k] score s + w[b, h, q] * 0.5 + g[b, h, k] }"""
 
 
-@pytest.mark.parametrize("spec", [LEARNED_ALIBI, KEY_GAIN, ROWS_AND_KEYS])
+@pytest.mark.parametrize("spec", [LEARNED_ALIBI, KEY_GAIN, ROWS_AND_KEYS,
+                                  (EXAMPLES / "relative_bias.attn").read_text()])
 def test_owned_learnable_reads_keep_the_gluon_backward(spec):
     """Broadcast and rows reads are the Gluon dQ kernel's, reads of keys alone its dK/dV
-    kernel's (OWNED_KINDS): neither role refuses them."""
+    kernel's (OWNED_KINDS), a table read (the example's clipped relative table) its dQ
+    kernel's: neither role refuses them."""
     variant = attncc.parse(spec)
     for kind in ("dq", "dkdv"):
         assert gluon_backend.kernel_unsupported(variant, kind, 64) is None
