@@ -41,8 +41,7 @@ from attncc.backends.gluon import kernel_unsupported, tiles  # noqa: E402
 from attncc.semantics.samples import sample_inputs  # noqa: E402
 from attncc.semantics.tolerance import (gradient_scales, input_gradient_scales,  # noqa: E402
                                         max_abs_error, within_tolerance)
-from gluon_check import Watchdog, learned_inputs, realistic_inputs  # noqa: E402
-from learnable_gradients import CASES as LEARNABLE_CASES  # noqa: E402
+from gluon_check import LEARNABLE, Watchdog, learned_inputs, realistic_inputs  # noqa: E402
 
 OUT = os.environ.get("OUT", "out")
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
@@ -59,25 +58,6 @@ def _write():
 
 GLUON, PORTABLE = backends.named("gluon"), backends.portable()
 
-# Learnable score inputs of each kind the Gluon backward owns (analysis/gradient_owners.py):
-# broadcast (slopes[h]: learned ALiBi; a per-head temperature), rows (w[b, h, q]), cols
-# (g[b, h, k], dK/dV's) and tables (T5's buckets, bidirectional and causal).
-LEARNABLE = {
-    "learned_alibi": LEARNABLE_CASES["learned_alibi"],
-    "temperature": """attention temperature { learnable input tau: f32[h] mask q >= k
-        score s * tau[h] }""",
-    "rows_gain": """attention rows_gain { learnable input w: f32[b, h, q] mask q >= k
-        score s + w[b, h, q] * (k - q) * 0.01 }""",
-    "key_gain": LEARNABLE_CASES["key_gain"],
-    "sigmoid_bias": """attention sigmoid_bias { learnable input bias: f32[h] mask q >= k
-        normalize none weight sigmoid(s + bias[h] - 6.0) }""",
-    "t5_bidirectional": LEARNABLE_CASES["t5_bidirectional"],
-    # learnable_gradients.py's causal T5 reads entry q - k < 0 at masked pairs, which the
-    # reference refuses: here clamped at 0, as T5's own buckets are.
-    "t5_causal": """attention t5_causal { learnable input table: f32[h, 32] mask q >= k
-        score s + table[h, where(q - k < 16, max(q - k, 0),
-            min(16 + int(log(max(q - k, 16) / 16.0) / log(128.0 / 16.0) * 16.0), 31))] }""",
-}
 REPEATS = 3  # backward calls after the first whose gradients must match it bit for bit
 
 

@@ -10,7 +10,7 @@ batches; len_q 200 != len_k 517), fp16 on a subset, head dims 64 and 256 on a su
 one query token, GQA, offsets, and the backward (portable, fed by the Gluon forward's
 output and LSE) on a few; each held to attncc/semantics/tolerance.py's rule against
 attncc.reference in float64, with the LSE's -inf rows matched exactly. With the
-backward, the learnable inputs' gradients too (gluon_backward.py's LEARNABLE variants:
+backward, the learnable inputs' gradients too (LEARNABLE, also gluon_backward.py's:
 learned ALiBi slopes, per-query and per-key gains, T5 tables), and a repeated backward
 must give every gradient bit for bit. A watchdog ends
 the process if a case hangs (a wrong mbarrier phase deadlocks), naming the case.
@@ -39,6 +39,7 @@ from attncc import backends
 from attncc.backends.gluon import kernel_unsupported, tiles
 from attncc.arguments import Problem
 from attncc.semantics.samples import sample_inputs
+from learnable_gradients import CASES as LEARNABLE_CASES
 from attncc.semantics.tolerance import (gradient_scales, input_gradient_scales, max_abs_error,
                                         within_tolerance)
 
@@ -85,6 +86,27 @@ def _write():
 
 
 # ---------------------------------------------------------------- correctness
+# Learnable score inputs of each kind the Gluon backward owns (analysis/gradient_owners.py):
+# broadcast (slopes[h]: learned ALiBi; a per-head temperature), rows (w[b, h, q]), cols
+# (g[b, h, k], dK/dV's) and tables (T5's buckets, bidirectional and causal).
+LEARNABLE = {
+    "learned_alibi": LEARNABLE_CASES["learned_alibi"],
+    "temperature": """attention temperature { learnable input tau: f32[h] mask q >= k
+        score s * tau[h] }""",
+    "rows_gain": """attention rows_gain { learnable input w: f32[b, h, q] mask q >= k
+        score s + w[b, h, q] * (k - q) * 0.01 }""",
+    "key_gain": LEARNABLE_CASES["key_gain"],
+    "sigmoid_bias": """attention sigmoid_bias { learnable input bias: f32[h] mask q >= k
+        normalize none weight sigmoid(s + bias[h] - 6.0) }""",
+    "t5_bidirectional": LEARNABLE_CASES["t5_bidirectional"],
+    # learnable_gradients.py's causal T5 reads entry q - k < 0 at masked pairs, which the
+    # reference refuses: here clamped at 0, as T5's own buckets are.
+    "t5_causal": """attention t5_causal { learnable input table: f32[h, 32] mask q >= k
+        score s + table[h, where(q - k < 16, max(q - k, 0),
+            min(16 + int(log(max(q - k, 16) / 16.0) / log(128.0 / 16.0) * 16.0), 31))] }""",
+}
+
+
 def learned_inputs(variant) -> list:
     """The learnable inputs that what a pair adds reads (a sink's take their gradient
     outside the kernels), sorted."""
@@ -177,7 +199,6 @@ def check_case(name, variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, backward=False, q
 def correctness(args, dog):
     names = sorted(f[:-5] for f in os.listdir(EXAMPLES) if f.endswith(".attn"))
     variants = {n: attncc.parse_file(os.path.join(EXAMPLES, n + ".attn")) for n in names}
-    from gluon_backward import LEARNABLE  # (that module imports this one's watchdog)
     variants.update({n: attncc.parse(spec) for n, spec in LEARNABLE.items()})
     taken = {n: v for n, v in variants.items() if GLUON.supports(v) is None}
     bf, fp = torch.bfloat16, torch.float16
