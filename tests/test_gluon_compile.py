@@ -159,7 +159,7 @@ LEARNABLE_SPECS = {
 @pytest.mark.slow
 def test_gluon_kernels_with_learnable_inputs_compile_for_hopper(tmp_path):
     # Their gradients' sums and partial stores in both backward kernels, at both
-    # backward head dims; about a minute on two cores.
+    # backward head dims; about six minutes on two cores.
     paths = []
     for name, spec in LEARNABLE_SPECS.items():
         paths.append(tmp_path / f"{name}.attn")
