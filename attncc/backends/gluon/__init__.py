@@ -162,5 +162,5 @@ def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int) -> str | N
 
 
 def _listed(words) -> str:
-    """"a", "a and b", "a, b and c"."""
+    """The words as a sentence lists them: "a", "a and b", "a, b and c"."""
     return " and ".join([", ".join(words[:-1]), words[-1]] if len(words) > 1 else list(words))
