@@ -8,8 +8,13 @@ Correctness: each example variant the Gluon backward takes, on awkward shapes (3
 tokens over two batches with GQA 4/2; len_q 200 != len_k 517; one query token; head dim
 64 too; fp16 too), the other configs on a few; dQ (computing delta itself), dK and dV of
 the Gluon kernels, fed the portable forward's output and LSE, held to
-attncc/semantics/tolerance.py's rule against attncc.reference in float64. A watchdog names a
-case that hangs.
+attncc/semantics/tolerance.py's rule against attncc.reference in float64. Variants with
+learnable score inputs whose gradients the Gluon kernels own (LEARNABLE: learned ALiBi
+slopes, a per-query and a per-key gain, T5 bias tables, besides the relative_bias
+example) also hold each input's gradient to the float64 reference (error scale
+tolerance.input_gradient_scales) and the learned ALiBi slopes' to an independent dense
+formula, and repeat the backward to check that every gradient comes out bit-identical.
+A watchdog names a case that hangs.
 
 Speed: the ANCHORS shape (bf16, 16 heads, 16384 tokens, head dim --dim): each kernel's
 portable candidates (the four the tuner times) against every Gluon config, the same
@@ -34,8 +39,9 @@ from attncc.arguments import Problem  # noqa: E402
 from attncc import backends  # noqa: E402
 from attncc.backends.gluon import kernel_unsupported, tiles  # noqa: E402
 from attncc.semantics.samples import sample_inputs  # noqa: E402
-from attncc.semantics.tolerance import gradient_scales, max_abs_error, within_tolerance  # noqa: E402
-from gluon_check import Watchdog  # noqa: E402
+from attncc.semantics.tolerance import (gradient_scales, input_gradient_scales,  # noqa: E402
+                                        max_abs_error, within_tolerance)
+from gluon_check import LEARNABLE, Watchdog, learned_inputs, realistic_inputs  # noqa: E402
 
 OUT = os.environ.get("OUT", "out")
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
@@ -51,6 +57,8 @@ def _write():
 
 
 GLUON, PORTABLE = backends.named("gluon"), backends.portable()
+
+REPEATS = 3  # backward calls after the first whose gradients must match it bit for bit
 
 
 def _dicts(configs):
@@ -83,7 +91,7 @@ def check_dkdv(variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, config, dq_config, seed
     if variant.heads:
         Hq, Hkv = variant.heads.q, variant.heads.kv
     p = Problem(B, Hq, Hkv, Lq, Lk, D, D, q_offset, k_offset)
-    inputs = sample_inputs(variant, p, seed=seed, device=dev)
+    inputs = realistic_inputs(sample_inputs(variant, p, seed=seed, device=dev), Hq)
     q, k, v = (torch.randn(B, h, n, D, device=dev, dtype=torch.float64).to(dtype)
                for h, n in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk)))
     kernel = attncc.compile(variant, backend="gluon")
@@ -93,31 +101,103 @@ def check_dkdv(variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, config, dq_config, seed
     out, lse = host.forward(q, k, v, inputs, config=fwd_config, **offsets)
     dout = torch.randn_like(out)
     delta = host.backward_delta(out, dout)
-    dk, dv = glu.backward_dkdv(q, k, v, lse, delta, dout, inputs, config=config,
-                               **offsets)
+
+    def gluon_backward():
+        """dq, dk, dv and the score's learnable inputs' gradients, as the runtime adds
+        them: dQ's, plus dK/dV's for reads of keys alone."""
+        dk, dv, *by_keys = glu.backward_dkdv(q, k, v, lse, delta, dout, inputs, config=config,
+                                             **offsets)
+        dq, dinputs = glu.backward_dq(q, k, v, lse, own_delta, dout, inputs, config=dq_config,
+                                      out=out, **offsets)
+        return dq, dk, dv, {n: g + by_keys[0][n] if by_keys else g
+                            for n, g in dinputs.items() if n in learned}
+
+    learned = learned_inputs(variant)
     own_delta = host.new_delta(q)
-    dq, _ = glu.backward_dq(q, k, v, lse, own_delta, dout, inputs, config=dq_config,
-                            out=out, **offsets)
+    dq, dk, dv, dinputs = gluon_backward()
     rows = [dict(tensor="delta", err=(own_delta - delta).abs().max().item(),
                  ok=bool(torch.allclose(own_delta, delta, rtol=1e-4, atol=1e-4)))]
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    ref = attncc.reference(variant, qr, kr, vr, **offsets, **inputs)
-    rgrads = torch.autograd.grad(ref, (qr, kr, vr), dout.double())
+    leaves = {n: inputs[n].double().requires_grad_() for n in learned}
+    ref = attncc.reference(variant, qr, kr, vr, **offsets, **{**inputs, **leaves})
+    rgrads = torch.autograd.grad(ref, (qr, kr, vr, *leaves.values()), dout.double())
     qe, ke, ve = (t.clone().requires_grad_() for t in (q, k, v))
-    eager = attncc.reference(variant, qe, ke, ve, **offsets, **inputs)
-    egrads = torch.autograd.grad(eager, (qe, ke, ve), dout)
+    eager_leaves = {n: inputs[n].clone().requires_grad_() for n in learned}
+    eager = attncc.reference(variant, qe, ke, ve, **offsets, **{**inputs, **eager_leaves})
+    egrads = torch.autograd.grad(eager, (qe, ke, ve, *eager_leaves.values()), dout)
     from attncc.semantics.reference import scale_value
     scales = gradient_scales(qr, kr, ref, dout, scale_value(variant, D), Hq // Hkv)
-    for n, g, rg, eg in zip("qkv", (dq, dk, dv), rgrads, egrads):
+    scales.update(input_gradient_scales(variant, q, k, v, ref, dout, inputs, **offsets))
+    for n, g, rg, eg in zip(["q", "k", "v", *learned], (dq, dk, dv, *(dinputs[n] for n in learned)),
+                            rgrads, egrads):
         err, eerr = max_abs_error(g, rg), max_abs_error(eg, rg)
         ok = within_tolerance(err, eerr, dtype, rg, scales.get(f"d{n}", 1.0))
         rows.append(dict(tensor=f"d{n}", err=err, eager_err=eerr, ok=bool(ok)))
+    formula = DENSE_FORMULAS.get(variant.name)
+    if formula is not None:  # the same gradient from the paper's formula, written out here
+        name, bias, causal = formula
+        want = _dense_bias_gradient(variant, q, k, v, dout, inputs[name], bias, causal, **offsets)
+        err = max_abs_error(dinputs[name], want)
+        eerr = max_abs_error(egrads[3 + learned.index(name)], want)
+        rows.append(dict(tensor=f"d{name} (dense formula)", err=err, eager_err=eerr,
+                         ok=bool(within_tolerance(err, eerr, dtype, want, scales[f"d{name}"]))))
+    if learned:
+        # No atomics: every repeat writes the same bits (dq's delta included).
+        first = [dq, dk, dv, *(dinputs[n] for n in learned)]
+        same = all(all(torch.equal(a, b) for a, b in zip(first, [*again[:3], *again[3].values()]))
+                   for again in (gluon_backward() for _ in range(REPEATS)))
+        rows.append(dict(tensor="bit-identical repeats", ok=bool(same)))
     return rows
+
+
+def _t5_buckets(rel, bidirectional):
+    """T5's relative position buckets (Raffel et al., 2020; 32 buckets, max distance 128)
+    of rel = key position - query position, as its reference implementation computes
+    them: half the buckets per direction when bidirectional, exact up to half of those,
+    logarithmic beyond."""
+    buckets = 32
+    if bidirectional:
+        buckets //= 2
+        base, n = (rel > 0).long() * buckets, rel.abs()
+    else:
+        base, n = 0, (-rel).clamp(min=0)
+    exact = buckets // 2
+    far = exact + (torch.log(n.double().clamp(min=1) / exact) / math.log(128 / exact)
+                   * (buckets - exact)).long()
+    return base + torch.where(n < exact, n, far.clamp(max=buckets - 1))
+
+
+# Variants whose learnable input's gradient is also computed apart from attncc.reference:
+# (input, its dense bias [H or 1, Lq, Lk] from the input and rel = k - q, causal).
+DENSE_FORMULAS = {
+    "learned_alibi": ("sl", lambda sl, rel: sl.view(-1, 1, 1) * rel, True),
+    "t5_bidirectional": ("table", lambda table, rel: table[:, _t5_buckets(rel, True)], False),
+    "t5_causal": ("table", lambda table, rel: table[:, _t5_buckets(rel, False)], True),
+}
+
+
+def _dense_bias_gradient(variant, q, k, v, dout, x, bias, causal, q_offset=0, k_offset=0):
+    """d loss / d x for plain softmax attention in float64 whose score adds the dense
+    bias(x, k - q) (under the causal mask where `causal`), by autograd."""
+    from attncc.semantics.reference import scale_value
+    group = q.shape[1] // k.shape[1]
+    q64, k64, v64 = (t.double() for t in (q, k, v))
+    k64, v64 = (t.repeat_interleave(group, dim=1) for t in (k64, v64))
+    pos_q = torch.arange(q.shape[2], device=q.device) + q_offset
+    pos_k = torch.arange(k.shape[2], device=q.device) + k_offset
+    rel = pos_k[None, :] - pos_q[:, None]
+    x64 = x.double().requires_grad_()
+    s = q64 @ k64.transpose(-1, -2) * scale_value(variant, q.shape[-1]) + bias(x64, rel)
+    if causal:
+        s = s.masked_fill(rel > 0, float("-inf"))
+    w = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no key attends to nothing
+    return torch.autograd.grad(w @ v64, x64, dout.double())[0]
 
 
 def correctness(args, dog):
     names = sorted(f[:-5] for f in os.listdir(EXAMPLES) if f.endswith(".attn"))
     variants = {n: attncc.parse_file(os.path.join(EXAMPLES, n + ".attn")) for n in names}
+    variants.update({n: attncc.parse(spec) for n, spec in LEARNABLE.items()})
     taken = {n: v for n, v in variants.items() if GLUON.supports(v) is None
              and kernel_unsupported(v, "dq", 128) is None}
     if args.sweep:
@@ -141,9 +221,20 @@ def correctness(args, dog):
     for n in ("full", "causal_bottom_right"):
         if n in taken:
             cases.append((n, dict(B=2, Hq=2, Hkv=2, Lq=1, Lk=300, D=128), bf, first, first_dq[128]))
+    # Learnable inputs on awkward shapes: len_q != len_k and 3 heads, GQA at head dim 64,
+    # one query token, fp16.
+    for n in [*LEARNABLE, "relative_bias"]:
+        if n in taken:
+            cases.append((n, dict(B=1, Hq=3, Hkv=3, Lq=200, Lk=517, D=128), bf, first, first_dq[128]))
+            cases.append((n, dict(B=1, Hq=4, Hkv=1, Lq=257, Lk=257, D=64), bf,
+                          backward_candidates(64)[0], first_dq[64]))
+    for n in ("learned_alibi", "rows_gain", "key_gain", "t5_causal"):
+        if n in taken:
+            cases.append((n, dict(B=2, Hq=2, Hkv=2, Lq=1, Lk=300, D=128), bf, first, first_dq[128]))
+            cases.append((n, dict(B=1, Hq=4, Hkv=4, Lq=333, Lk=333, D=128), fp, first, first_dq[128]))
     others = zip(backward_candidates(128)[1:], dq_candidates(128)[1:])
     for config, dq_config in others:
-        for n in ("full", "causal", "document"):
+        for n in ("full", "causal", "document", "learned_alibi", "key_gain", "t5_bidirectional"):
             if n in taken:
                 cases.append((n, dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128), bf, config,
                               dq_config))

@@ -11,7 +11,10 @@ one query token, GQA, offsets, and the backward (portable, fed by the Gluon forw
 output and LSE) on a few; v narrower than q·k ((192, 128), (128, 64): DeepSeek's
 shapes), also at every (192, 128) config pinned and against float64 SDPA for full and
 causal attention; each held to attncc/semantics/tolerance.py's rule against
-attncc.reference in float64, with the LSE's -inf rows matched exactly. A watchdog ends
+attncc.reference in float64, with the LSE's -inf rows matched exactly. With the
+backward, the learnable inputs' gradients too (LEARNABLE, also gluon_backward.py's:
+learned ALiBi slopes, per-query and per-key gains, T5 tables), and a repeated backward
+must give every gradient bit for bit. A watchdog ends
 the process if a case hangs (a wrong mbarrier phase deadlocks), naming the case.
 
 Speed: head dim 128, 16 heads, 16384 tokens, bf16 (the ANCHORS shape); every Gluon
@@ -39,7 +42,9 @@ from attncc import backends
 from attncc.backends.gluon import kernel_unsupported, tiles
 from attncc.arguments import Problem
 from attncc.semantics.samples import sample_inputs
-from attncc.semantics.tolerance import gradient_scales, max_abs_error, within_tolerance
+from learnable_gradients import CASES as LEARNABLE_CASES
+from attncc.semantics.tolerance import (gradient_scales, input_gradient_scales, max_abs_error,
+                                        within_tolerance)
 
 OUT = os.environ.get("OUT", "out")
 GLUON = backends.named("gluon")
@@ -85,6 +90,49 @@ def _write():
 
 
 # ---------------------------------------------------------------- correctness
+# Learnable score inputs of each kind the Gluon backward owns (analysis/gradient_owners.py):
+# broadcast (slopes[h]: learned ALiBi; a per-head temperature), rows (w[b, h, q]), cols
+# (g[b, h, k], dK/dV's) and tables (T5's buckets, bidirectional and causal).
+LEARNABLE = {
+    "learned_alibi": LEARNABLE_CASES["learned_alibi"],
+    "temperature": """attention temperature { learnable input tau: f32[h] mask q >= k
+        score s * tau[h] }""",
+    "rows_gain": """attention rows_gain { learnable input w: f32[b, h, q] mask q >= k
+        score s + w[b, h, q] * (k - q) * 0.01 }""",
+    "key_gain": LEARNABLE_CASES["key_gain"],
+    "sigmoid_bias": """attention sigmoid_bias { learnable input bias: f32[h] mask q >= k
+        normalize none weight sigmoid(s + bias[h] - 6.0) }""",
+    "t5_bidirectional": LEARNABLE_CASES["t5_bidirectional"],
+    # learnable_gradients.py's causal T5 reads entry q - k < 0 at masked pairs, which the
+    # reference refuses: here clamped at 0, as T5's own buckets are.
+    "t5_causal": """attention t5_causal { learnable input table: f32[h, 32] mask q >= k
+        score s + table[h, where(q - k < 16, max(q - k, 0),
+            min(16 + int(log(max(q - k, 16) / 16.0) / log(128.0 / 16.0) * 16.0), 31))] }""",
+}
+
+
+def learned_inputs(variant) -> list:
+    """The learnable inputs that what a pair adds reads (a sink's take their gradient
+    outside the kernels), sorted."""
+    from attncc.analysis.gradient_owners import gradient_owners, learnable_reads
+    from attncc.backends.portable.codegen import per_pair
+    pair = per_pair(variant)
+    return sorted({o.load.tensor for o in gradient_owners(pair, learnable_reads(pair))})
+
+
+def realistic_inputs(inputs: dict, heads: int) -> dict:
+    """sample_inputs' standard normal values, but learned ALiBi slopes (`sl`) about the
+    usual geometric ones and a temperature (`tau`) about 1: a slope of 1 over 500 keys
+    would leave every row one-hot."""
+    out = dict(inputs)
+    if "sl" in out:
+        sl = out["sl"]
+        out["sl"] = torch.logspace(-1, -8, heads, base=2, device=sl.device) * (1 + 0.2 * sl)
+    if "tau" in out:
+        out["tau"] = 1 + 0.2 * out["tau"]
+    return out
+
+
 def _compare(label, got, ref, eager, dtype, scale=1.0):
     err, eerr = max_abs_error(got, ref), max_abs_error(eager, ref)
     ok = within_tolerance(err, eerr, dtype, ref, scale)
@@ -100,7 +148,10 @@ def check_case(name, variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, backward=False, q
         Hq, Hkv = variant.heads.q, variant.heads.kv
     Dv = Dv or D
     p = Problem(B, Hq, Hkv, Lq, Lk, D, Dv, q_offset, k_offset)
-    inputs = sample_inputs(variant, p, seed=seed, device=dev)
+    inputs = realistic_inputs(sample_inputs(variant, p, seed=seed, device=dev), Hq)
+    learned = learned_inputs(variant) if backward else []
+    for n in learned:
+        inputs[n] = inputs[n].requires_grad_()
     q64 = torch.randn(B, Hq, Lq, D, device=dev, dtype=torch.float64)
     k64 = torch.randn(B, Hkv, Lk, D, device=dev, dtype=torch.float64)
     v64 = torch.randn(B, Hkv, Lk, Dv, device=dev, dtype=torch.float64)
@@ -109,17 +160,19 @@ def check_case(name, variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, backward=False, q
     offsets = dict(q_offset=q_offset, k_offset=k_offset)
     with_lse = variant.normalize != "none"  # `normalize none` has no LSE to return
 
-    def attend(fn, *qkv):
-        got = fn(*qkv, return_lse=with_lse, **offsets, **inputs)
+    def attend(fn, *qkv, values=inputs):
+        got = fn(*qkv, return_lse=with_lse, **offsets, **values)
         return got if with_lse else (got, None)
     out, lse = attend(kernel, q, k, v)
     ran = kernel.last_backend[0]
     # The reference on the kernel's own (rounded) inputs, in float64 and in the dtype.
     by_reference = lambda *qkv, **kw: attncc.reference(variant, *qkv, **kw)
     qr, kr, vr = (t.detach().double().requires_grad_(backward) for t in (q, k, v))
-    ref, rlse = attend(by_reference, qr, kr, vr)
+    ref_inputs = {**inputs, **{n: inputs[n].detach().double().requires_grad_() for n in learned}}
+    ref, rlse = attend(by_reference, qr, kr, vr, values=ref_inputs)
     qe, ke, ve = (t.detach().clone().requires_grad_(backward) for t in (q, k, v))
-    eager, else_ = attend(by_reference, qe, ke, ve)
+    eager_inputs = {**inputs, **{n: inputs[n].detach().clone().requires_grad_() for n in learned}}
+    eager, else_ = attend(by_reference, qe, ke, ve, values=eager_inputs)
     rows = [_compare("out", out, ref, eager, dtype)]
     if with_lse:
         rows.append(_compare("lse", lse, rlse, else_, dtype))
@@ -132,13 +185,21 @@ def check_case(name, variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, backward=False, q
                              sdpa(q.detach(), k.detach(), v.detach()), dtype))
     if backward:
         do = torch.randn_like(out)
-        grads = torch.autograd.grad(out, (q, k, v), do)
-        rgrads = torch.autograd.grad(ref, (qr, kr, vr), do.double())
-        egrads = torch.autograd.grad(eager, (qe, ke, ve), do)
+        leaves = (q, k, v, *(inputs[n] for n in learned))
+        grads = torch.autograd.grad(out, leaves, do)
+        rgrads = torch.autograd.grad(ref, (qr, kr, vr, *(ref_inputs[n] for n in learned)),
+                                     do.double())
+        egrads = torch.autograd.grad(eager, (qe, ke, ve, *(eager_inputs[n] for n in learned)), do)
         from attncc.semantics.reference import scale_value
         scales = gradient_scales(qr, kr, ref, do, scale_value(variant, D), Hq // Hkv)
-        for n, g, rg, eg in zip("qkv", grads, rgrads, egrads):
+        scales.update(input_gradient_scales(variant, q, k, v, ref, do, inputs, **offsets))
+        for n, g, rg, eg in zip(["q", "k", "v", *learned], grads, rgrads, egrads):
             rows.append(_compare(f"d{n}", g, rg, eg, dtype, scales.get(f"d{n}", 1.0)))
+        if learned:  # no atomics: a repeated forward and backward gives the same bits
+            same = all(all(torch.equal(a, b) for a, b in
+                           zip(grads, torch.autograd.grad(attend(kernel, q, k, v)[0], leaves, do)))
+                       for _ in range(3))
+            rows.append(dict(tensor="bit-identical repeats", ok=bool(same)))
         # backend="gluon": dQ and dK/dV run the Gluon kernels wherever they take the call.
         for kind in ("dq", "dkdv"):
             if (kernel_unsupported(variant, kind, D, Dv) is None
@@ -151,6 +212,7 @@ def check_case(name, variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, backward=False, q
 def correctness(args, dog):
     names = sorted(f[:-5] for f in os.listdir(EXAMPLES) if f.endswith(".attn"))
     variants = {n: attncc.parse_file(os.path.join(EXAMPLES, n + ".attn")) for n in names}
+    variants.update({n: attncc.parse(spec) for n, spec in LEARNABLE.items()})
     taken = {n: v for n, v in variants.items() if GLUON.supports(v) is None}
     bf, fp = torch.bfloat16, torch.float16
     few = ["full", "causal", "sliding_window", "alibi", "softcap", "document", "bigbird"]
@@ -197,6 +259,13 @@ def correctness(args, dog):
                   ("full", dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128, Dv=64), bf, False),
                   ("causal", dict(B=1, Hq=3, Hkv=3, Lq=200, Lk=517, D=128, Dv=64), bf, False),
                   ("document", dict(B=1, Hq=4, Hkv=4, Lq=300, Lk=300, D=128, Dv=64), bf, True)]
+        # Learnable inputs' gradients through the whole call (the Gluon dQ and dK/dV
+        # own them): awkward lengths, 3 heads, GQA, one query token.
+        for n in LEARNABLE:
+            cases += [(n, dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128), bf, True),
+                      (n, dict(B=1, Hq=3, Hkv=3, Lq=200, Lk=517, D=64), bf, True)]
+        cases += [("learned_alibi", dict(B=2, Hq=2, Hkv=2, Lq=1, Lk=300, D=128), bf, True),
+                  ("key_gain", dict(B=1, Hq=4, Hkv=1, Lq=257, Lk=257, D=64), fp, True)]
     offset_cases = [("causal", 64, 0), ("sliding_window", 96, 96)]
     if args.sweep != "all":
         keep = set(args.sweep.split(",")) if args.sweep else set()

@@ -269,19 +269,106 @@ def test_the_backward_runs_the_gluon_dkdv_kernel_where_the_backend_takes_it(monk
         assert backend == "triton" and "head dim 32" in why
 
 
-def test_learnable_inputs_keep_the_portable_dq(monkeypatch):
-    """Their gradients are accumulated by the portable dQ kernel; dK/dV may still be Gluon's."""
-    kernel = attncc.compile(str(EXAMPLES / "relative_bias.attn"))
+def test_reads_stored_per_pair_keep_the_portable_dq(monkeypatch):
+    """A read the Gluon dQ kernel does not own (`bias[b, h, q, k]`, stored once per
+    pair) keeps the portable dQ kernel, named with its kind; dK/dV may still be Gluon's."""
+    kernel = attncc.compile("""attention dense_bias { learnable input bias: f32[b, h, q, k]
+        score s + bias[b, h, q, k] }""")
     calls = []
     _stand_in_gluon(kernel, monkeypatch, calls)
     gen = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(1, 2, 24, 64, generator=gen, requires_grad=True) for _ in range(3))
-    bias = torch.randn(2, 511, generator=gen, requires_grad=True)
+    bias = torch.randn(1, 2, 24, 24, generator=gen, requires_grad=True)
     kernel(q, k, v, bias=bias).sum().backward()
     assert calls == ["forward", "dkdv"]
     backend, why = kernel.last_backward["dq"]
-    assert backend == "triton" and "learnable inputs (bias)" in why
+    assert backend == "triton" and "learnable inputs (bias (dense))" in why
+    assert "broadcast, rows and table reads only" in why
     assert bias.grad is not None and bias.grad.abs().sum() > 0
+
+
+LEARNED_ALIBI = """attention learned_alibi { learnable input sl: f32[h] mask q >= k
+    score s + sl[h] * (k - q) }"""
+KEY_GAIN = """attention key_gain { learnable input g: f32[b, h, k] mask q >= k
+    score s + g[b, h, k] }"""
+ROWS_AND_KEYS = """attention rows_and_keys { learnable input w: f32[b, h, q]
+    learnable input g: f32[b, h, k] score s + w[b, h, q] * 0.5 + g[b, h, k] }"""
+
+
+@pytest.mark.parametrize("spec", [LEARNED_ALIBI, KEY_GAIN, ROWS_AND_KEYS,
+                                  (EXAMPLES / "relative_bias.attn").read_text()])
+def test_owned_learnable_reads_keep_the_gluon_backward(spec):
+    """Broadcast and rows reads are the Gluon dQ kernel's, reads of keys alone its dK/dV
+    kernel's (OWNED_KINDS), a table read (the example's clipped relative table) its dQ
+    kernel's: neither role refuses them."""
+    variant = attncc.parse(spec)
+    for kind in ("dq", "dkdv"):
+        assert gluon_backend.kernel_unsupported(variant, kind, 64) is None
+
+
+@pytest.mark.slow
+def test_owned_learnable_reads_run_the_gluon_backward(monkeypatch):
+    """Both roles run Gluon, and the dK/dV gradients reach the inputs' (the stand-in
+    runs the portable kernels, whose contract the Gluon launchers keep:
+    test_gluon_launchers_sum_the_partials_their_kernels_write)."""
+    variant = attncc.parse(ROWS_AND_KEYS)
+    kernel = attncc.compile(variant)
+    calls = []
+    _stand_in_gluon(kernel, monkeypatch, calls)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 24, 64, generator=gen, requires_grad=True) for _ in range(3))
+    shapes = {"b": 1, "h": 2, "q": 24, "k": 24}
+    inputs = {d.name: torch.randn([shapes[a] for a in d.axes], generator=gen, requires_grad=True)
+              for d in variant.inputs}
+    kernel(q, k, v, **inputs).sum().backward()
+    assert calls == ["forward", "dq", "dkdv"]
+    assert [b for b, _ in kernel.last_backward.values()] == ["gluon", "gluon"]
+    for t in inputs.values():
+        assert t.grad is not None and t.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("spec", [LEARNED_ALIBI, ROWS_AND_KEYS])
+def test_gluon_launchers_sum_the_partials_their_kernels_write(monkeypatch, spec):
+    """The Gluon launchers allocate the portable layout's partials, hand them to their
+    kernels and sum them with the shared host pass (codegen/templates/owned_partials.jinja):
+    stand-in kernels write known partials, and each input's gradient is their sum as the
+    portable module's _add_partials lays it out."""
+    from attncc.runtime.cache import load_generated
+    variant = attncc.parse(spec)
+    portable, module = load_generated(variant)[1], load_generated(variant, "gluon")[1]
+    gen = torch.Generator().manual_seed(8)
+    B, H, L, D = 2, 3, 200, 64
+    q, k, v, dout = (torch.randn(B, H, L, D, generator=gen, dtype=torch.bfloat16) for _ in range(4))
+    shapes = {"b": B, "h": H, "q": L, "k": L}
+    inputs = {d.name: torch.randn([shapes[a] for a in d.axes], generator=gen) for d in variant.inputs}
+    written = {}
+
+    class StandIn:
+        """A kernel launch that fills its partial buffers with random values."""
+        def __getitem__(self, grid):
+            def launch(*args, **constexprs):
+                for name in module.OWNED_READS:
+                    part = args[-len(module.COMMON_PARAMS):][module.COMMON_PARAMS.index(name)]
+                    if isinstance(part, torch.Tensor) and part.dtype == torch.float32:
+                        part.copy_(torch.randn(part.shape, generator=gen))
+                        written[name] = part.clone()
+            return launch
+
+    monkeypatch.setattr(module, "_bind_context", lambda device: None)
+    monkeypatch.setattr(module, "_descriptor", lambda t, rows: t)
+    monkeypatch.setattr(module, "attn_bwd_dq", StandIn())
+    monkeypatch.setattr(module, "attn_bwd_dkdv", StandIn())
+    lse, delta = torch.zeros(B, H, L), torch.zeros(B, H, L)
+    config = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    _, by_rows = module.backward_dq(q, k, v, lse, delta, dout, inputs, config=config)
+    by_keys = module.backward_dkdv(q, k, v, lse, delta, dout, inputs, config=config)[2:]
+    assert set(written) == set(module.OWNED_READS) and set(by_rows) == set(inputs)
+    expected = {name: torch.zeros(t.shape) for name, t in inputs.items()}
+    portable._add_partials(expected, written, q, k, inputs, 0, 0)
+    for name, t in inputs.items():
+        got = by_rows[name] + (by_keys[0][name] if by_keys else 0)
+        assert got.shape == t.shape and torch.equal(got, expected[name]), name
+        assert got.abs().sum() > 0
 
 
 def test_a_table_driven_backward_says_it_runs_one_portable_launch(monkeypatch):

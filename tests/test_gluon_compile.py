@@ -159,7 +159,36 @@ def test_gluon_kernels_compile_for_hopper_at_every_head_dim(tmp_path):
 
 @pytest.mark.slow
 def test_gluon_forward_compiles_with_v_narrower_than_qk(tmp_path):
-    # DeepSeek's (192, 128): Q and K 192 wide (one wgmma over all 192 columns), V and O
-    # 128, at the 128x128 tiles of two stages (208 KB of shared memory); and (128, 64).
+    # DeepSeek's (192, 128): Q and K 192 wide (128 + 64 column buffers, two wgmmas: a
+    # TMA box must be a power of two wide), V and O 128, at the 128x128 tiles of two stages (208 KB of shared memory); and (128, 64).
     examples = ["causal.attn", "document.attn"]
     _check(_compile(examples, ["192:128", "128:64"], tmp_path), examples, ["192:128", "128:64"])
+
+
+# Learnable score inputs whose gradients the Gluon dQ and dK/dV kernels own
+# (backends/gluon/__init__.py's OWNED_KINDS): a per-head slope (broadcast), a per-query
+# and a per-key gain (rows; cols, in dK/dV), a T5 bucket table, and a weight's bias.
+LEARNABLE_SPECS = {
+    "learned_alibi": """attention learned_alibi { learnable input sl: f32[h] mask q >= k
+        score s + sl[h] * (k - q) }""",
+    "rows_and_keys": """attention rows_and_keys { learnable input w: f32[b, h, q]
+        learnable input g: f32[b, h, k] mask q >= k score s + w[b, h, q] * 0.5 + g[b, h, k] }""",
+    "t5_bidirectional": """attention t5_bidirectional { scale 1.0
+        learnable input table: f32[h, 32] score s + table[h, where(k > q, 16, 0)
+            + where(abs(k - q) < 8, abs(k - q),
+                    min(8 + int(log(max(abs(k - q), 1) / 8.0) / log(128.0 / 8.0) * 8.0), 15))] }""",
+    "sigmoid_bias": """attention sigmoid_bias { learnable input bias: f32[h] mask q >= k
+        normalize none weight sigmoid(s + bias[h]) }""",
+}
+
+
+@pytest.mark.slow
+def test_gluon_kernels_with_learnable_inputs_compile_for_hopper(tmp_path):
+    # Their gradients' sums and partial stores in both backward kernels, at both
+    # backward head dims; about six minutes on two cores.
+    paths = []
+    for name, spec in LEARNABLE_SPECS.items():
+        paths.append(tmp_path / f"{name}.attn")
+        paths[-1].write_text(spec)
+    names = [p.name for p in paths]
+    _check(_compile([str(p) for p in paths], [64, 128], tmp_path), names, [64, 128])

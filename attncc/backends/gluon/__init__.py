@@ -20,6 +20,11 @@ HEAD_DIMS = (64, 128, 256)
 DTYPES = ("float16", "bfloat16")
 # wgmma, TMA and the mbarrier ring are Hopper's; Blackwell wants tcgen05 and TMEM.
 CAPABILITY = (9, 0)
+# The learnable reads (analysis/gradient_owners.py's kinds) whose gradients each Gluon
+# backward kernel owns, summing its pairs in registers and storing one partial per
+# owner, as the portable kernels do. Reads of keys alone fall to dK/dV, every other read
+# to dQ; a variant with a read its role's Gluon kernel does not own runs the portable one.
+OWNED_KINDS = {"dq": ("broadcast", "rows", "table"), "dkdv": ("cols",)}
 
 
 class GluonBackend:
@@ -122,22 +127,29 @@ def _pairs() -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def _read_by_keys(variant: ir.Variant) -> tuple:
-    """The learnable inputs the variant reads by key alone (their gradients are dK/dV's)."""
+def _unowned_reads(variant: ir.Variant, kind: str) -> tuple:
+    """The learnable reads of what a pair adds (the score, or under `normalize sum` or
+    `none` the weight) whose gradients fall to role `kind` ("dq" or "dkdv") and that its
+    Gluon kernel does not own, as "input (kind)"."""
     if not variant.learnable_inputs:
         return ()
     # Imported here: the analysis needs sympy, which a warm start never imports.
     from ...analysis.gradient_owners import gradient_owners, learnable_reads
-    return tuple(sorted({o.load.tensor for o in gradient_owners(variant, learnable_reads(variant))
-                         if o.kind == "cols"}))
+    from ..portable.codegen import per_pair
+    pair = per_pair(variant)
+    return tuple(sorted({f"{o.load.tensor} ({o.kind})"
+                         for o in gradient_owners(pair, learnable_reads(pair))
+                         if (o.kind == "cols") == (kind == "dkdv")
+                         and o.kind not in OWNED_KINDS[kind]}))
 
 
 def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int,
                        dim_v: int | None = None) -> str | None:
     """Why the Gluon kernel of role `kind` cannot take a call of this variant at this head
     dim (and v's, `dim_v`, where given), or None: the forward takes every head dim the
-    call checks let through; dQ and dK/dV fewer and one for all three, and dQ no
-    learnable inputs; there is no one-launch backward."""
+    call checks let through; dQ and dK/dV fewer and one for all three, and neither a
+    learnable read whose gradient it does not own (OWNED_KINDS); there is no one-launch
+    backward."""
     if kind == "fwd":
         return None
     if kind not in ("dq", "dkdv"):
@@ -152,15 +164,15 @@ def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int,
                 f"{', '.join(map(str, tiles.BACKWARD_HEAD_DIMS))} (at 256 its fp32 accumulators "
                 "do not fit in registers beside the score tiles)")
     # Inputs only a `sink` reads take their gradient outside the kernels (runtime/sinks.py).
-    score_learnables = [d for d in variant.learnable_inputs if variant.score is not None
-                        and d.name in ir.loaded_tensors(variant.score)]
-    if kind == "dq" and score_learnables:
-        names = ", ".join(d.name for d in score_learnables)
-        return (f"variant '{variant.name}' has learnable inputs ({names}), whose gradients "
-                "the portable dQ kernel accumulates; the Gluon dQ kernel does not yet")
-    by_keys = _read_by_keys(variant) if kind == "dkdv" else ()
-    if by_keys:
-        return (f"variant '{variant.name}' reads learnable inputs by key alone "
-                f"({', '.join(by_keys)}), whose gradients the portable dK/dV kernel owns; the "
-                "Gluon dK/dV kernel does not yet")
+    unowned = _unowned_reads(variant, kind)
+    if unowned:
+        return (f"variant '{variant.name}' reads learnable inputs ({', '.join(unowned)}) whose "
+                f"gradients the portable {name} kernel owns; the Gluon {name} kernel owns those "
+                f"of {_listed(OWNED_KINDS[kind])} reads only (analysis/gradient_owners.py "
+                "names the kinds)")
     return None
+
+
+def _listed(words) -> str:
+    """The words as a sentence lists them: "a", "a and b", "a, b and c"."""
+    return " and ".join([", ".join(words[:-1]), words[-1]] if len(words) > 1 else list(words))

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ... import ir
+from . import OWNED_KINDS
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
@@ -32,7 +33,9 @@ def generate(variant: ir.Variant):
     from ..portable.codegen import host_helpers, variant_code
     code = variant_code(variant)
     d_score = code.d_score if code.score is not None else None
-    called, _ = used([code.mask, code.score, d_score, code.layout_elem, code.sink,
+    owned = [piece for g in code.input_grads if g.owner.kind in OWNED_KINDS["dq"] + OWNED_KINDS["dkdv"]
+             for piece in (g.d_code, g.slot) if piece is not None]
+    called, _ = used([code.mask, code.score, d_score, code.layout_elem, code.sink, *owned,
                       *([] if code.uses_tables else [*code.k_segments, *code.q_segments])])
     # The shared host side (tile tables, launch arguments) is rendered into this module
     # too: its helpers are the portable module's.
@@ -47,6 +50,11 @@ def generate(variant: ir.Variant):
 
 def template_context(variant: ir.Variant, code=None) -> dict:
     """The context the Gluon templates render with: the portable templates' (the Gluon
-    module shares their expressions and host side)."""
+    module shares their expressions and host side), and which learnable reads' gradients
+    its backward kernels own (OWNED_KINDS: `gluon_owns`, and whether the variant has any
+    such read: `gluon_owned_reads`)."""
     from ..portable.codegen import template_context as shared_context
-    return shared_context(variant, code)
+    context = shared_context(variant, code)
+    owned = OWNED_KINDS["dq"] + OWNED_KINDS["dkdv"]
+    return dict(context, gluon_owns=OWNED_KINDS,
+                gluon_owned_reads=any(g["kind"] in owned for g in context["input_grads"]))
