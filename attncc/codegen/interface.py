@@ -46,6 +46,8 @@ PORTABLE = {
                    "run(q, k_cache, v_cache, lens, inputs, k_new, v_new, block_table)",
     "decode_append_kv": "writes k_new, v_new into the cache in place",
     "decode_reach_tiles": "the key tiles a decode step's rows can reach",
+    "v_is_k": "v_is_k(k_cache, v_cache) -> whether v is a view of k's first columns (MLA: "
+              "the values come from the K tiles, a decode plan of its own)",
 }
 # Present only when USES_TABLES: dK/dV and dQ in one launch.
 PORTABLE_WITH_TABLES = {
@@ -64,9 +66,10 @@ GLUON = {
     "forward": "forward(q, k, v, inputs, *, q_offset, k_offset, seed, config, "
                "tables) -> (out, lse)",
     "backward_dq": "backward_dq(q, k, v, lse, delta, dout, inputs, *, ..., "
-                   "out=None, dlse=None) -> (dq, {}) (runtime/kernel.py: backward_role)",
+                   "out=None, dlse=None) -> (dq, dinputs) (runtime/kernel.py: backward_role)",
     "backward_dkdv": "backward_dkdv(q, k, v, lse, delta, dout, inputs, *, ...) "
-                     "-> (dk, dv)",
+                     "-> (dk, dv), and dinputs where the variant reads learnable inputs by "
+                     "key alone",
 }
 
 
