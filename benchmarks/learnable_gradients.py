@@ -16,11 +16,13 @@ subprocess, and the table shows both. Results go to $OUT/learnable_gradients.jso
 A fair and quick comparison pins the tile configs on both sides: `--tune 0` (each
 kernel's first candidate, untimed: ATTNCC_TUNE=0) or `--config` (one config for every
 kernel: ATTNCC_CONFIG). Without either, each side autotunes its first call, timing up to
-four configs per kernel; the atomic baseline adds a table's gradient with one atomic per
-(b, h, q, k) pair into 32 addresses per head (4e9 at 16K tokens and 16 heads), seconds a
-call, so its tuning alone outlasts a 600 s call. Timing stops after --budget seconds per
-case (at least one timed call), and the baseline subprocess after --baseline-timeout:
-the cases it finished are kept, the rest reported as not finished.
+four configs per kernel, each compiled cold (the baseline's kernels in a cache of their
+own): about 12 compiles per case and side, and the atomic baseline's table gradients add
+one fp32 atomic per (b, h, q, k) pair into 32 addresses per head (4e9 at 16K tokens and
+16 heads), so each timed call of a candidate may be slow too. Runs 143-144 ran every
+case that way and did not finish in 600 s; pinned, a case is 3 compiles a side. Timing
+stops after --budget seconds per case (one timed call at least), and the baseline
+subprocess after --baseline-timeout: the cases it finished are kept, the others show nan.
 """
 from __future__ import annotations
 
