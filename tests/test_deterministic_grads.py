@@ -226,8 +226,6 @@ def test_relative_table_gradient_matches_a_dense_gather(block_m, block_n, Lq, Lk
     kernel = attncc.compile(CLAMPED, config=dict(CONFIG, BLOCK_M=block_m, BLOCK_N=block_n))
     got = _grads(kernel, q.float(), k.float(), v.float(), do.float(), {"r": r.float()},
                  q_offset=q_offset)
-    assert all(torch.equal(a, b) for a, b in zip(got, _grads(
-        kernel, q.float(), k.float(), v.float(), do.float(), {"r": r.float()}, q_offset=q_offset)))
     for name, g, w in zip(["dq", "dk", "dv", "dr"], got, want):
         torch.testing.assert_close(g.double(), w, rtol=0, atol=2e-5 * w.abs().max().item() + 2e-5,
                                    msg=lambda m: f"{name}: {m}")
