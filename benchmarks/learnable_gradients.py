@@ -1,23 +1,38 @@
 """GPU timing and determinism of learnable inputs' gradients (learned ALiBi slopes, T5
 bias tables, a clipped relative table, a per-(b, h, k) gain), forward + backward, bf16.
 
-    python benchmarks/learnable_gradients.py [--lengths 16384] [--baseline /path/to/tree]
+    python benchmarks/learnable_gradients.py [--lengths 16384] [--cases t5_causal,...]
+        [--tune 0] [--config JSON] [--baseline /path/to/tree] [--baseline-timeout 300]
 
-Each case times forward + backward (do_bench, ms) of one attncc variant whose learnable
-input takes gradients, runs the backward 5 times more and says whether every gradient
-came out bit-identical, and reports which kernels ran (kernel.last_backward) and which
-owner each learnable read got (attncc/analysis/gradient_owners.py). With --baseline, a
-checkout of another attncc (say the commit before owned gradients, which added them all
-with fp32 atomics: `git worktree add /tmp/atomic d2a9a27`) times the same cases in a
+Each case times forward + backward (CUDA events around each call, after warm-up calls;
+the median, ms) of one attncc variant whose learnable input takes gradients, runs the
+backward `--repeats` times more and says whether every gradient came out bit-identical,
+and reports which kernels ran (kernel.last_backward) and which owner each learnable read
+got (attncc/analysis/gradient_owners.py). With --baseline, a checkout of another attncc
+(say the commit before owned gradients, which added them all with fp32 atomics:
+`git worktree add /tmp/atomic d2a9a27`) times the same cases on the same inputs in a
 subprocess, and the table shows both. Results go to $OUT/learnable_gradients.json.
+
+A fair and quick comparison pins the tile configs on both sides: `--tune 0` (each
+kernel's first candidate, untimed: ATTNCC_TUNE=0) or `--config` (one config for every
+kernel: ATTNCC_CONFIG). Without either, each side autotunes its first call, timing up to
+four configs per kernel, each compiled cold (the baseline's kernels in a cache of their
+own): about 12 compiles per case and side, and the atomic baseline's table gradients add
+one fp32 atomic per (b, h, q, k) pair into 32 addresses per head (4e9 at 16K tokens and
+16 heads), so each timed call of a candidate may be slow too. Runs 143-144 ran every
+case that way and did not finish in 600 s; pinned, a case is 3 compiles a side. Timing
+stops after --budget seconds per case (one timed call at least), and the baseline
+subprocess after --baseline-timeout: the cases it finished are kept, the others show nan.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -41,75 +56,133 @@ CASES = {
 }
 
 
-def run_cases(lengths, heads, dim, batch) -> list:
-    """Time every case in this process's attncc (the one on sys.path)."""
+def inputs_for(name, variant, L, heads, dim, batch):
+    """q, k, v, dout and the learnable inputs of one case: seeded, the same on both sides."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(batch, heads, L, dim, device="cuda", dtype=torch.bfloat16,
+                                 generator=gen) for _ in range(4))
+    inputs = {}
+    for d in variant.inputs:
+        shape = [{"b": batch, "h": heads, "q": L, "k": L}.get(a, a) for a in d.axes]
+        inputs[d.name] = torch.randn(shape, device="cuda", generator=gen) * 0.1
+    if name == "learned_alibi":
+        inputs["sl"] = torch.logspace(-1, -8, heads, base=2, device="cuda")
+    return [t.requires_grad_() for t in (q, k, v)], dout, {n: t.requires_grad_() for n, t in inputs.items()}
+
+
+def median_ms(step, warmup: int, reps: int, budget_s: float) -> tuple:
+    """(median ms, calls timed): `warmup` untimed calls, then up to `reps` calls timed
+    one by one with CUDA events, stopping once `budget_s` has passed (one at least)."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    times, start = [], time.perf_counter()
+    while len(times) < reps and (not times or time.perf_counter() - start < budget_s):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+    return statistics.median(times), len(times)
+
+
+def run_cases(cases, lengths, heads, dim, batch, repeats, reps, budget_s) -> list:
+    """Time `cases` in this process's attncc (the one on sys.path)."""
     import attncc
-    from triton.testing import do_bench
     rows = []
     for L in lengths:
-        for name, spec in CASES.items():
-            variant = attncc.parse(spec)
-            torch.manual_seed(0)
-            q, k, v = (torch.randn(batch, heads, L, dim, device="cuda", dtype=torch.bfloat16,
-                                   requires_grad=True) for _ in range(3))
-            inputs = {}
-            for d in variant.inputs:
-                shape = [{"b": batch, "h": heads, "q": L, "k": L}.get(a, a) for a in d.axes]
-                inputs[d.name] = (torch.randn(shape, device="cuda") * 0.1).requires_grad_()
-            if name == "learned_alibi":
-                inputs["sl"] = torch.logspace(-1, -8, heads, base=2, device="cuda").requires_grad_()
+        for name in cases:
+            variant = attncc.parse(CASES[name])
+            (q, k, v), dout, inputs = inputs_for(name, variant, L, heads, dim, batch)
             kernel = attncc.compile(variant)
-            dout = torch.randn_like(q)
             leaves = [q, k, v, *inputs.values()]
 
             def step():
                 out = kernel(q, k, v, **inputs)
                 return torch.autograd.grad(out, leaves, dout)
 
-            first = step()
-            same = all(all(torch.equal(a, b) for a, b in zip(first, step())) for _ in range(5))
-            ms = do_bench(step, warmup=25, rep=200)
+            began = time.perf_counter()
+            first = step()  # compiles, and tunes unless the configs are pinned
+            torch.cuda.synchronize()
+            first_call_s = time.perf_counter() - began
+            same = all(all(torch.equal(a, b) for a, b in zip(first, step())) for _ in range(repeats))
+            ms, timed = median_ms(step, warmup=2, reps=reps, budget_s=budget_s)
             try:
                 from attncc.analysis.gradient_owners import gradient_owners, learnable_reads
                 owners = [o.kind for o in gradient_owners(variant, learnable_reads(variant))]
             except ImportError:  # a baseline from before owned gradients
                 owners = ["atomics"]
-            rows.append(dict(case=name, L=L, ms=ms, bit_identical=same, owners=owners,
+            rows.append(dict(case=name, L=L, ms=ms, calls_timed=timed, bit_identical=same,
+                             first_call_s=round(first_call_s, 1), owners=owners,
                              last_backward=repr(kernel.last_backward)))
             print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def run_baseline(tree, argv, timeout_s) -> list:
+    """The same cases timed by the attncc in `tree`, in a subprocess; its rows as they
+    came, up to `timeout_s` (the subprocess is stopped there)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(  # the baseline first, then the rest
+                   [os.path.abspath(tree), os.environ.get("PYTHONPATH", "")]),
+               ATTNCC_CACHE_DIR=os.environ.get("ATTNCC_CACHE_DIR", "/tmp/attncc") + "-baseline")
+    rows, started = [], time.perf_counter()
+    with subprocess.Popen([sys.executable, __file__, "--rows-only", *argv], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            print(f"baseline stopped after {time.perf_counter() - started:.0f} s (--baseline-timeout)")
+        rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        if proc.returncode:
+            print(err[-3000:])
     return rows
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="16384")
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated, of: " + ", ".join(CASES))
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--tune", choices=["0", "1", "full"],
+                    help="ATTNCC_TUNE for both sides (0: each kernel's first config, untimed)")
+    ap.add_argument("--config", help="ATTNCC_CONFIG for both sides, e.g. "
+                    '\'{"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}\'')
+    ap.add_argument("--repeats", type=int, default=5, help="backwards compared bit for bit")
+    ap.add_argument("--reps", type=int, default=50, help="timed calls per case, at most")
+    ap.add_argument("--budget", type=float, default=10.0, help="seconds of timed calls per case")
     ap.add_argument("--baseline", help="another attncc checkout to time the same cases with")
+    ap.add_argument("--baseline-timeout", type=float, default=300.0)
     ap.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
+    cases = args.cases.split(",")
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        ap.error(f"unknown cases {unknown}; the cases are {', '.join(CASES)}")
+    if args.tune is not None:
+        os.environ["ATTNCC_TUNE"] = args.tune  # the baseline's subprocess inherits both
+    if args.config is not None:
+        os.environ["ATTNCC_CONFIG"] = args.config
+    timing = (args.repeats, args.reps, args.budget)
     if args.rows_only:  # the baseline's subprocess: its attncc comes first on sys.path
-        run_cases(lengths, args.heads, args.dim, args.batch)
+        run_cases(cases, lengths, args.heads, args.dim, args.batch, *timing)
         return
     sys.path.insert(0, os.path.join(HERE, ".."))
-    mine = run_cases(lengths, args.heads, args.dim, args.batch)
+    mine = run_cases(cases, lengths, args.heads, args.dim, args.batch, *timing)
     base = []
     if args.baseline:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(  # the baseline first, then the rest
-                       [os.path.abspath(args.baseline), os.environ.get("PYTHONPATH", "")]),
-                   ATTNCC_CACHE_DIR=os.environ.get("ATTNCC_CACHE_DIR", "/tmp/attncc-baseline"))
-        done = subprocess.run([sys.executable, __file__, "--rows-only", "--lengths", args.lengths,
-                               "--heads", str(args.heads), "--dim", str(args.dim),
-                               "--batch", str(args.batch)], env=env, capture_output=True,
-                              text=True)
-        base = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-        if done.returncode:
-            print(done.stderr[-3000:])
+        argv = ["--lengths", args.lengths, "--cases", args.cases, "--heads", str(args.heads),
+                "--dim", str(args.dim), "--batch", str(args.batch), "--repeats", str(args.repeats),
+                "--reps", str(args.reps), "--budget", str(args.budget)]
+        base = run_baseline(args.baseline, argv, args.baseline_timeout)
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "learnable_gradients.json"), "w") as f:
-        json.dump(dict(owned=mine, baseline=base), f, indent=1)
+        json.dump(dict(owned=mine, baseline=base, tune=args.tune, config=args.config), f, indent=1)
     by_case = {(r["case"], r["L"]): r for r in base}
     print(f"\n{'case':18s} {'L':>6s} {'owned ms':>9s} {'same bits':>9s} {'baseline ms':>11s} "
           f"{'same bits':>9s}  owners")

@@ -188,6 +188,49 @@ def test_t5_table_gradient_matches_an_independent_t5(spec, bidirectional, q_offs
                                    msg=lambda m: f"{name}: {m}")
 
 
+# A clamped relative table: tiles far from the diagonal read one entry (their sum goes
+# there), tiles near it many (summed per diagonal, then per entry).
+CLAMPED = """attention clamped { learnable input r: f32[h, 9]
+    score s + r[h, min(max(q - k, -4), 4) + 4] }"""
+
+
+def test_relative_tables_sum_per_diagonal_without_a_loop():
+    source = attncc.compile(CLAMPED).source
+    assert "tl.gather(g_val" in source and "for entry in range" not in source
+    # An index not through q - k alone keeps the loop over the entries a tile reads.
+    other = attncc.compile("""attention a { learnable input r: f32[h, 64]
+        score s + r[h, q * 2 - k] }""").source
+    assert "tl.gather(g_val" not in other and "for entry in range" in other
+
+
+@pytest.mark.parametrize("block_m, block_n, Lq, Lk", [
+    (32, 16, 20, 64), pytest.param(16, 32, 37, 45, marks=pytest.mark.slow)])
+def test_relative_table_gradient_matches_a_dense_gather(block_m, block_n, Lq, Lk):
+    # Query tiles taller than key tiles (two diagonal classes per skewed row) and the
+    # other way round (three), lengths off the tiles, len_q != len_k, 3 heads, a query
+    # offset; at 20 x 64 the last key tile reads one entry, the others several.
+    gen = torch.Generator().manual_seed(17)
+    B, H, D, q_offset = 1, 3, 16, 8
+    q = torch.randn(B, H, Lq, D, generator=gen, dtype=F64)
+    k, v = (torch.randn(B, H, Lk, D, generator=gen, dtype=F64) for _ in range(2))
+    do = torch.randn(B, H, Lq, D, generator=gen, dtype=F64)
+    r = torch.randn(H, 9, generator=gen, dtype=F64)
+    entry = ((torch.arange(Lq)[:, None] + q_offset - torch.arange(Lk)[None, :]).clamp(-4, 4) + 4)
+
+    def dense(q, k, v, r):
+        logits = q @ k.transpose(-1, -2) / math.sqrt(D) + r[:, entry]
+        return torch.softmax(logits, -1) @ v
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, r)]
+    want = torch.autograd.grad(dense(*leaves), leaves, do)
+    kernel = attncc.compile(CLAMPED, config=dict(CONFIG, BLOCK_M=block_m, BLOCK_N=block_n))
+    got = _grads(kernel, q.float(), k.float(), v.float(), do.float(), {"r": r.float()},
+                 q_offset=q_offset)
+    for name, g, w in zip(["dq", "dk", "dv", "dr"], got, want):
+        torch.testing.assert_close(g.double(), w, rtol=0, atol=2e-5 * w.abs().max().item() + 2e-5,
+                                   msg=lambda m: f"{name}: {m}")
+
+
 def test_learned_alibi_slopes_match_alibi_as_a_dense_bias():
     spec = """attention learned_alibi { learnable input slopes: f32[h]
         mask q >= k score s - slopes[h] * (q - k) }"""

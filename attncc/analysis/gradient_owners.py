@@ -28,9 +28,10 @@ q, k or the table's slot) and a second pass in a fixed order (sums over axes): t
 or which constant element it reads (an int). An owner no axis names is summed over.
 
 Whether a table index goes through q - k only (`relative`) is decided here too, with
-sympy on the affine pieces: it does not change the code (compare and sum takes any
-index), but it is what bounds the entries one tile touches. Backends print these
-records; nothing here is code text.
+sympy on the affine pieces: such a read's entry is constant along each diagonal of a
+tile, so a backend may sum the tile per diagonal and add each diagonal to its entry
+(the portable backward does: docs/design.md); compare and sum over the entries a tile
+touches takes any index. Backends print these records; nothing here is code text.
 """
 from __future__ import annotations
 

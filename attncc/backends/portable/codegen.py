@@ -121,6 +121,9 @@ class InputGradient:
     owner: GradientOwner
     part: str | None  # the kernel argument of its partials (owned kinds but dense)
     slot: Code | None  # table: the entry of the summed axis a pair reads, clamped
+    # table through q - k only (owner.relative): the entry of a whole diagonal of a tile,
+    # with q and k read from `diag_q` and `diag_k` (backward.jinja sums per diagonal)
+    diagonal_slot: Code | None = None
 
 
 def _input_grads(variant, emit: TritonEmitter, grads) -> list:
@@ -131,19 +134,28 @@ def _input_grads(variant, emit: TritonEmitter, grads) -> list:
         varies = set().union(*(ir.free_vars(i) for i in load.indices)) if load.indices else set()
         reduce = {(False, False): "all", (True, False): "cols", (False, True): "rows",
                   (True, True): "none"}[("q" in varies, "k" in varies)]
-        slot = None
+        slot = diagonal_slot = None
         if owner.kind == "table":
             axis, base = owner.slot_axis, input_code(decl.name)
 
-            def write():
-                emit.use(("_index",), ("WIDE", f"{base}_size{axis}"))
-                return f"_index({emit(load.indices[axis])}, {base}_size{axis}, WIDE)"
-            slot = emit.capture(write)
+            def write(printer):
+                printer.use(("_index",), ("WIDE", f"{base}_size{axis}"))
+                return f"_index({printer(load.indices[axis])}, {base}_size{axis}, WIDE)"
+            slot = emit.capture(lambda: write(emit))
+            if owner.relative:
+                diagonal = TritonEmitter(variant, _DIAGONAL_POSITIONS, wide=emit.wide)
+                diagonal_slot = diagonal.capture(lambda: write(diagonal))
         part = None if owner.kind in ("dense", "scattered") else f"part{n}_ptr"
         out.append(InputGradient(decl.name, grad_arg_name(decl), d_code,
                                  emit.capture(lambda: emit.offset(decl, load.indices)), reduce,
-                                 owner, part, slot))
+                                 owner, part, slot, diagonal_slot))
     return out
+
+
+# Where a relative table's entry is read per diagonal (backward.jinja): q is the query
+# tile's column of positions shifted to one diagonal per row, k the key tile's first.
+_DIAGONAL_POSITIONS = {"q": Code("diag_q", names=frozenset({"q_pos"})),
+                       "k": Code("diag_k", names=frozenset({"tile_k", "k_offset"}))}
 
 
 def integer_width(e, variant: ir.Variant):
@@ -312,12 +324,13 @@ def _pruning(variant: ir.Variant, code: VariantCode) -> dict:
     """What the portable module defines and passes, from what its code uses: `emit`
     (the helpers to define), `host_aliases` (the kernels' helper names tile_tables binds
     to the host's) and `unread` (the names each per-tile function list leaves out)."""
-    grads = [piece for g in code.input_grads for piece in (g.d_code, g.offset, g.slot)]
+    grads = [piece for g in code.input_grads
+             for piece in (g.d_code, g.offset, g.slot, g.diagonal_slot)]
     in_dq = [g for g in code.input_grads if g.owner.kind != "cols"]
     in_dkdv = [g for g in code.input_grads if g.owner.kind == "cols"]
     # What a dQ step reads for each read: its derivative, and where it writes (the
     # element's offset: dense stores and atomics; the table entry: table sums).
-    dq_pieces = [p for g in in_dq for p in (g.d_code, g.slot, g.offset) if p is not None
+    dq_pieces = [p for g in in_dq for p in (g.d_code, g.slot, g.diagonal_slot, g.offset) if p is not None
                  and (p is not g.offset or g.owner.kind in ("dense", "shared", "scattered"))]
     shared = [g for g in in_dq if g.owner.kind == "shared"]
     d_score = code.d_score if code.score is not None else None
@@ -463,6 +476,7 @@ def _input_grad_context(g: InputGradient) -> dict:
     o = g.owner
     return {"name": g.name, "ptr": g.ptr, "d_code": g.d_code.text, "offset": g.offset.text,
             "reduce": g.reduce, "kind": o.kind, "part": g.part, "slot": _text(g.slot),
+            "diagonal_slot": _text(g.diagonal_slot),
             "slots": o.slots, "slots_pad": 1 << max(o.slots - 1, 1).bit_length(),
             "owners": list(o.owners), "axes": list(o.axes),
             "acc": g.part.replace("_ptr", "_acc") if g.part else None,
