@@ -49,9 +49,10 @@ def _close(got, want, what, tol):
 
 @pytest.mark.parametrize("dims", [(192, 128), (128, 64), (64, 512), (80, 96)],
                          ids=lambda d: f"E{d[0]}-Ev{d[1]}")
-def test_forward_and_gradients_match_sdpa_in_float64(dims):
+def test_forward_and_gradients_match_sdpa_in_float64(dims, monkeypatch):
     """Lengths off the tile, len_q != len_k (q >= k, both from position 0), GQA 4 / 2,
-    fresh random values."""
+    fresh random values. The backward's launches split q·k's head dim as the forward's
+    (192 = 128 + 64, 80 = 64 + 16), with no padded segment."""
     E, Ev = dims
     gen = torch.Generator().manual_seed(E * 1000 + Ev)
     B, Hq, Hkv, Lq, Lk = 1, 4, 2, 19, 23
@@ -60,10 +61,15 @@ def test_forward_and_gradients_match_sdpa_in_float64(dims):
     v = torch.randn(B, Hkv, Lk, Ev, generator=gen)
     do = torch.randn(B, Hq, Lq, Ev, generator=gen)
     kernel = attncc.compile(CAUSAL)
+    seen = {}
+    _record_launches(monkeypatch, kernel.module, ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv"), seen)
     leaves = [t.to(DEVICE, copy=True).requires_grad_() for t in (q, k, v)]
     out = kernel(*leaves)
     assert out.shape == (B, Hq, Lq, Ev)
     out.backward(do.to(DEVICE))
+    first = 1 << (E.bit_length() - 1)
+    for name in ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv"):
+        assert (seen[name]["HEAD_DIM_PAD"], seen[name]["HEAD_DIM_TAIL"]) == (first, E - first), name
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
     mask = torch.arange(Lq)[:, None] >= torch.arange(Lk)[None, :]
     ref = sdpa64(*ref_leaves, mask=mask)  # default scale 1/sqrt(E), v's width aside
