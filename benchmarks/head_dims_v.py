@@ -12,8 +12,8 @@ beside 192-wide keys, contiguous and paged, against decode_reference; then MLA d
 (v = k[..., :512], 128 heads, n_q 1 and 4, ragged rows to 4000 keys, contiguous and
 paged) at each wide-accumulator tile the tuner may pick (decoding.WIDE_SHAPES, pinned)
 and tuned.
-speed: forward and forward + backward of causal (192, 128) attention in bf16, batch 1,
-16 heads: attncc as given (auto), with backend="gluon" and with backend="triton"; attncc
+speed: forward, backward (timed alone, on a kept graph) and forward + backward of causal
+(192, 128) attention in bf16, batch 1, 16 heads: attncc as given (auto), with backend="gluon" and with backend="triton"; attncc
 with q, k padded to 256 and v to 256 (what the padding workaround and a padded head dim
 cost: the scale fixed to 1/sqrt(192)); cuDNN through SDPA (which takes d_qk 192 / d_v
 128 on Hopper) and FA4 (flash_attn.cute) where installed.
@@ -175,18 +175,11 @@ def speed(length: int) -> list:
     padded = attncc.compile("attention causal_192 { scale 1.0 / sqrt(192.0)  mask q >= k }")
     p256 = [F.pad(t.detach(), (0, 256 - t.shape[-1])).requires_grad_() for t in (q, k, v)]
 
-    def fwd_bwd(fn, leaves, grad):
-        def step():
-            out = fn(*leaves)
-            torch.autograd.grad(out, leaves, grad)
-        return step
-
-    candidates = {
-        "attncc (192, 128)": (lambda: ours(q, k, v), fwd_bwd(ours, (q, k, v), dout)),
-        "attncc Gluon forward": (lambda: gluon(q, k, v), fwd_bwd(gluon, (q, k, v), dout)),
-        "attncc portable": (lambda: portable(q, k, v), fwd_bwd(portable, (q, k, v), dout)),
-        "attncc padded to 256": (lambda: padded(*p256),
-                                 fwd_bwd(padded, p256, F.pad(dout, (0, 128)))),
+    candidates = {  # name: (function, its leaves, the output's gradient)
+        "attncc (192, 128)": (ours, (q, k, v), dout),
+        "attncc Gluon forward": (gluon, (q, k, v), dout),
+        "attncc portable": (portable, (q, k, v), dout),
+        "attncc padded to 256": (padded, p256, F.pad(dout, (0, 128))),
     }
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -195,7 +188,7 @@ def speed(length: int) -> list:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return F.scaled_dot_product_attention(*t, is_causal=True)
         cudnn(q, k, v)
-        candidates["cuDNN (SDPA)"] = (lambda: cudnn(q, k, v), fwd_bwd(cudnn, (q, k, v), dout))
+        candidates["cuDNN (SDPA)"] = (cudnn, (q, k, v), dout)
     except Exception as e:
         print(f"cuDNN: not run ({type(e).__name__}: {str(e)[:200]})")
     try:
@@ -205,23 +198,28 @@ def speed(length: int) -> list:
             out = fa4(*(x.transpose(1, 2) for x in t), causal=True)
             return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
         fa4_bhsd(q, k, v)
-        candidates["FA4 (flash_attn.cute)"] = (lambda: fa4_bhsd(q, k, v),
-                                               fwd_bwd(fa4_bhsd, (q, k, v), dout))
+        candidates["FA4 (flash_attn.cute)"] = (fa4_bhsd, (q, k, v), dout)
     except Exception as e:
         print(f"FA4: not run ({type(e).__name__}: {str(e)[:200]})")
     flops_fwd = 2 * B * H * length * length * (E + Ev) / 2  # causal: half the pairs
     results = []
-    for name, (fwd, both) in candidates.items():
+    for name, (fn, leaves, grad) in candidates.items():
+        def both():
+            torch.autograd.grad(fn(*leaves), leaves, grad)
         try:
-            t_f, t_b = do_bench(fwd), do_bench(both)
+            t_f, t_b = do_bench(lambda: fn(*leaves)), do_bench(both)
+            kept = fn(*leaves)  # the backward alone, over a graph kept between runs
+            t_bwd = do_bench(lambda: torch.autograd.grad(kept, leaves, grad, retain_graph=True))
         except Exception as e:
             print(f"{name}: failed ({type(e).__name__}: {str(e)[:200]})")
             continue
-        row = dict(name=name, fwd_ms=t_f, fwd_bwd_ms=t_b,
-                   fwd_tflops=flops_fwd / t_f / 1e9, fwd_bwd_tflops=3.5 * flops_fwd / t_b / 1e9)
+        row = dict(name=name, fwd_ms=t_f, bwd_ms=t_bwd, fwd_bwd_ms=t_b,
+                   fwd_tflops=flops_fwd / t_f / 1e9, bwd_tflops=2.5 * flops_fwd / t_bwd / 1e9,
+                   fwd_bwd_tflops=3.5 * flops_fwd / t_b / 1e9)
         results.append(row)
         print(f"{name:24s} forward {t_f:7.3f} ms ({row['fwd_tflops']:5.0f} TFLOP/s)   "
-              f"forward+backward {t_b:7.3f} ms ({row['fwd_bwd_tflops']:5.0f} TFLOP/s)", flush=True)
+              f"backward {t_bwd:7.3f} ms ({row['bwd_tflops']:5.0f})   "
+              f"forward+backward {t_b:7.3f} ms ({row['fwd_bwd_tflops']:5.0f})", flush=True)
     return results
 
 

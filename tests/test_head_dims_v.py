@@ -49,9 +49,10 @@ def _close(got, want, what, tol):
 
 @pytest.mark.parametrize("dims", [(192, 128), (128, 64), (64, 512), (80, 96)],
                          ids=lambda d: f"E{d[0]}-Ev{d[1]}")
-def test_forward_and_gradients_match_sdpa_in_float64(dims):
+def test_forward_and_gradients_match_sdpa_in_float64(dims, monkeypatch):
     """Lengths off the tile, len_q != len_k (q >= k, both from position 0), GQA 4 / 2,
-    fresh random values."""
+    fresh random values. The backward's launches split q·k's head dim as the forward's
+    (192 = 128 + 64, 80 = 64 + 16), with no padded segment."""
     E, Ev = dims
     gen = torch.Generator().manual_seed(E * 1000 + Ev)
     B, Hq, Hkv, Lq, Lk = 1, 4, 2, 19, 23
@@ -60,10 +61,15 @@ def test_forward_and_gradients_match_sdpa_in_float64(dims):
     v = torch.randn(B, Hkv, Lk, Ev, generator=gen)
     do = torch.randn(B, Hq, Lq, Ev, generator=gen)
     kernel = attncc.compile(CAUSAL)
+    seen = {}
+    _record_launches(monkeypatch, kernel.module, ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv"), seen)
     leaves = [t.to(DEVICE, copy=True).requires_grad_() for t in (q, k, v)]
     out = kernel(*leaves)
     assert out.shape == (B, Hq, Lq, Ev)
     out.backward(do.to(DEVICE))
+    first = 1 << (E.bit_length() - 1)
+    for name in ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv"):
+        assert (seen[name]["HEAD_DIM_PAD"], seen[name]["HEAD_DIM_TAIL"]) == (first, E - first), name
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
     mask = torch.arange(Lq)[:, None] >= torch.arange(Lk)[None, :]
     ref = sdpa64(*ref_leaves, mask=mask)  # default scale 1/sqrt(E), v's width aside
@@ -218,6 +224,79 @@ def test_tile_candidates_account_for_the_wider_head_dim():
     assert bwd and all(c.block_m * c.block_n <= 32 * 32 and c.num_stages == 1 for c in bwd)
 
 
+def test_two_segment_head_dims_take_their_own_tiles_not_a_padded_256s():
+    """q·k 192 (held as 128 + 64) takes tiles.WIDE_SEGMENTS: pipelined 8-warp backward
+    tiles, 32x128 first for dK/dV and 128x64 for dQ, where the padded-256 rules left
+    only 32x32 single-stage ones. 80 and 96 keep 128's candidates, 256 and v 512 theirs;
+    a layout's block still bounds the tiles."""
+    from attncc.arguments import Problem
+    from attncc.backends.portable.tiles import held_width, kept_candidates
+    variant = attncc.parse(CAUSAL)
+    assert [held_width(d) for d in (192, 160, 200, 80, 96, 128, 256, 576, 8)] == [
+        192, 160, 256, 80, 96, 128, 256, 576, 16]
+    shape = lambda c: (c.block_m, c.block_n, c.num_warps, c.num_stages)
+    dim = Problem(1, 16, 16, 64, 64, 192, 128).tile_dim
+    dkdv, dq = kept_candidates(variant, dim, "dkdv"), kept_candidates(variant, dim, "dq")
+    assert shape(dkdv[0]) == (32, 128, 8, 2) and shape(dq[0]) == (128, 64, 8, 3)
+    for kept in (dkdv, dq):  # the four the tuner times: pipelined
+        assert all(c.num_stages >= 2 for c in kept[:4])
+    assert all(c.num_warps == 8 for c in dkdv[:4])
+    assert kept_candidates(variant, dim, "bwd") == dkdv
+    assert shape(kept_candidates(variant, dim, "fwd")[0]) == (64, 64, 4, 3)
+    padded = kept_candidates(variant, 256, "dkdv")
+    assert all(c.block_m * c.block_n <= 64 * 64 and c.num_stages == 1 for c in padded)
+    for d in (80, 96):
+        for direction in ("fwd", "dq", "dkdv"):
+            assert kept_candidates(variant, d, direction) == kept_candidates(variant, 128, direction)
+    blocks = attncc.load(os.path.join(os.path.dirname(__file__), "..", "examples", "dilated_blocks.attn"))
+    assert blocks.block == 64
+    kept = kept_candidates(blocks, 192, "dkdv")
+    assert shape(kept[0]) == (64, 64, 8, 2) and shape(kept[-1]) == (64, 128, 8, 2)
+
+
+ONE_PLUS_RELU = "attention one_plus_relu { mask q >= k  normalize sum  weight 1.0 + max(s, 0.0) }"
+
+
+@pytest.mark.slow  # about 50 s: eight variants' forward and backward under the interpreter
+@pytest.mark.parametrize("name,E,Ev,Lq,Lk,H,Hkv", [
+    ("causal_bottom_right", 192, 128, 23, 9, 2, 2),  # len_q > len_k
+    ("document", 192, 128, 21, 21, 3, 1),            # heads not a power of two, MQA
+    ("softcap", 80, 96, 1, 19, 2, 2),                # one query token
+    ("relative_bias", 192, 128, 21, 21, 3, 1),
+    ("sigmoid_attention", 80, 96, 17, 30, 3, 3),
+    (ONE_PLUS_RELU, 192, 128, 23, 9, 2, 2),
+    ("dropout", 192, 128, 21, 21, 3, 1),
+    ("gpt_oss_sinks", 80, 96, 1, 19, 2, 2),
+], ids=lambda x: str(x).split(" {")[0])
+def test_split_head_dims_backward_on_examples(name, E, Ev, Lq, Lk, H, Hkv):
+    """The split backward in each kind of kernel code: a score (softcap), learnable inputs
+    (relative_bias's table, the sinks), `normalize none` (sigmoid) and `sum`, dropout,
+    tile tables and the one-launch backward (document), against float64 autograd of
+    attncc.reference, lengths off the tile."""
+    from test_kernels import compare
+    variant = (attncc.parse(name) if "{" in name else
+               attncc.load(os.path.join(os.path.dirname(__file__), "..", "examples", f"{name}.attn")))
+    compare(variant, B=1, H=H, Hkv=Hkv, Lq=Lq, Lk=Lk, D=E, Dv=Ev, seed=E + Lq)
+
+
+@pytest.mark.slow  # about 3 s
+def test_split_head_dim_gradients_with_peaked_scores_match_sdpa():
+    """(192, 128) with q scaled 6x (the softmax nearly one-hot, rows far apart in LSE)
+    and v 50x: gradients against float64 SDPA, no NaN."""
+    gen = torch.Generator().manual_seed(192)
+    q = torch.randn(1, 3, 37, 192, generator=gen) * 6
+    k = torch.randn(1, 3, 41, 192, generator=gen)
+    v = torch.randn(1, 3, 41, 128, generator=gen) * 50
+    do = torch.randn(1, 3, 37, 128, generator=gen)
+    kernel = attncc.compile(CAUSAL)
+    leaves = [t.to(DEVICE, copy=True).requires_grad_() for t in (q, k, v)]
+    kernel(*leaves).backward(do.to(DEVICE))
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    sdpa64(*ref_leaves, mask=torch.arange(37)[:, None] >= torch.arange(41)[None, :]).backward(do.double())
+    for name, got, want in zip(("dq", "dk", "dv"), leaves, ref_leaves):
+        _close(got.grad, want.grad, name, 1e-4)
+
+
 @pytest.mark.slow  # about 7 s: a model's forward and backward under the interpreter
 def test_deepseek_v3_runs_with_v_unpadded_and_matches_eager():
     """transformers' DeepSeek-V3 hands attention q·k 24 wide and v 16 wide (unpadded);
@@ -321,13 +400,17 @@ def test_context_parallel_with_v_of_another_width(tmp_path):
 # ------------------------------------------------------------------ non-powers of two
 def test_q_k_head_dim_splits_into_power_of_two_segments_not_padding():
     """192 = 128 + 64, 80 = 64 + 16, 96 = 64 + 32, 576 = 512 + 64; a power of two is one
-    segment. The forward's and decoding's step code sums the second segment's product
-    into the first's."""
+    segment. The forward's, decoding's and the backward's step code sums the second
+    segment's product into the first's (the dK/dV step in its transposed orientation),
+    and dQ and dK accumulate their second segment on their own."""
     kernel = attncc.compile(CAUSAL)
     split = kernel.module._head_dim_split
     assert [split(d) for d in (192, 80, 96, 576, 128, 64, 24)] == [
         (128, 64), (64, 16), (64, 32), (512, 64), (128, 0), (64, 0), (16, 16)]
-    assert kernel.source.count("tl.dot(q_tail, kt_tail, qk, input_precision=DOT_PRECISION)") == 2
+    source = kernel.source
+    assert source.count("tl.dot(q_tail, kt_tail, qk, input_precision=DOT_PRECISION)") == 3
+    assert source.count("tl.dot(k_tail, qt_tail, qk, input_precision=DOT_PRECISION)") == 1
+    assert source.count("dq_tail = tl.dot(") == 1 and source.count("dk_tail = tl.dot(") == 1
 
 
 @pytest.mark.parametrize("E", [96, 192])

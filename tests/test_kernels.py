@@ -60,8 +60,9 @@ def make_inputs(variant: ir.Variant, B, H, Lq, Lk, gen, device=DEVICE) -> dict:
 
 
 def compare(variant, *, B=2, H=None, Hkv=None, Lq=37, Lk=45, D=32, dtype=torch.float32,
-            seed=0, q_offset=0, k_offset=0, inputs=None, config=None):
-    """Run kernel, eager-in-dtype and float64 reference; assert every result is close."""
+            seed=0, q_offset=0, k_offset=0, inputs=None, config=None, Dv=None):
+    """Run kernel, eager-in-dtype and float64 reference; assert every result is close.
+    Dv: v's head dim (D unless given)."""
     gen = torch.Generator().manual_seed(seed)
     if variant.heads:
         H, Hkv = variant.heads.q, variant.heads.kv
@@ -69,8 +70,8 @@ def compare(variant, *, B=2, H=None, Hkv=None, Lq=37, Lk=45, D=32, dtype=torch.f
     Hkv = Hkv or H
     q = torch.randn(B, H, Lq, D, generator=gen)
     k = torch.randn(B, Hkv, Lk, D, generator=gen)
-    v = torch.randn(B, Hkv, Lk, D, generator=gen)
-    do = torch.randn(B, H, Lq, D, generator=gen)
+    v = torch.randn(B, Hkv, Lk, Dv or D, generator=gen)
+    do = torch.randn(B, H, Lq, Dv or D, generator=gen)
     if inputs is None:
         from attncc.arguments import Problem, axis_extent
         inputs = make_inputs(variant, B, H, Lq + q_offset, Lk + k_offset, gen)

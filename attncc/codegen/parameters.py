@@ -41,14 +41,14 @@ READS = {
         "score": {"sm_scale"}, "no score": {"qk_scale"},
     },
     "dq": {
-        "always": {"q", "do", "m_valid", "K", "V", "stride_kn", "stride_kd", "stride_vn",
+        "always": {"q", "q_tail", "do", "m_valid", "K", "V", "stride_kn", "stride_kd", "stride_vn",
                    "stride_vd", "k_offset", "len_k"},
         "normalised": {"lse2", "delta"},
         "dropout": {"seed", "pid_bh", "offs_m", "q_offset"},
         "score": {"sm_scale"}, "no score": {"qk_scale"},
     },
     "dkdv": {
-        "always": {"k", "v", "k_valid", "Q", "DO", "stride_qm", "stride_qd", "stride_dom",
+        "always": {"k", "k_tail", "v", "k_valid", "Q", "DO", "stride_qm", "stride_qd", "stride_dom",
                    "stride_dod", "len_q", "q_offset"},
         "normalised": {"LSE", "DELTA"},
         "dropout": {"seed", "pid_bh", "offs_n", "k_offset"},

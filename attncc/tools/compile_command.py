@@ -20,7 +20,7 @@ from .density import dense_allowed, tile_visit_fraction
 from ..semantics.samples import default_heads, sample_inputs
 
 MAX_COMPILE_ESTIMATE_LEN = 8192   # `compile --len`: dense classification up to this length
-ASSUMED_HEAD_DIM = 128            # `compile` reports tiles for this head dim (and 256 if they differ)
+ASSUMED_HEAD_DIM = 128            # `compile` reports tiles for this head dim (and 192, 256 where they differ)
 
 
 @contextlib.contextmanager
@@ -104,7 +104,10 @@ def compile_command(args) -> int:
     print(f"decoding  {decode_strategy(variant, plan_loops(variant, 'k'))} (kernel.decode)")
     pinned = os.environ.get("ATTNCC_CONFIG")
     gpu = chosen_configs(variant, gen.source, ASSUMED_HEAD_DIM, interpreter=False)
-    wide = chosen_configs(variant, gen.source, 256, interpreter=False)
+    # Wider head dims take other tiles: 192 is held as 128 + 64 (tiles.WIDE_SEGMENTS),
+    # 256 as itself.
+    wider = {label: chosen_configs(variant, gen.source, dim, interpreter=False)
+             for label, dim in (("192 (128 + 64)", 192), ("256", 256))}
     interp = chosen_configs(variant, gen.source, ASSUMED_HEAD_DIM, interpreter=True)
     from ..runtime import tuning
     if pinned:
@@ -114,8 +117,9 @@ def compile_command(args) -> int:
     else:
         note = ""
     print(f"tiles     GPU{note}: {_configs_text(gpu)}")
-    if wide != gpu:
-        print(f"          GPU, head dim > 128: {_configs_text(wide)}")
+    for label, configs in wider.items():
+        if configs != gpu:
+            print(f"          GPU, head dim {label}: {_configs_text(configs)}")
     print(f"          interpreter: {_configs_text(interp)}")
     if args.len is not None:
         n = args.len

@@ -421,11 +421,12 @@ def template_context(variant: ir.Variant, code: VariantCode | None = None) -> di
         owned_reads_literal=_owned_reads_literal(code.input_grads),
         cols_reads=any(g.owner.kind == "cols" for g in code.input_grads),
         scattered_inputs=sorted({g.name for g in code.input_grads if g.owner.kind == "scattered"}),
-        # What the dQ and dK/dV steps carry from tile to tile: their gradient tiles, and
-        # the sums of the learnable reads their programs own.
-        dq_carried=", ".join(["dq"] + [g.part.replace("_ptr", "_acc") for g in code.input_grads
+        # What the dQ and dK/dV steps carry from tile to tile: their gradient tiles (dQ's
+        # and dK's in q·k's two head-dim segments), and the sums of the learnable reads
+        # their programs own.
+        dq_carried=", ".join(["dq, dq_tail"] + [g.part.replace("_ptr", "_acc") for g in code.input_grads
                                        if g.owner.kind in ("broadcast", "rows", "table")]),
-        dkdv_carried=", ".join(["dk, dv"] + [g.part.replace("_ptr", "_acc") for g in code.input_grads
+        dkdv_carried=", ".join(["dk, dk_tail, dv"] + [g.part.replace("_ptr", "_acc") for g in code.input_grads
                                              if g.owner.kind == "cols"]),
         layout=variant.layout is not None,
         block=variant.block,

@@ -24,17 +24,34 @@ def kept_candidates(variant: ir.Variant, head_dim: int, direction: str) -> list:
     in, and evaluates the layout per element; it pays for layouts whose blocks cluster
     (bands), and on random layouts of 32-blocks it ran 3x slower than 32x32 tiles
     (RESULTS.md run 31)."""
-    kept = [c for c in candidates(direction) if keep(c, variant, head_dim, direction)]
+    kept = [c for c in candidates(direction, head_dim) if keep(c, variant, head_dim, direction)]
     if variant.block is None:
         return kept
     return ([c for c in kept if c.within(variant.block)]
             + [c for c in kept if not c.within(variant.block)])
 
 
+def held_width(head_dim: int) -> int:
+    """The columns the kernels hold for a q·k head dim: its power-of-two segments, as the
+    generated module's _head_dim_split cuts it (192 = 128 + 64: 192; 80 = 64 + 16: 80;
+    200 = 128 + 128: 256), not the next power of two."""
+    first = max(16, 1 << (head_dim.bit_length() - 1))
+    rest = head_dim - first
+    return first + (max(16, 1 << (rest - 1).bit_length()) if rest > 0 else 0)
+
+
+def two_wide_segments(head_dim: int) -> bool:
+    """A head dim the kernels hold as 128 plus a segment of 16 to 64 (129 to 192; DeepSeek's
+    q·k 192): its own candidates (WIDE_SEGMENTS), neither 128's nor a padded 256's."""
+    return 128 < held_width(head_dim) < 256
+
+
 def keep(config: TileConfig, variant: ir.Variant, head_dim: int, direction: str) -> bool:
     """Whether a candidate can run this variant at all."""
     if not fits_variant(config, variant):
         return False
+    if two_wide_segments(head_dim):
+        return True  # WIDE_SEGMENTS holds only configs that fit (measured there)
     pad = max(16, 1 << (head_dim - 1).bit_length())
     backward = direction in ("dkdv", "dq", "bwd")
     if pad >= 512:  # v 512 wide (head_dim is the wider of q·k's and v's): one fp32 row is 2 KiB
@@ -68,8 +85,38 @@ def crashes_ptxas(config: TileConfig, head_dim_pad: int, direction: str) -> bool
             and config.block_m >= 64)
 
 
-def candidates(direction: str) -> list:
-    """Hopper-oriented candidates, most likely winner first (ATTNCC_TUNE=0 takes it)."""
+# Head dims held as 128 + a smaller segment (two_wide_segments): per direction, most
+# likely winner first, the tuner timing the first four. Chosen from ptxas's report for
+# sm_90 (Triton 3.6, bf16, the causal example's kernels at q·k 192, v 128, compiled on the
+# CPU: benchmarks/portable_compile.py's driver), since the padded-256 rules allowed only
+# 32x32 single-stage backward tiles (the backward at 16K ran 4.6x cuDNN, RESULTS.md run
+# 143). dK/dV holds K and V (192 + 128 columns) and accumulates dK and dV in fp32 (64
+# rows: 80 KiB): with 4 warps every tile spilled 0.7-1.4 KB per thread; with 8, 32x128
+# (FlashAttention-2's Triton dK/dV shape: 32 queries past 128 keys) spilled 272 B at 123
+# KB of shared memory, 64x64 600 B, 32x64 68 B, 64x128 700 B; 3 stages doubled each
+# spill. dQ holds Q, dO and dQ: 128x64 w8 compiled without spills at 3 stages (205 KB of
+# shared memory) and 2 (164 KB), 64x64 w8 s2 too (123 KB); 64x128 s3 needs 287 KB. The
+# forward holds Q and the output's accumulator (v's width): 64x64 w4 s3 (147 KB), 128x128
+# w8 s2 (213 KB) and 128x64 w8 s2 without spills; 64x32 w4 s2, what the padded rules
+# ran (3.43 ms at 16K), stays among the four timed.
+WIDE_SEGMENTS = {
+    "fwd": [(64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2),
+            (16, 16, 4, 1)],
+    "dkdv": [(32, 128, 8, 2), (64, 64, 8, 2), (32, 64, 8, 2), (64, 128, 8, 2), (32, 32, 4, 1),
+             (16, 16, 4, 1)],
+    "dq": [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 8, 2), (64, 32, 4, 3), (32, 32, 4, 1),
+           (16, 16, 4, 1)],
+}
+WIDE_SEGMENTS["bwd"] = WIDE_SEGMENTS["dkdv"]  # one config for both roles: dK/dV's, the larger share
+
+
+def candidates(direction: str, head_dim: int | None = None) -> list:
+    """Hopper-oriented candidates, most likely winner first (ATTNCC_TUNE=0 takes it);
+    `head_dim` (the wider of q·k's and v's) picks WIDE_SEGMENTS' lists where it applies."""
+    if head_dim is not None and two_wide_segments(head_dim):
+        if direction not in WIDE_SEGMENTS:
+            raise ValueError(f"unknown direction {direction!r}")
+        return [TileConfig(*shape) for shape in WIDE_SEGMENTS[direction]]
     # Measured on an H100 (benchmarks/RESULTS.md, run 12): forward 128x128 tiles with 8
     # warps and 3 stages beat 64x64 by 7-9% at D = 128 (with 2 stages they lost);
     # 32x128 dK/dV tiles spill their two accumulators and ran 3.6x slower. 16x16 tiles
