@@ -65,8 +65,9 @@ def compile_backward_beside(kernel, problem, q, k, v, values, common, tune, forw
     for d in backward_directions(module.USES_TABLES):
         if d == "bwd":
             role = kernel.one_launch_role(q, k, v, lse, delta, dout, values, common)
-        else:  # dQ or dK/dV, on whichever backend is known untimed
-            role = kernel.backward_role(d, q, k, v, lse, delta, dout, values, common, out=out)
+        else:  # dQ or dK/dV, on whichever backend is known untimed (as backward launches them)
+            role = kernel.backward_role(d, q, k, v, lse, delta, dout, values, common,
+                                        out=out if reads_delta(kernel.variant) else None)
         chosen = _untimed(kernel, role, problem, q.dtype, tune)
         if chosen is None or not chosen[2]:
             return  # tuned later, on real tensors; or already compiled
