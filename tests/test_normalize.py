@@ -378,6 +378,10 @@ def test_gluon_kernels_accumulate_weights_without_a_max(spec):
     assert "alpha" not in source and "w = gl.where(allowed, w, 0.0)" in source
     assert ("l_i = l_i + gl.sum(w, 1)" in source) == (variant.normalize == "sum")
     assert source.count('ds = gl.where(ruled_out == float("-inf"), 0.0, ds)') == 2  # dQ, dK/dV
+    # Sigmoid's weights: the fast form for these 16-bit kernels, and σ(1 − σ) read from w.
+    sigmoid = "sigmoid" in spec
+    assert ('DOT_PRECISION = gl.constexpr("tf32")' in source) == sigmoid
+    assert (source.count("ds = ds * (((1.0 + (-1.0 * w)) * w))") == 2) == sigmoid
 
 
 # ------------------------------------------------------------- differential attention (recipe)
@@ -458,3 +462,103 @@ def test_a_document_mask_runs_the_one_launch_backward_on_tile_tables():
         w = torch.where(allowed, torch.sigmoid(s) ** 2, 0.0)
         return w @ v / w.sum(-1, keepdim=True)
     compare(spec, formula, Lq=45, Lk=45, inputs={"doc": doc})
+
+
+# ------------------------------------------------------------- sigmoid's cost on the GPU
+def test_sigmoid_weights_take_one_mufu_op_on_nvidia_for_16_bit_calls():
+    # Rendering only (tests/test_gluon_compile.py compiles the Gluon kernels' for sm_90,
+    # test_gluon_kernels_accumulate_weights_without_a_max renders them): the pair weights call
+    # _sigmoid, tanh.approx (one MUFU op) on an NVIDIA GPU for 16-bit calls and
+    # tl.sigmoid (ex2 and a reciprocal) for fp32 ones; the backward's σ(1 − σ) reads the
+    # weights w it computed rather than two more sigmoids; a softmax score keeps tl.sigmoid.
+    from attncc.backends.portable.codegen import generate, variant_code
+    source = generate(attncc.parse(SIGMOID)).source
+    assert 'if APPROX_TANH and DOT_PRECISION != "ieee":' in source
+    assert 'tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;"' in source
+    # fwd, dQ, dK/dV and decode: each its weights, once
+    assert source.count("w = _sigmoid(((s + tl.load(in_bias_ptr") == 4 and source.count("_sigmoid(") == 5
+    sigma_of_w = "((1.0 + (-1.0 * w)) * w)"
+    assert source.count(f"ds = ds * ({sigma_of_w})") == 2  # dQ, dK/dV
+    assert f"g_val = ds * ({sigma_of_w})" in source  # the learnable bias's gradient
+    assert source.count("tl.sigmoid(") == 1  # the fp32 branch of _sigmoid
+    softmax = variant_code(attncc.parse("attention gate { score s * sigmoid(s) }"))
+    assert "tl.sigmoid(" in softmax.score.text and "tl.sigmoid(" in softmax.d_score.text
+    assert "_sigmoid" not in softmax.score.text + softmax.d_score.text
+
+
+@pytest.mark.parametrize("spec", [
+    "attention sig { param bias: float = -2.0  mask q >= k  normalize none  weight sigmoid(s + bias) }",
+    "attention doc_none { input doc: i32[q]  mask doc[q] == doc[k]  normalize none  weight sigmoid(s) }"],
+    ids=["dq then dkdv", "one launch"])
+def test_none_computes_no_delta(spec, monkeypatch):
+    # delta = rowsum(dO * O) is the gradient of a row's normaliser: `none` has none, so
+    # its backward neither runs the delta pass (tile tables' one launch) nor has the dQ
+    # kernel read O for it (out=None).
+    kernel = attncc.compile(attncc.parse(spec))
+    module, outs = kernel.module, []
+    # The interpreter runs no inline assembly: it takes tl.sigmoid, as the tests above do.
+    assert bool(module.APPROX_TANH) == (DEVICE == "cuda" and torch.version.hip is None)
+    dq = module.backward_dq
+    monkeypatch.setattr(module, "backward_delta", lambda *a, **k: pytest.fail("delta pass under none"))
+    monkeypatch.setattr(module, "backward_dq", lambda *a, out=None, **k: outs.append(out) or dq(*a, out=out, **k))
+    gen = torch.Generator().manual_seed(3)
+    tensors = {n: randn(gen, 1, 2, 21, 16) for n in ("q", "k", "v")}
+    if "doc" in spec:
+        tensors["doc"] = torch.tensor([0] * 8 + [1] * 13, dtype=torch.int32, device=DEVICE)
+    dout = randn(gen, 1, 2, 21, 16)
+    got = run(lambda q, k, v, **rest: kernel(q, k, v, **rest), tensors, (), dout, torch.float32)
+    truth = run(lambda q, k, v, **rest: attncc.reference(kernel.variant, q, k, v, **rest),
+                tensors, (), dout, torch.float64)
+    for name, value in truth.items():  # with no delta, the gradients are still right
+        assert max_abs_error(got[name], value) < 1e-4, name
+    assert all(o is None for o in outs) and (len(outs) > 0) == ("doc" not in spec)
+
+
+# Compiles the portable forward for sm_90 on the CPU (benchmarks/gluon_compile.py's
+# stand-in driver) with the GPU's APPROX_TANH and counts the MUFU ops in its SASS.
+COMPILE_FORWARD = r'''
+import collections, importlib.util, re, subprocess, sys, tempfile
+from pathlib import Path
+import torch, triton
+sys.path.insert(0, "benchmarks")
+import attncc
+from attncc.backends.portable.codegen import generate
+from gluon_compile import Sm90Driver, _compile_only
+
+path = Path(sys.argv[1]) / "sigmoid_fwd.py"
+path.write_text(generate(attncc.load("examples/sigmoid_attention.attn")).source)
+spec = importlib.util.spec_from_file_location("sigmoid_fwd", path)
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+module.APPROX_TANH = triton.language.constexpr(True)  # an NVIDIA GPU's; this import saw none
+triton.runtime.driver.set_active(Sm90Driver())
+compiled = []
+_compile_only(compiled)
+nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+for dtype in (torch.bfloat16, torch.float32):
+    q = torch.randn(1, 1, 256, 128, dtype=dtype)
+    module.forward(q, q, q, {}, config={"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2})
+    cubin = Path(sys.argv[1]) / "fwd.cubin"
+    cubin.write_bytes(compiled[-1].asm["cubin"])
+    sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True).stdout
+    print(str(dtype), dict(collections.Counter(re.findall(r"MUFU\.(\w+)", sass))))
+'''
+
+
+@pytest.mark.slow
+def test_sigmoid_forward_takes_one_mufu_op_per_weight_on_sm90(tmp_path):
+    # bf16: one MUFU.TANH per weight and no ex2 (128x128 tiles on 256 threads: 64 weights
+    # a thread, in each of the 3 loops); fp32: tl.sigmoid's ex2 and reciprocal.
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", COMPILE_FORWARD, str(tmp_path)], cwd=root,
+                            env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    bf16, fp32 = eval(counts["torch.bfloat16"]), eval(counts["torch.float32"])
+    assert bf16.get("TANH") == 3 * 64 and "EX2" not in bf16 and bf16.get("RCP", 0) < 8, bf16
+    assert "TANH" not in fp32 and fp32.get("EX2") == 3 * 64 and fp32.get("RCP", 0) >= 3 * 64, fp32

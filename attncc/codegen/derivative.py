@@ -82,13 +82,20 @@ class _Score(ToSympy):
 
 class _TritonPrinter(Printer):
     """sympy -> Triton; opaque symbols print as the forward's code for their IR (Code,
-    whose uses this printer reports with its own)."""
+    whose uses this printer reports with its own). `computed`: (sympy expression, name)
+    of a value the kernel holds already where the derivative is placed, printed as that
+    name wherever the derivative contains it."""
 
-    def __init__(self, opaque_code: dict):
+    def __init__(self, opaque_code: dict, emit: TritonEmitter, computed: tuple | None = None):
         super().__init__()
         self.opaque_code = opaque_code
+        self.emit = emit  # spells the language's functions as the forward's code does
+        self.computed = computed
 
     def __call__(self, x) -> str:
+        if self.computed is not None and x == self.computed[0]:
+            self.use(names=(self.computed[1],))
+            return self.computed[1]
         if x is sympy.true or x == sympy.true:
             return "True"
         if x is sympy.false or x == sympy.false:
@@ -106,8 +113,8 @@ class _TritonPrinter(Printer):
 
     def _call(self, entry, *args) -> str:
         """The language's function `entry` on printed operands, as the kernels spell it."""
-        self.use(entry.helpers)
-        return entry.triton.format(*args)
+        self.use(self.emit.helpers_of(entry, None), self.emit.names_of(entry))
+        return self.emit.spelling(entry).format(*args)
 
     def Add(self, x):
         return "(" + " + ".join(self(a) for a in x.args) + ")"
@@ -181,8 +188,12 @@ _RELATIONS = {"StrictLessThan": "<", "LessThan": "<=", "StrictGreaterThan": ">",
               "GreaterThan": ">=", "Equality": "==", "Unequality": "!="}
 
 
-def score_gradients(variant: ir.Variant, emit: TritonEmitter) -> ScoreGradients:
-    """Triton code for the derivatives the backward needs (identity when no score)."""
+def score_gradients(variant: ir.Variant, emit: TritonEmitter,
+                    value_name: str | None = None) -> ScoreGradients:
+    """Triton code for the derivatives the backward needs (identity when no score).
+    `value_name`: the name of the score's own value where the derivatives are placed
+    (the pair weights `w` under `normalize sum` or `none`): a derivative that contains
+    the score, as sigmoid's σ(1 − σ) does, reads it instead of computing it again."""
     if variant.score is None:
         return ScoreGradients(Code("1.0"), ())
     to = _Score(variant)
@@ -193,7 +204,10 @@ def score_gradients(variant: ir.Variant, emit: TritonEmitter) -> ScoreGradients:
                         "which has no derivative; the backward cannot be generated") from None
     opaque_code = {name: emit.code(node) for name, node in to.values.items()}
     opaque_code.update({name: emit.code(node) for name, node in to.loads.items()})
-    printer = _TritonPrinter(opaque_code)
+    computed = None
+    if value_name is not None and not isinstance(expr, sympy.Symbol) and not expr.is_Number:
+        computed = (expr, value_name)
+    printer = _TritonPrinter(opaque_code, emit, computed)
     # Unsimplified on purpose: simplify() turns 1 - tanh(x)**2 into 1/cosh(x)**2.
     d_ds = printer.code(sympy.diff(expr, S))
     d_inputs = tuple((node, printer.code(sympy.diff(expr, sympy.Symbol(name, real=True))))

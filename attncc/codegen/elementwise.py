@@ -123,14 +123,37 @@ class TritonEmitter(Printer):
     def helpers_of(self, entry, e) -> tuple:
         return entry.helpers_of(e)
 
+    def names_of(self, entry) -> tuple:
+        """The kernel names the spelling reads besides its operands."""
+        return ()
+
     def other(self, e):
         """An operation, as its spelling in attncc/operators.py writes it."""
         entry = entry_of(e)
         operands = [self(x) for x in ir.children(e)]
         if entry.float_operands:
             operands = [self.cast.format(x) for x in operands]
-        self.use(self.helpers_of(entry, e))
+        self.use(self.helpers_of(entry, e), self.names_of(entry))
         spelling = self.spelling(entry)
         if callable(spelling):
             return spelling(self, e, operands)
         return spelling.format(*operands, int=self.int_type)
+
+
+class WeightEmitter(TritonEmitter):
+    """The emitter of the pair weights of `normalize sum` and `none` and their
+    derivatives: `sigmoid` calls `_sigmoid(x, DOT_PRECISION)`
+    (codegen/templates/expressions.py.jinja), whose 16-bit calls on an NVIDIA GPU take
+    one MUFU op per weight where tl.sigmoid takes two. The weights enter P.V in the
+    inputs' dtype, whose rounding is coarser than the fast form's error; fp32 calls
+    (DOT_PRECISION "ieee") keep tl.sigmoid. Under softmax a score's error would go
+    through exp: scores keep the plain emitter."""
+
+    def spelling(self, entry):
+        return "_sigmoid({0}, DOT_PRECISION)" if entry.name == "sigmoid" else entry.triton
+
+    def helpers_of(self, entry, e) -> tuple:
+        return ("_sigmoid",) if entry.name == "sigmoid" else entry.helpers_of(e)
+
+    def names_of(self, entry) -> tuple:
+        return ("DOT_PRECISION",) if entry.name == "sigmoid" else ()

@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-from .. import backends
+from .. import backends, ir
 from . import precompile, sinks, tuning
 from .settings import backward_directions
 
@@ -65,12 +65,13 @@ def compile_backward_beside(kernel, problem, q, k, v, values, common, tune, forw
     for d in backward_directions(module.USES_TABLES):
         if d == "bwd":
             role = kernel.one_launch_role(q, k, v, lse, delta, dout, values, common)
-        else:  # dQ or dK/dV, on whichever backend is known untimed
-            role = kernel.backward_role(d, q, k, v, lse, delta, dout, values, common, out=out)
+        else:  # dQ or dK/dV, on whichever backend is known untimed (as backward launches them)
+            role = kernel.backward_role(d, q, k, v, lse, delta, dout, values, common,
+                                        out=out if reads_delta(kernel.variant) else None)
         chosen = _untimed(kernel, role, problem, q.dtype, tune)
         if chosen is None or not chosen[2]:
             return  # tuned later, on real tensors; or already compiled
-        if d == "bwd":
+        if d == "bwd" and reads_delta(kernel.variant):
             launches.append(lambda: module.backward_delta(out, dout))
         launches.append(lambda run=chosen[0], config=chosen[1]: run(config))
     precompile.launch_together(launches)
@@ -93,9 +94,12 @@ def backward(kernel, problem, q, k, v, out, lse, dout, dlse, values: dict, kept_
         if new:  # its first launch: compile the delta pass beside it (on a stand-in delta)
             scratch = kernel.one_launch_role(q, k, v, lse, module.new_delta(q), dout, values,
                                              common)
-            precompile.launch_together([lambda: module.backward_delta(out, dout),
-                                        lambda: scratch.runs[choice.backend](choice.config)])
-        delta = module.backward_delta(out, dout, lse=lse, dlse=dlse)
+            launches = [lambda: scratch.runs[choice.backend](choice.config)]
+            if reads_delta(kernel.variant):
+                launches.insert(0, lambda: module.backward_delta(out, dout))
+            precompile.launch_together(launches)
+        delta = (module.backward_delta(out, dout, lse=lse, dlse=dlse) if reads_delta(kernel.variant)
+                 else module.new_delta(q))
         role = kernel.one_launch_role(q, k, v, lse, delta, dout, values, common)
         run, config = kernel.choose(role, problem, q.dtype, tune)
         dq, dk, dv, dinputs = tuning.launch(kernel, problem, q.dtype, "bwd", run, config)
@@ -107,6 +111,13 @@ def backward(kernel, problem, q, k, v, out, lse, dout, dlse, values: dict, kept_
     return dq, dk, dv, [dinputs[d.name] for d in kernel.variant.learnable_inputs]
 
 
+def reads_delta(variant) -> bool:
+    """Whether the backward reads delta = rowsum(dO * O): softmax's and `sum`'s divide by
+    a row's normaliser, whose gradient it is; `none` divides by nothing, so its backward
+    skips the pass (or the dQ kernel's share of it) that computes it."""
+    return variant.normalize != ir.UNNORMALIZED
+
+
 def _dq_then_dkdv(kernel, problem, q, k, v, out, lse, dout, dlse, values, common, tune):
     """dQ first, computing delta = rowsum(dO * O) on the way, then dK/dV, which reads it
     (returned last: a sink's gradient reads it too).
@@ -114,6 +125,9 @@ def _dq_then_dkdv(kernel, problem, q, k, v, out, lse, dout, dlse, values, common
     role chose (kernel.last_backward says which)."""
     module = kernel.module
     delta = module.new_delta(q)
+    # Without `out` the dQ kernel reads delta instead of computing it: under `none`,
+    # which reads none, it then reads neither O nor delta.
+    out = out if reads_delta(kernel.variant) else None
     roles = {kind: kernel.backward_role(kind, q, k, v, lse, delta, dout, values, common,
                                         out=out, dlse=dlse) for kind in ("dq", "dkdv")}
     known = [_untimed(kernel, role, problem, q.dtype, tune) for role in roles.values()]

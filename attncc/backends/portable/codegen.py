@@ -26,7 +26,8 @@ from ...codegen.derivative import score_gradients
 from ...ir import print_variant
 from ...codegen import helpers, interface, parameters, templating
 from ...codegen.decode import decode_context, decode_layout
-from ...codegen.elementwise import TritonEmitter, grad_arg_name, input_arg_names, input_code
+from ...codegen.elementwise import (TritonEmitter, WeightEmitter, grad_arg_name, input_arg_names,
+                                     input_code)
 from ...codegen.generated import Generated, module_name
 from ...codegen.plan_code import (ClassificationCode, bound_code, classification_code,
                                   segment_code)
@@ -251,8 +252,12 @@ def variant_code(variant: ir.Variant) -> VariantCode:
     # Each expression in 32-bit integers where that cannot wrap, else in 64 (ranges.py).
     widths = {decl: integer_width(getattr(variant, decl), variant)
               for decl in ("mask", "score", "layout", "sink")}
-    emit = TritonEmitter(variant, wide=widths["score"][0])  # the score and its derivatives
-    grads = score_gradients(variant, emit)
+    # The score and its derivatives (under `sum` or `none`, the pair weights').
+    emitter = TritonEmitter if variant.normalize == ir.SOFTMAX else WeightEmitter
+    emit = emitter(variant, wide=widths["score"][0])
+    # Under `sum` or `none` the backward holds the pair weights w, the score's value,
+    # where it applies the derivatives: σ(1 − σ) of `weight sigmoid(..)` reads it.
+    grads = score_gradients(variant, emit, None if variant.normalize == ir.SOFTMAX else "w")
     fwd_plan = bounds.plan_loops(variant, "k")
     bwd_plan = bounds.plan_loops(variant, "q")
     classes = intervals.classify(variant.mask, variant)
