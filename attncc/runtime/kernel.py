@@ -65,6 +65,7 @@ class Kernel:
         # kernel.decode's operator, defined now: torch.compile cannot trace its definition.
         self._decode_op = ops.decode_operator(self)  # torch.ops.attncc.<name>_<key>_<revision>_decode
         self._decode_plans: dict = {}  # plan key -> DecodePlan (runtime/decoding.py)
+        self._call_plans: dict = {}  # plan key -> Plan of a forward or backward (runtime/call_plans.py)
         # The same variant without dropout, for training=False: its module is generated on
         # first use, but the Kernel exists now, so that torch.compile can trace a call of
         # it (a kernel made at trace time would be file reads and writes, untraceable).
@@ -110,17 +111,27 @@ class Kernel:
         keyword arguments `common` (offsets, seed, tables). Decided on the real tensors
         (strides, alignment), so that a traced call decides on every run as an eager one
         does. The single-device op and each context-parallel piece come here."""
-        return dispatch.make_role(self, "fwd", q, k, v, lambda backend: tuning.launcher(
-            self._entry(backend, "fwd"), q, k, v, values, **common))
+        return dispatch.make_role(self, "fwd", q, k, v, lambda backend: self.forward_run(
+            backend, q, k, v, values, common))
+
+    def forward_run(self, backend, q, k, v, values: dict, common: dict):
+        """run(config): this call's forward on `backend` (a backend object)."""
+        return tuning.launcher(self._entry(backend, "fwd"), q, k, v, values, **common)
 
     def backward_role(self, kind, q, k, v, lse, delta, dout, values: dict, common: dict,
                       out=None, dlse=None) -> dispatch.Role:
         """This call's dQ (kind "dq"; `out`, the forward's output: the kernel computes delta
         from it, minus `dlse`, the returned LSE's gradient, where given) or dK/dV (kind
         "dkdv"), as forward_role decides the forward."""
+        return dispatch.make_role(self, kind, q, k, v, lambda backend: self.backward_run(
+            backend, kind, q, k, v, lse, delta, dout, values, common, out=out, dlse=dlse))
+
+    def backward_run(self, backend, kind, q, k, v, lse, delta, dout, values: dict, common: dict,
+                     out=None, dlse=None):
+        """run(config): this call's dQ or dK/dV (as backward_role) on `backend`."""
         extra = dict(out=out, dlse=dlse) if kind == "dq" else {}
-        return dispatch.make_role(self, kind, q, k, v, lambda backend: tuning.launcher(
-            self._entry(backend, kind), q, k, v, lse, delta, dout, values, **extra, **common))
+        return tuning.launcher(self._entry(backend, kind), q, k, v, lse, delta, dout, values,
+                               **extra, **common)
 
     def one_launch_role(self, q, k, v, lse, delta, dout, values: dict,
                         common: dict) -> dispatch.Role:
@@ -141,12 +152,16 @@ class Kernel:
         why = role.reason
         if why is None:
             why = dispatch.tuner_reason(role, choice.backend, tuning.untimed_reason())
-        ran = (choice.backend, why)
-        if role.direction == "fwd":
+        self.record_choice(role.direction, (choice.backend, why))
+        return role.runs[choice.backend], choice.config
+
+    def record_choice(self, direction: str, ran: tuple):
+        """(backend, reason) ran role `direction` of this call: last_backend or
+        last_backward reports it."""
+        if direction == "fwd":
             self._last_backend = ran
         else:
-            self._last_backward[role.direction] = ran
-        return role.runs[choice.backend], choice.config
+            self._last_backward[direction] = ran
 
     def begin_backward(self):
         """A backward starts: last_backward reports its kernels alone."""
