@@ -65,7 +65,7 @@ class Kernel:
         # kernel.decode's operator, defined now: torch.compile cannot trace its definition.
         self._decode_op = ops.decode_operator(self)  # torch.ops.attncc.<name>_<key>_<revision>_decode
         self._decode_plans: dict = {}  # plan key -> DecodePlan (runtime/decoding.py)
-        self._call_plans: dict = {}  # plan key -> Plan of a forward or backward (runtime/call_plans.py)
+        self._call_plans: dict = {}  # plan key -> a call's Plan (runtime/call_plans.py)
         # The same variant without dropout, for training=False: its module is generated on
         # first use, but the Kernel exists now, so that torch.compile can trace a call of
         # it (a kernel made at trace time would be file reads and writes, untraceable).
