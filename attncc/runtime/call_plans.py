@@ -166,7 +166,7 @@ def find(kernel, key) -> Plan | None:
         return None
     plan = kernel._call_plans.get(key)
     if plan is not None and not plan.fresh():
-        del kernel._call_plans[key]
+        kernel._call_plans.pop(key, None)
         return None
     return plan
 
@@ -176,5 +176,5 @@ def keep(kernel, key, plan: Plan) -> None:
         return
     plans = kernel._call_plans
     if len(plans) >= MAX_PLANS:
-        del plans[next(iter(plans))]  # the oldest
+        plans.pop(next(iter(plans), None), None)  # the oldest (another thread may drop it too)
     plans[key] = plan
