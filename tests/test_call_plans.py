@@ -209,3 +209,52 @@ def test_a_plan_keeps_no_tensor_of_the_call_it_was_made_from():
 
 def test_a_non_tensor_makes_no_plan_key():
     assert call_plans.forward_key(object(), None, None, {}, {}, None) is None
+
+
+GLUON_PARAMETERS = r'''
+import importlib.util, sys, torch, attncc
+from attncc.backends.gluon import codegen as gluon
+variant = attncc.load(sys.argv[1])
+path = sys.argv[2]
+open(path, "w").write(gluon.generate(variant).source)
+spec = importlib.util.spec_from_file_location("gluon_parameters", path)
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+module._bind_context = lambda device: None  # no GPU: nothing to bind
+unpassed, ran = [], []
+def launcher(kernel, grid):
+    def run(*args, **options):
+        unpassed.extend(n for n in kernel.arg_names[len(args):] if n not in options)
+        ran.append(kernel)
+    return run
+q, k, v, do = (torch.randn(1, 4, 256, 64, dtype=torch.bfloat16) for _ in range(4))
+lse, delta = torch.randn(1, 4, 256), torch.randn(1, 4, 256)
+inputs = {d.name: torch.randn(4) for d in variant.inputs}
+for warps in (4, module.WS_WARPS):  # attn_fwd, and the warp-specialized attn_fwd_ws
+    module.forward(q, k, v, inputs, launcher=launcher,
+                   config=dict(BLOCK_M=128, BLOCK_N=128, num_warps=warps, num_stages=2))
+small = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+module.backward_dq(q, k, v, lse, delta, do, inputs, config=small, out=q, launcher=launcher)
+module.backward_dkdv(q, k, v, lse, delta, do, inputs, config=small, launcher=launcher)
+assert len(ran) == 4 and unpassed == [], (ran, unpassed)
+'''
+
+
+@pytest.mark.slow
+def test_the_gluon_entry_points_pass_every_parameter_of_their_kernels(tmp_path):
+    """As the portable test above, for the Gluon module (rendered and imported without
+    the interpreter, in a fresh process; its launches go to a recording launcher, on CPU
+    tensors): a parameter left to its default would keep a plan's launch on the JIT."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root)
+    spec = ("attention s { heads 4 / 4  learnable input sinks: f32[h]  "
+            "mask q >= k and q - k < 128  sink sinks[h] }")
+    done = subprocess.run([sys.executable, "-c", GLUON_PARAMETERS, spec,
+                           str(tmp_path / "gluon_parameters.py")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
