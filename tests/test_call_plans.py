@@ -258,3 +258,27 @@ def test_the_gluon_entry_points_pass_every_parameter_of_their_kernels(tmp_path):
                            str(tmp_path / "gluon_parameters.py")],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_call_like_a_checked_one_skips_its_checks_and_any_other_is_checked(monkeypatch):
+    """Kernel.__call__ remembers the checks a call passed per call signature: a call that
+    differs where the checks look (an input that takes gradients it would not get, in
+    grad mode; another dtype) is checked, and refused, as before."""
+    kernel = attncc.compile("attention alibi { input slopes: f32[h]  mask q >= k  "
+                            "score s + slopes[h] * (k - q) }")
+    q, k, v, slopes = tensors(9, heads=(2, 2), len_q=5, len_k=5)
+    slopes = slopes[:2]
+    with torch.no_grad():
+        kernel(q, k, v, slopes=slopes.clone().requires_grad_())  # no gradient asked for
+    checked = []
+    check_call = Kernel.check_call
+    monkeypatch.setattr(Kernel, "check_call",
+                        lambda *a, **kw: checked.append(1) or check_call(*a, **kw))
+    with torch.no_grad():
+        kernel(q, k, v, slopes=slopes.clone().requires_grad_())
+    assert checked == []
+    with pytest.raises(attncc.CallError, match="requires grad, but the variant does not"):
+        kernel(q, k, v, slopes=slopes.clone().requires_grad_())
+    with pytest.raises(attncc.CallError, match="has dtype torch.float64"):
+        kernel(q, k, v, slopes=slopes.double())
+    assert len(checked) == 2
