@@ -282,3 +282,33 @@ def test_a_call_like_a_checked_one_skips_its_checks_and_any_other_is_checked(mon
     with pytest.raises(attncc.CallError, match="has dtype torch.float64"):
         kernel(q, k, v, slopes=slopes.double())
     assert len(checked) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_planned_call_captures_in_a_cuda_graph_and_replays_on_new_values():
+    """Eager capture after warm-up calls (the first makes the plans, the second runs them
+    through the JIT once): the captured launches read the static tensors' new values and
+    give what an eager call gives."""
+    kernel = attncc.compile(SLIDING_SINK)
+    q, k, v = (t.cuda().half().requires_grad_() for t in tensors(10)[:3])
+    sinks = tensors(10)[3].cuda()
+    dout = torch.randn_like(q)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            torch.autograd.grad(kernel(q, k, v, sinks=sinks), (q, k, v), dout)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernel(q, k, v, sinks=sinks)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    with torch.no_grad():
+        for static, new in zip((q, k, v), tensors(11)[:3]):
+            static.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = kernel(q, k, v, sinks=sinks)
+    eager_grads = torch.autograd.grad(eager, (q, k, v), dout)
+    for got, want in zip((out, *grads), (eager, *eager_grads)):
+        assert not torch.isnan(got).any() and torch.allclose(got, want, atol=1e-3, rtol=1e-3)
