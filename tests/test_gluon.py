@@ -168,6 +168,50 @@ def test_backward_candidates_fit_and_bad_configs_are_named():
     assert not configs.usable("triton", ws, causal, 128, "fwd")
 
 
+def test_three_consumer_warpgroups_take_192_rows_at_head_dim_64_only():
+    causal = attncc.parse_file(EXAMPLES / "causal.attn")
+    ws3 = TileConfig(192, 128, tiles.WS3_WARPS, 2)
+    # Second at head dim 64, after the two-consumer kernel, until the GPU has timed it.
+    assert GLUON.candidates("fwd", 64, causal)[1] == ws3
+    assert ws3 not in GLUON.candidates("fwd", 128, causal) + GLUON.candidates("fwd", 256, causal)
+    assert GLUON.check_config(ws3, "fwd", 64) is None
+    assert configs.usable("gluon", ws3, causal, 64, "fwd")
+    assert "take head dims 64" in GLUON.check_config(ws3, "fwd", 128)
+    # 64 rows per consumer warpgroup: the row count follows the warps.
+    assert "BLOCK_M a multiple of 192" in GLUON.check_config(TileConfig(128, 128, 13, 2), "fwd", 64)
+    assert "multiple of 128" in GLUON.check_config(TileConfig(192, 128, 9, 2), "fwd", 64)
+    # Every other kernel's tiles span a power of two of rows.
+    assert "power of two" in GLUON.check_config(TileConfig(192, 128, 8, 2), "fwd", 64)
+    assert "power of two" in GLUON.check_config(TileConfig(192, 64, 4, 2), "dkdv", 64)
+    assert "power of two" in GLUON.check_config(TileConfig(192, 64, 4, 2), "dq", 64)
+    assert "power of two" in backends.portable().check_config(TileConfig(192, 128, 8, 2), "fwd", 64)
+    # The generated module launches the kernel the tiles module names.
+    namespace = {}
+    source = gluon.generate(causal).source
+    exec(source[source.index("WS_CONSUMERS = "):].split("\n")[0], namespace)
+    assert namespace["WS_CONSUMERS"] == tiles.WS_CONSUMERS
+
+
+def test_a_192_row_config_reads_back_and_nests_in_no_layout_block():
+    ws3 = dict(BLOCK_M=192, BLOCK_N=128, num_warps=tiles.WS3_WARPS, num_stages=2)
+    assert TileConfig.from_dict(ws3, "config") == TileConfig(192, 128, 13, 2)
+    with pytest.raises(ValueError, match="BLOCK_N must be a power of two from 16 to 256, got 192"):
+        TileConfig.from_dict(dict(ws3, BLOCK_N=192), "config")
+    with pytest.raises(ValueError, match=r"BLOCK_M must be a power of two from 16 to 256 \(or 192\)"):
+        TileConfig.from_dict(dict(ws3, BLOCK_M=96), "config")
+    # The portable kernels refuse it where a pin meets them.
+    with pytest.raises(ValueError, match="BLOCK_M 192 is the Gluon forward's"):
+        attncc.compile(str(EXAMPLES / "causal.attn"), config=dict(ws3, num_warps=8))
+    # A 192-row tile straddles blocks of 256: index lists cannot say whether it is on.
+    assert not TileConfig(192, 128, 13, 2).within(256)
+    assert TileConfig(128, 128, 9, 2).within(256) and not TileConfig(128, 128, 9, 2).within(64)
+    topk = attncc.parse("attention l { input top: i32[b, h, qb, 2] layout kb in top[b, h, qb] "
+                        "block 256 }")
+    assert TileConfig(192, 128, 13, 2) not in GLUON.candidates("fwd", 64, topk)
+    with pytest.raises(ValueError, match="do not nest in the layout's blocks of 256"):
+        configs.check_pinned(TileConfig(192, 128, 13, 2), topk, "config")
+
+
 def _stand_in_gluon(kernel, monkeypatch, calls):
     """The kernel's backend set to Gluon, its Gluon module a stand-in that runs the
     portable kernels and records what it was asked (the CPU cannot run Hopper kernels)."""

@@ -26,6 +26,7 @@ import attncc
 from attncc.backends.gluon import codegen as gluon
 
 head_dims = [int(d) for d in sys.argv[2].split(",")]
+kernels = sys.argv[4].split(",")
 
 
 def load(example, path):
@@ -41,12 +42,13 @@ def load(example, path):
 
 POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "O": "*bf16", "DO": "*bf16"}
 DTYPES = {"f32": "*fp32", "i32": "*i32", "bool": "*i1"}
-# kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages, other constexprs); BLOCK_M is the
-# query tile's rows (the warp-specialized forward's consumers take half each).
-KERNELS = {"attn_fwd": (128, 128, 8, 2, {}),
-           "attn_fwd_ws": (128, 128, 4, 2, {}),
-           "attn_bwd_dq": (64, 64, 4, 2, {"DELTA_FROM_O": True, "HAS_DLSE": True}),
-           "attn_bwd_dkdv": (64, 64, 4, 2, {})}
+# label: (kernel, BLOCK_M, BLOCK_N, num_warps, num_stages, other constexprs); BLOCK_M is
+# the query tile's rows (the warp-specialized forward's CONSUMERS take a share each).
+KERNELS = {"attn_fwd": ("attn_fwd", 128, 128, 8, 2, {}),
+           "attn_fwd_ws": ("attn_fwd_ws", 128, 128, 4, 2, {"CONSUMERS": 2}),
+           "attn_fwd_ws3": ("attn_fwd_ws", 192, 128, 4, 2, {"CONSUMERS": 3}),
+           "attn_bwd_dq": ("attn_bwd_dq", 64, 64, 4, 2, {"DELTA_FROM_O": True, "HAS_DLSE": True}),
+           "attn_bwd_dkdv": ("attn_bwd_dkdv", 64, 64, 4, 2, {})}
 
 
 def signature(variant, module, fn, consts, dim, rows):
@@ -81,34 +83,37 @@ def report(example, name, dim, compiled):
 
 for example in sys.argv[1].split(","):
     variant, module = load(example, f"{sys.argv[3]}/{len(sys.modules)}.py")
-    for dim, (name, (bm, bn, warps, stages, extra)) in itertools.product(head_dims, KERNELS.items()):
+    for dim, label in itertools.product(head_dims, kernels):
+        name, bm, bn, warps, stages, extra = KERNELS[label]
         fn = getattr(module, name)
         consts = dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=dim, NUM_STAGES=stages, WIDE=False, **extra)
-        half = bm // 2 if name == "attn_fwd_ws" else bm
-        rows = dict(q_desc=bm, do_desc=bm, dq_desc=bm, o_desc=half, k_desc=bn, v_desc=bn,
+        share = bm // extra.get("CONSUMERS", 1)  # a consumer's rows: its Q and O boxes
+        rows = dict(q_desc=share, do_desc=bm, dq_desc=bm, o_desc=share, k_desc=bn, v_desc=bn,
                     dk_desc=bn, dv_desc=bn)
         src = GluonASTSource(fn=fn, signature=signature(variant, module, fn, consts, dim, rows),
                              constexprs=consts)
-        report(example, name, dim, triton.compile(src, target=GPUTarget("cuda", 90, 32),
+        report(example, label, dim, triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                                   options=dict(num_warps=warps, num_stages=stages)))
 '''
 
 
-def _compile(examples: list, head_dims: list, tmp_path) -> list:
+KERNELS = ("attn_fwd", "attn_fwd_ws", "attn_bwd_dq", "attn_bwd_dkdv")
+
+
+def _compile(examples: list, head_dims: list, tmp_path, kernels=KERNELS) -> list:
     pytest.importorskip("triton.experimental.gluon")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     result = subprocess.run([sys.executable, "-c", COMPILE_GLUON,
                              ",".join(str(ROOT / "examples" / e) for e in examples),
-                             ",".join(map(str, head_dims)), str(tmp_path)],
+                             ",".join(map(str, head_dims)), str(tmp_path), ",".join(kernels)],
                             capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
-def _check(results: list, examples: list, head_dims: list):
+def _check(results: list, examples: list, head_dims: list, kernels=KERNELS):
     from attncc.backends.gluon.tiles import SMEM_LIMIT
-    kernels = ("attn_fwd", "attn_fwd_ws", "attn_bwd_dq", "attn_bwd_dkdv")
     assert sorted((Path(r["example"]).name, r["kernel"], r["dim"]) for r in results) == sorted(
         (e, k, d) for e in examples for k in kernels for d in head_dims)
     for r in results:
@@ -120,7 +125,7 @@ def _check(results: list, examples: list, head_dims: list):
         # result leaves by bulk copy.
         assert ops["ttng.async_tma_copy_global_to_local"] and ops["ttng.wait_barrier"], what
         assert ops["ttng.warp_group_dot"] and ops["ttng.async_tma_copy_local_to_global"], what
-        assert ops["ttg.warp_specialize"] == (r["kernel"] == "attn_fwd_ws"), what
+        assert ops["ttg.warp_specialize"] == r["kernel"].startswith("attn_fwd_ws"), what
 
 
 def test_gluon_kernels_compile_for_hopper(tmp_path):
@@ -137,3 +142,12 @@ def test_gluon_kernels_compile_for_hopper_at_every_head_dim(tmp_path):
     examples = ["prefix_lm.attn", "bigbird.attn", "nsa_topk.attn", "relative_bias.attn",
                 "gpt_oss_sinks.attn", "sigmoid_attention.attn"]
     _check(_compile(examples, [64, 128], tmp_path), examples, [64, 128])
+
+
+@pytest.mark.slow
+def test_three_consumer_forward_compiles_for_hopper(tmp_path):
+    # The warp-specialized forward with three 64-row consumer warpgroups (192 x 128 tiles,
+    # head dim 64 only): an analytic plan, tile tables, and a score.
+    examples = ["causal.attn", "document.attn", "softcap.attn"]
+    kernels = ("attn_fwd_ws3",)
+    _check(_compile(examples, [64], tmp_path, kernels), examples, [64], kernels)
