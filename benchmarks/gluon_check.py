@@ -20,7 +20,7 @@ Head dim 64 (--part d64): the forward of full and causal attention at 4096 token
 heads, bf16, every Gluon config (two consumer warpgroups on 128 rows, three on 192)
 beside FlashAttention-4 (flash_attn.cute, where installed: ../shared/tools/fa4) and
 cuDNN, interleaved in one process. The correctness sweep pins the three-consumer config
-on its own D=64 cases (WS3_CASES).
+the tuner would offer each variant on its own D=64 cases (WS3_CASES).
 """
 from __future__ import annotations
 
@@ -229,11 +229,15 @@ def correctness(args, dog):
     # The three-consumer forward (192-row tiles) pinned, at head dim 64: tiles whose
     # diagonal spans one and a half key tiles, lengths off the tile, GQA, tile tables.
     for name, shape, dtype, backward in ([] if args.quick else ws3_cases):
-        label = f"{name} {shape} {str(dtype)[6:]}{' +bwd' if backward else ''} 192x128 w13"
+        # The three-consumer tile the tuner would offer this variant (tiles.fits_registers).
+        config = next(c.as_dict() for c in GLUON.candidates("fwd", 64, taken[name])
+                      if c.num_warps == tiles.WS3_WARPS)
+        label = (f"{name} {shape} {str(dtype)[6:]}{' +bwd' if backward else ''} "
+                 f"{config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']}")
         dog.start(label, 120)
         try:
             ran, rows = check_case(name, taken[name], dtype=dtype, backward=backward,
-                                   config=WS3_CONFIG, **shape)
+                                   config=config, **shape)
             ok = all(r["ok"] for r in rows) and ran == "gluon"
         except Exception as e:
             ran, rows, ok = None, [dict(error=f"{type(e).__name__}: {str(e)[:600]}")], False
@@ -261,8 +265,7 @@ def correctness(args, dog):
     return failures
 
 
-# The three-consumer forward's config, and the D=64 cases it is pinned on.
-WS3_CONFIG = dict(BLOCK_M=192, BLOCK_N=128, num_warps=tiles.WS3_WARPS, num_stages=2)
+# The D=64 cases the three-consumer forward is pinned on.
 _bf, _fp = torch.bfloat16, torch.float16
 WS3_CASES = [("full", dict(B=2, Hq=4, Hkv=4, Lq=300, Lk=300, D=64), _bf, False),
              ("full", dict(B=1, Hq=3, Hkv=3, Lq=200, Lk=517, D=64), _bf, False),

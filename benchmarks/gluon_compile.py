@@ -127,7 +127,7 @@ def main() -> int:
             lse = torch.randn(1, heads[0], 300)
             delta = torch.randn(1, heads[0], 300)
             dout = torch.randn_like(q)
-            kernels = [("", _dicts(tiles.candidates(dim)),
+            kernels = [("", _dicts(backends.named("gluon").candidates("fwd", dim, variant)),
                         lambda c: module.forward(q, k, v, inputs, config=c))]
             if args.backward:
                 kernels += [

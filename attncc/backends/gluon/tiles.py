@@ -3,6 +3,7 @@ the check a pinned, cached or shipped config must pass (wgmma's rows per warp, H
 shared memory)."""
 from __future__ import annotations
 
+from ... import ir
 from ..tile_config import TileConfig
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper block may use
@@ -18,6 +19,26 @@ WS3_WARPS = 13  # three
 # producer's warpgroup): at head dim 128 the [64, 128] fp32 output alone takes 64 of
 # them, and the kernel would spill.
 WS3_HEAD_DIMS = (64,)
+
+
+def score_registers_heavy(variant: ir.Variant) -> bool:
+    """Whether a score element costs more than the product and a compare of positions:
+    a score or weight expression, a sink, or a mask that reads tensors. Compiled for
+    sm_90 (Triton 3.6, head dim 64), three consumers on 192 x 128 tiles spilled for
+    these (alibi 1.4 KB, document 0.7 KB, softcap 180 B) and not for full, causal,
+    sliding window, GQA, bigbird's layout; on 192 x 64 tiles none spilled."""
+    mask_reads = variant.mask is not None and ir.loaded_tensors(variant.mask)
+    return bool(variant.score is not None or variant.weight is not None
+                or variant.sink is not None or mask_reads)
+
+
+def fits_registers(config: TileConfig, variant: ir.Variant) -> bool:
+    """Whether the candidate is the three-consumer tile the variant's registers take:
+    BLOCK_N 128 where score elements are light, 64 where they are heavy (other configs
+    always)."""
+    if WS_CONSUMERS.get(config.num_warps) != 3:
+        return True
+    return (config.block_n <= 64) == score_registers_heavy(variant)
 # Head dims of the Gluon dK/dV kernel: each thread holds its rows of dK and dV in fp32,
 # and at 256 columns the two accumulators alone would take every register.
 BACKWARD_HEAD_DIMS = (64, 128)
@@ -36,10 +57,12 @@ def candidates(head_dim: int) -> list:
     # the best single-partition config, 128x128 w8 s2, and 64x64 w4 tiles (two programs
     # per SM) came next. Every config listed for 64 and 128 passed the GPU checks; the
     # warp-specialized kernel was not run at head dim 256, so it is not offered there.
-    # Head dim 64: three consumers (192 x 128, FlashAttention-3's tile there) come
+    # Head dim 64: three consumers (192 x 128, FlashAttention-3's tile there; 192 x 64
+    # where the score takes more registers: fits_registers keeps one of the two) come
     # second, after the two-consumer kernel the GPU checks passed, until timed.
-    shapes = {64: [(128, 128, WS_WARPS, 2), (192, 128, WS3_WARPS, 2), (128, 128, 8, 3),
-                   (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3)],
+    shapes = {64: [(128, 128, WS_WARPS, 2), (192, 128, WS3_WARPS, 2), (192, 64, WS3_WARPS, 2),
+                   (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3),
+                   (64, 128, 4, 3)],
               128: [(128, 128, WS_WARPS, 2), (128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3),
                     (128, 64, 8, 3), (128, 64, 8, 2), (64, 128, 4, 2)],
               256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 2)]}
