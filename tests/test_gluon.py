@@ -174,12 +174,14 @@ def test_three_consumer_warpgroups_take_192_rows_at_head_dim_64_only():
     # Second at head dim 64, after the two-consumer kernel, until the GPU has timed it.
     assert GLUON.candidates("fwd", 64, causal)[1] == ws3
     assert ws3 not in GLUON.candidates("fwd", 128, causal) + GLUON.candidates("fwd", 256, causal)
-    # A score, a sink or a mask reading tensors takes more registers than three consumers
-    # hold beside 128-key score tiles: they get 64-key tiles instead.
-    for name in ("alibi", "softcap", "document", "gpt_oss_sinks", "sigmoid_attention"):
+    # A score or a mask reading tensors takes more registers than three consumers hold
+    # beside 128-key score tiles: they get 64-key tiles instead.
+    for name in ("alibi", "softcap", "document", "relative_bias"):
         heavy = GLUON.candidates("fwd", 64, attncc.parse_file(EXAMPLES / f"{name}.attn"))
         assert heavy[1] == TileConfig(192, 64, tiles.WS3_WARPS, 2) and ws3 not in heavy, name
-    assert TileConfig(192, 64, tiles.WS3_WARPS, 2) not in GLUON.candidates("fwd", 64, causal)
+    for name in ("causal", "sliding_window", "sigmoid_attention", "gpt_oss_sinks"):
+        light = GLUON.candidates("fwd", 64, attncc.parse_file(EXAMPLES / f"{name}.attn"))
+        assert light[1] == ws3 and TileConfig(192, 64, tiles.WS3_WARPS, 2) not in light, name
     assert GLUON.check_config(ws3, "fwd", 64) is None
     assert configs.usable("gluon", ws3, causal, 64, "fwd")
     assert "take head dims 64" in GLUON.check_config(ws3, "fwd", 128)

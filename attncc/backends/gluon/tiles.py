@@ -22,14 +22,14 @@ WS3_HEAD_DIMS = (64,)
 
 
 def score_registers_heavy(variant: ir.Variant) -> bool:
-    """Whether a score element costs more than the product and a compare of positions:
-    a score or weight expression, a sink, or a mask that reads tensors. Compiled for
-    sm_90 (Triton 3.6, head dim 64), three consumers on 192 x 128 tiles spilled for
-    these (alibi 1.4 KB, document 0.7 KB, softcap 180 B) and not for full, causal,
-    sliding window, GQA, bigbird's layout; on 192 x 64 tiles none spilled."""
+    """Whether a score element costs more than the product, a compare of positions and
+    a weight of the score alone: a score expression, or a mask that reads tensors.
+    Compiled for sm_90 (Triton 3.6, head dim 64), three consumers on 192 x 128 tiles
+    spilled for these (alibi 1.4 KB, document 0.7 KB, softcap 180 B) and not for full,
+    causal, sliding window, GQA, longformer, chunked, bigbird's layout, gpt-oss's
+    sinks, sigmoid and relu weights; on 192 x 64 tiles none spilled."""
     mask_reads = variant.mask is not None and ir.loaded_tensors(variant.mask)
-    return bool(variant.score is not None or variant.weight is not None
-                or variant.sink is not None or mask_reads)
+    return bool(variant.score is not None or mask_reads)
 
 
 def fits_registers(config: TileConfig, variant: ir.Variant) -> bool:
