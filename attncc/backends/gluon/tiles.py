@@ -55,11 +55,13 @@ def candidates(head_dim: int) -> list:
     # Head dim 128 (H200, bf16, 16K tokens; benchmarks/RESULTS.md runs 78-79): the
     # warp-specialized kernel (num_warps WS_WARPS) ran full attention 1.12x faster than
     # the best single-partition config, 128x128 w8 s2, and 64x64 w4 tiles (two programs
-    # per SM) came next. Every config listed for 64 and 128 passed the GPU checks; the
-    # warp-specialized kernel was not run at head dim 256, so it is not offered there.
+    # per SM) came next. Every other config listed for 64 and 128 passed the GPU checks;
+    # the warp-specialized kernel was not run at head dim 256, so it is not offered there.
     # Head dim 64: three consumers (192 x 128, FlashAttention-3's tile there; 192 x 64
     # where the score takes more registers: fits_registers keeps one of the two) come
-    # second, after the two-consumer kernel the GPU checks passed, until timed.
+    # second, after the two-consumer kernel the GPU checks passed: compiled for sm_90
+    # without spills, not yet run on a GPU (benchmarks/gluon_check.py checks and times
+    # them).
     shapes = {64: [(128, 128, WS_WARPS, 2), (192, 128, WS3_WARPS, 2), (192, 64, WS3_WARPS, 2),
                    (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3),
                    (64, 128, 4, 3)],
