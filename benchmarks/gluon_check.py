@@ -21,6 +21,12 @@ Speed: head dim 128, 16 heads, 16384 tokens, bf16 (the ANCHORS shape); every Glu
 config against the portable forward at its tuned config, medians of do_bench, the
 same inputs; TFLOP/s count only allowed pairs (q·k's and v's widths: 2 (D + Dv) flops
 a pair). --dim-pairs 192:128 times full and causal at those widths too, against cuDNN. Full results go to $OUT/gluon_check.json.
+
+Head dim 64 (--part d64): the forward of full and causal attention at 4096 tokens, 32
+heads, bf16, every Gluon config (two consumer warpgroups on 128 rows, three on 192)
+beside FlashAttention-4 (flash_attn.cute, where installed: ../shared/tools/fa4) and
+cuDNN, interleaved in one process. The correctness sweep pins the three-consumer config
+the tuner would offer each variant on its own D=64 cases (WS3_CASES).
 """
 from __future__ import annotations
 
@@ -267,10 +273,12 @@ def correctness(args, dog):
         cases += [("learned_alibi", dict(B=2, Hq=2, Hkv=2, Lq=1, Lk=300, D=128), bf, True),
                   ("key_gain", dict(B=1, Hq=4, Hkv=1, Lq=257, Lk=257, D=64), fp, True)]
     offset_cases = [("causal", 64, 0), ("sliding_window", 96, 96)]
+    ws3_cases = WS3_CASES
     if args.sweep != "all":
         keep = set(args.sweep.split(",")) if args.sweep else set()
         cases = [c for c in cases if c[0] in keep]
         offset_cases = [c for c in offset_cases if c[0] in keep]
+        ws3_cases = [c for c in ws3_cases if c[0] in keep]
     failures = 0
     # Every candidate config of head dim 128 on a few variants (one per skipping
     # strategy and a score), pinned: the tuner may pick any of them.
@@ -317,6 +325,27 @@ def correctness(args, dog):
         _write()  # case by case: a call that runs out of time keeps what it checked
         worst = max((r.get("err", math.nan) for r in rows), default=math.nan)
         print(f"{'ok  ' if ok else 'FAIL'} {label}: ran {ran}, max err {worst:.3g}", flush=True)
+    # The three-consumer forward (192-row tiles) pinned, at head dim 64: tiles whose
+    # diagonal spans one and a half key tiles, lengths off the tile, GQA, tile tables.
+    for name, shape, dtype, backward in ([] if args.quick else ws3_cases):
+        # The three-consumer tile the tuner would offer this variant (tiles.fits_registers).
+        config = next(c.as_dict() for c in GLUON.candidates("fwd", 64, taken[name])
+                      if c.num_warps == tiles.WS3_WARPS)
+        label = (f"{name} {shape} {str(dtype)[6:]}{' +bwd' if backward else ''} "
+                 f"{config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']}")
+        dog.start(label, 120)
+        try:
+            ran, rows = check_case(name, taken[name], dtype=dtype, backward=backward,
+                                   config=config, **shape)
+            ok = all(r["ok"] for r in rows) and ran == "gluon"
+        except Exception as e:
+            ran, rows, ok = None, [dict(error=f"{type(e).__name__}: {str(e)[:600]}")], False
+            traceback.print_exc()
+        failures += not ok
+        RESULTS["correctness"].append(dict(case=label, ran=ran, ok=ok, rows=rows))
+        _write()
+        worst = max((r.get("err", math.nan) for r in rows), default=math.nan)
+        print(f"{'ok  ' if ok else 'FAIL'} {label}: ran {ran}, max err {worst:.3g}", flush=True)
     if not args.quick:
         for name, qo, ko in offset_cases:
             label = f"{name} offsets {qo}/{ko} bf16"
@@ -333,6 +362,23 @@ def correctness(args, dog):
             print(f"{'ok  ' if ok else 'FAIL'} {label}: ran {ran}", flush=True)
     RESULTS["correctness_failures"] = failures
     return failures
+
+
+# The D=64 cases the three-consumer forward is pinned on.
+_bf, _fp = torch.bfloat16, torch.float16
+WS3_CASES = [("full", dict(B=2, Hq=4, Hkv=4, Lq=300, Lk=300, D=64), _bf, False),
+             ("full", dict(B=1, Hq=3, Hkv=3, Lq=200, Lk=517, D=64), _bf, False),
+             ("full", dict(B=1, Hq=2, Hkv=2, Lq=1, Lk=129, D=64), _bf, False),
+             ("causal", dict(B=1, Hq=3, Hkv=3, Lq=1000, Lk=1000, D=64), _bf, False),
+             ("causal", dict(B=1, Hq=2, Hkv=2, Lq=200, Lk=517, D=64), _fp, False),
+             ("causal", dict(B=1, Hq=4, Hkv=2, Lq=577, Lk=577, D=64), _bf, True),
+             ("causal_bottom_right", dict(B=2, Hq=2, Hkv=2, Lq=193, Lk=300, D=64), _bf, False),
+             ("sliding_window", dict(B=1, Hq=4, Hkv=4, Lq=700, Lk=700, D=64), _bf, False),
+             ("gqa_causal", dict(B=1, Hq=4, Hkv=1, Lq=385, Lk=385, D=64), _bf, True),
+             ("document", dict(B=1, Hq=4, Hkv=4, Lq=640, Lk=640, D=64), _bf, False),
+             ("softcap", dict(B=1, Hq=3, Hkv=3, Lq=450, Lk=450, D=64), _bf, False),
+             ("alibi", dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=64), _fp, False),
+             ("gpt_oss_sinks", dict(B=1, Hq=64, Hkv=8, Lq=300, Lk=300, D=64), _bf, False)]
 
 
 # ---------------------------------------------------------------- speed
@@ -369,7 +415,7 @@ def speed(args, dog):
         t_p = _median_ms(lambda: portable(q, k, v, **inputs))
         entry["times"]["portable"] = t_p
         for config in forward_candidates(D, Dv):
-            if config["num_warps"] == tiles.WS_WARPS and os.environ.get("GLUON_SKIP_WS") == "1":
+            if config["num_warps"] in tiles.WS_CONSUMERS and os.environ.get("GLUON_SKIP_WS") == "1":
                 continue  # it hung in the correctness part
             label = f"gluon {config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
             run = lambda: glu.module_of("gluon").forward(q, k, v, inputs,
@@ -399,9 +445,76 @@ def speed(args, dog):
     return rows
 
 
+def speed_d64(args, dog):
+    """The forward at head dim 64 (the issue's shape: 4096 tokens, 32 heads, bf16): every
+    Gluon config, FA4 and cuDNN on the same inputs, one after another per variant."""
+    from gpu_suite import VARIANTS
+    from attncc.tools.bench_command import pairs_per_head
+    rows = []
+    B, H, L, D = args.d64_batch, 32, 4096, 64
+    for name in ("full", "causal"):
+        dog.start(f"d64 {name}", 300)
+        variant = attncc.parse(VARIANTS[name])
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(B, H, L, D, generator=gen).to(DEV, torch.bfloat16) for _ in range(3))
+        pairs = pairs_per_head(variant, Problem(B, H, H, L, L, D, D), {}, "cuda")[0]
+        entry = dict(variant=name, dim=D, batch=B, heads=H, tokens=L,
+                     tflop=4 * B * H * D * pairs / 1e12, times={})
+        runs = {}
+        glu = attncc.compile(variant, backend="gluon")
+        for config in forward_candidates(D):
+            label = (f"gluon {config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} "
+                     f"s{config['num_stages']}")
+            runs[label] = lambda config=config: glu.module_of("gluon").forward(q, k, v, {},
+                                                                              config=config)
+        causal = name == "causal"
+        try:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            def cudnn():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            runs["cudnn"] = cudnn
+        except ImportError as e:
+            entry["times"]["cudnn"] = f"ImportError: {e}"
+        try:
+            from flash_attn.cute import flash_attn_func as fa4
+            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # FA4 takes (B, L, H, D)
+            runs["fa4"] = lambda: fa4(qt, kt, vt, causal=causal)
+        except ImportError as e:
+            entry["times"]["fa4"] = f"ImportError: {e} (install ../shared/tools/fa4)"
+        reference = None
+        for label, run in runs.items():
+            try:
+                out = run()
+                out = out[0] if isinstance(out, tuple) else out
+                if label == "fa4":
+                    out = out.transpose(1, 2)
+                if reference is None:
+                    reference = out.float()
+                entry.setdefault("max_diff", {})[label] = (out.float() - reference).abs().max().item()
+                entry["times"][label] = _median_ms(run)
+            except Exception as e:
+                entry["times"][label] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(entry)
+        RESULTS.setdefault("d64", []).append(entry)
+        _write()
+        fa4_ms = entry["times"].get("fa4")
+        for label, t in entry["times"].items():
+            if isinstance(t, float):
+                vs = f", FA4/this {fa4_ms / t:.3f}" if isinstance(fa4_ms, float) else ""
+                print(f"d64 {name} {label}: {t:.3f} ms ({entry['tflop'] / t * 1e3:.0f} TF/s){vs}",
+                      flush=True)
+            else:
+                print(f"d64 {name} {label}: {t}", flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", default="all", choices=["correctness", "speed", "all"])
+    ap.add_argument("--part", default="all", choices=["correctness", "speed", "d64", "all"])
+    ap.add_argument("--d64-batch", type=int, default=4,
+                    help="d64: the batch (4 x 4096 = 16384 tokens, the other parts' count)")
     ap.add_argument("--quick", action="store_true", help="bf16 head dim 128 correctness only")
     ap.add_argument("--variants", default="full,causal", help="speed: ANCHORS variants at D=128")
     ap.add_argument("--full-dims", default="", help="speed: full attention at these head dims too")
@@ -432,6 +545,8 @@ def main():
         if part == "speed" and args.part in ("speed", "all"):
             os.environ.pop("ATTNCC_TUNE", None)  # speed: the portable kernel tuned
             rows = speed(args, dog)
+    if args.part == "d64":
+        speed_d64(args, dog)
     dog.start("done", math.inf)
     _write()
     print(f"\ncorrectness failures: {failures}")

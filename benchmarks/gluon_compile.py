@@ -132,7 +132,7 @@ def main() -> int:
             lse = torch.randn(1, heads[0], 300)
             delta = torch.randn(1, heads[0], 300)
             dout = torch.randn_like(q)
-            kernels = [("", _dicts(tiles.candidates(p.tile_dim)),
+            kernels = [("", _dicts(backends.named("gluon").candidates("fwd", p.tile_dim, variant)),
                         lambda c: module.forward(q, k, v, inputs, config=c))]
             if args.backward and dim_v == dim:  # the backward kernels take one head dim
                 kernels += [

@@ -187,6 +187,41 @@ def test_the_gluon_forward_launch_splits_qk_into_segments(dims, segments, monkey
     assert v_desc.width == o_desc.width == dv and o_ptr is out and o_desc.tensor is out
 
 
+@pytest.mark.parametrize("dims, config, consumers", [
+    ((192, 128), dict(BLOCK_M=128, BLOCK_N=128, num_warps=9, num_stages=2), 2),
+    ((64, 64), dict(BLOCK_M=192, BLOCK_N=128, num_warps=13, num_stages=2), 3)])
+def test_the_warp_specialized_forward_copies_q_and_its_tail_per_consumer(dims, config, consumers,
+                                                                         monkeypatch):
+    """The warp-specialized launch (stand-ins, no GPU): Q, Q's tail segment and O move in
+    one box per consumer warpgroup (64 rows), K and V in key tiles; q·k 192 with v 128
+    runs two consumers, three consumers only head dim 64."""
+    from attncc.runtime.cache import load_generated
+    module = load_generated(attncc.parse_file(EXAMPLES / "causal.attn"), "gluon")[1]
+    launched = {}
+
+    def descriptor(t, shape, strides, block, layout):
+        return SimpleNamespace(rows=block[-2], width=block[-1])
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **constants: launched.update(args=args, **constants)
+    monkeypatch.setattr(module, "_bind_context", lambda device: None)
+    monkeypatch.setattr(module, "TensorDescriptor", descriptor)
+    monkeypatch.setattr(module, "attn_fwd_ws", Kernel())
+    d, dv = dims
+    q = torch.randn(1, 2, 70, d, dtype=torch.bfloat16)
+    v = torch.randn(1, 2, 70, dv, dtype=torch.bfloat16)
+    module.forward(q, q, v, {}, config=config)
+    assert launched["CONSUMERS"] == consumers and launched["num_warps"] == 4
+    q_desc, k_desc, v_desc, o_desc, qt_desc, kt_desc = launched["args"][:6]
+    assert q_desc.rows == qt_desc.rows == o_desc.rows == 64
+    assert k_desc.rows == kt_desc.rows == v_desc.rows == config["BLOCK_N"]
+    assert (q_desc.width, qt_desc.width) == ((128, 64) if d == 192 else (d, d))
+    ws3 = TileConfig(192, 128, tiles.WS3_WARPS, 2)
+    for dim in (128, 192):  # (128, 64) and (192, 128) pick tiles by q·k's 128 and 192
+        assert "take head dims 64" in GLUON.check_config(ws3, "fwd", dim)
+
+
 def test_backward_candidates_fit_and_bad_configs_are_named():
     causal = attncc.parse_file(EXAMPLES / "causal.attn")
     for dim in tiles.BACKWARD_HEAD_DIMS:
@@ -212,6 +247,58 @@ def test_backward_candidates_fit_and_bad_configs_are_named():
     ws = TileConfig(128, 128, tiles.WS_WARPS, 2)
     assert configs.usable("gluon", ws, causal, 128, "fwd")
     assert not configs.usable("triton", ws, causal, 128, "fwd")
+
+
+def test_three_consumer_warpgroups_take_192_rows_at_head_dim_64_only():
+    causal = attncc.parse_file(EXAMPLES / "causal.attn")
+    ws3 = TileConfig(192, 128, tiles.WS3_WARPS, 2)
+    # Second at head dim 64, after the two-consumer kernel, until the GPU has timed it.
+    assert GLUON.candidates("fwd", 64, causal)[1] == ws3
+    assert ws3 not in GLUON.candidates("fwd", 128, causal) + GLUON.candidates("fwd", 256, causal)
+    # A score or a mask reading tensors takes more registers than three consumers hold
+    # beside 128-key score tiles: they get 64-key tiles instead.
+    for name in ("alibi", "softcap", "document", "relative_bias"):
+        heavy = GLUON.candidates("fwd", 64, attncc.parse_file(EXAMPLES / f"{name}.attn"))
+        assert heavy[1] == TileConfig(192, 64, tiles.WS3_WARPS, 2) and ws3 not in heavy, name
+    for name in ("causal", "sliding_window", "sigmoid_attention", "gpt_oss_sinks"):
+        light = GLUON.candidates("fwd", 64, attncc.parse_file(EXAMPLES / f"{name}.attn"))
+        assert light[1] == ws3 and TileConfig(192, 64, tiles.WS3_WARPS, 2) not in light, name
+    assert GLUON.check_config(ws3, "fwd", 64) is None
+    assert configs.usable("gluon", ws3, causal, 64, "fwd")
+    assert "take head dims 64" in GLUON.check_config(ws3, "fwd", 128)
+    # 64 rows per consumer warpgroup: the row count follows the warps.
+    assert "BLOCK_M a multiple of 192" in GLUON.check_config(TileConfig(128, 128, 13, 2), "fwd", 64)
+    assert "multiple of 128" in GLUON.check_config(TileConfig(192, 128, 9, 2), "fwd", 64)
+    # Every other kernel's tiles span a power of two of rows.
+    assert "power of two" in GLUON.check_config(TileConfig(192, 128, 8, 2), "fwd", 64)
+    assert "power of two" in GLUON.check_config(TileConfig(192, 64, 4, 2), "dkdv", 64)
+    assert "power of two" in GLUON.check_config(TileConfig(192, 64, 4, 2), "dq", 64)
+    assert "power of two" in backends.portable().check_config(TileConfig(192, 128, 8, 2), "fwd", 64)
+    # The generated module launches the kernel the tiles module names.
+    namespace = {}
+    source = gluon.generate(causal).source
+    exec(source[source.index("WS_CONSUMERS = "):].split("\n")[0], namespace)
+    assert namespace["WS_CONSUMERS"] == tiles.WS_CONSUMERS
+
+
+def test_a_192_row_config_reads_back_and_nests_in_no_layout_block():
+    ws3 = dict(BLOCK_M=192, BLOCK_N=128, num_warps=tiles.WS3_WARPS, num_stages=2)
+    assert TileConfig.from_dict(ws3, "config") == TileConfig(192, 128, 13, 2)
+    with pytest.raises(ValueError, match="BLOCK_N must be a power of two from 16 to 256, got 192"):
+        TileConfig.from_dict(dict(ws3, BLOCK_N=192), "config")
+    with pytest.raises(ValueError, match=r"BLOCK_M must be a power of two from 16 to 256 \(or 192\)"):
+        TileConfig.from_dict(dict(ws3, BLOCK_M=96), "config")
+    # The portable kernels refuse it where a pin meets them.
+    with pytest.raises(ValueError, match="BLOCK_M 192 is the Gluon forward's"):
+        attncc.compile(str(EXAMPLES / "causal.attn"), config=dict(ws3, num_warps=8))
+    # A 192-row tile straddles blocks of 256: index lists cannot say whether it is on.
+    assert not TileConfig(192, 128, 13, 2).within(256)
+    assert TileConfig(128, 128, 9, 2).within(256) and not TileConfig(128, 128, 9, 2).within(64)
+    topk = attncc.parse("attention l { input top: i32[b, h, qb, 2] layout kb in top[b, h, qb] "
+                        "block 256 }")
+    assert TileConfig(192, 128, 13, 2) not in GLUON.candidates("fwd", 64, topk)
+    with pytest.raises(ValueError, match="do not nest in the layout's blocks of 256"):
+        configs.check_pinned(TileConfig(192, 128, 13, 2), topk, "config")
 
 
 def _stand_in_gluon(kernel, monkeypatch, calls):

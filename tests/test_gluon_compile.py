@@ -27,6 +27,7 @@ from attncc.backends.gluon import codegen as gluon
 
 # "128" (q, k, v all 128 wide) or "192:128" (q·k 192, v 128: the forward kernels alone).
 head_dims = [(int(d), int(dv or d)) for d, _, dv in (a.partition(":") for a in sys.argv[2].split(","))]
+kernels = sys.argv[4].split(",")
 
 
 def load(example, path):
@@ -44,12 +45,14 @@ def load(example, path):
 
 POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "O": "*bf16", "DO": "*bf16"}
 DTYPES = {"f32": "*fp32", "i32": "*i32", "bool": "*i1"}
-# kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages, other constexprs); BLOCK_M is the
-# query tile's rows (the warp-specialized forward's consumers take half each).
-KERNELS = {"attn_fwd": (128, 128, 8, 2, {}),
-           "attn_fwd_ws": (128, 128, 4, 2, {}),
-           "attn_bwd_dq": (64, 64, 4, 2, {"DELTA_FROM_O": True, "HAS_DLSE": True}),
-           "attn_bwd_dkdv": (64, 64, 4, 2, {})}
+# label: (kernel, BLOCK_M, BLOCK_N, num_warps, num_stages, other constexprs); BLOCK_M is
+# the query tile's rows (the warp-specialized forward's CONSUMERS take a share each).
+KERNELS = {"attn_fwd": ("attn_fwd", 128, 128, 8, 2, {}),
+           "attn_fwd_ws": ("attn_fwd_ws", 128, 128, 4, 2, {"CONSUMERS": 2}),
+           "attn_fwd_ws3": ("attn_fwd_ws", 192, 128, 4, 2, {"CONSUMERS": 3}),
+           "attn_fwd_ws3_n64": ("attn_fwd_ws", 192, 64, 4, 2, {"CONSUMERS": 3}),
+           "attn_bwd_dq": ("attn_bwd_dq", 64, 64, 4, 2, {"DELTA_FROM_O": True, "HAS_DLSE": True}),
+           "attn_bwd_dkdv": ("attn_bwd_dkdv", 64, 64, 4, 2, {})}
 
 
 def signature(variant, module, fn, consts, widths, rows):
@@ -86,7 +89,8 @@ def report(example, name, dims, compiled):
 
 for example in sys.argv[1].split(","):
     variant, module = load(example, f"{sys.argv[3]}/{len(sys.modules)}.py")
-    for dims, (name, (bm, bn, warps, stages, extra)) in itertools.product(head_dims, KERNELS.items()):
+    for dims, label in itertools.product(head_dims, kernels):
+        name, bm, bn, warps, stages, extra = KERNELS[label]
         forward = name.startswith("attn_fwd")
         if dims[0] != dims[1] and not forward:
             continue  # the backward kernels take one head dim for all three
@@ -99,32 +103,34 @@ for example in sys.argv[1].split(","):
             consts.update(HEAD_DIM=first, HEAD_DIM_TAIL=tail, HEAD_DIM_V=dims[1])
             widths = dict(q_desc=first, k_desc=first, qt_desc=tail or first,
                           kt_desc=tail or first, v_desc=dims[1], o_desc=dims[1])
-        half = bm // 2 if name == "attn_fwd_ws" else bm
-        rows = dict(q_desc=bm, do_desc=bm, dq_desc=bm, o_desc=half, k_desc=bn, v_desc=bn,
-                    dk_desc=bn, dv_desc=bn, qt_desc=bm, kt_desc=bn)
+        share = bm // extra.get("CONSUMERS", 1)  # a consumer's rows: its Q and O boxes
+        rows = dict(q_desc=share, do_desc=bm, dq_desc=bm, o_desc=share, k_desc=bn, v_desc=bn,
+                    dk_desc=bn, dv_desc=bn, qt_desc=share, kt_desc=bn)
         src = GluonASTSource(fn=fn, signature=signature(variant, module, fn, consts, widths, rows),
                              constexprs=consts)
-        report(example, name, dims, triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                                   options=dict(num_warps=warps, num_stages=stages)))
+        report(example, label, dims, triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                                    options=dict(num_warps=warps, num_stages=stages)))
 '''
 
 
-def _compile(examples: list, head_dims: list, tmp_path) -> list:
+KERNELS = ("attn_fwd", "attn_fwd_ws", "attn_bwd_dq", "attn_bwd_dkdv")
+
+
+def _compile(examples: list, head_dims: list, tmp_path, kernels=KERNELS) -> list:
     pytest.importorskip("triton.experimental.gluon")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     result = subprocess.run([sys.executable, "-c", COMPILE_GLUON,
                              ",".join(str(ROOT / "examples" / e) for e in examples),
-                             ",".join(map(str, head_dims)), str(tmp_path)],
+                             ",".join(map(str, head_dims)), str(tmp_path), ",".join(kernels)],
                             capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
-def _check(results: list, examples: list, head_dims: list):
+def _check(results: list, examples: list, head_dims: list, kernels=KERNELS):
     """`head_dims`: 64 (all three 64 wide) or "192:128" (q·k, v: the forward alone)."""
     from attncc.backends.gluon.tiles import SMEM_LIMIT
-    kernels = ("attn_fwd", "attn_fwd_ws", "attn_bwd_dq", "attn_bwd_dkdv")
     pairs = [f"{d}:{d}" if isinstance(d, int) else d for d in head_dims]
     assert sorted((Path(r["example"]).name, r["kernel"], r["dim"]) for r in results) == sorted(
         (e, k, d) for e in examples for k in kernels for d in pairs
@@ -141,7 +147,7 @@ def _check(results: list, examples: list, head_dims: list):
         assert ops["ttng.async_tma_copy_global_to_local"] and ops["ttng.wait_barrier"], what
         assert ops["ttng.warp_group_dot"], what
         assert ops["ttng.async_tma_copy_local_to_global"] == (dv == 1 << (d.bit_length() - 1)), what
-        assert ops["ttg.warp_specialize"] == (r["kernel"] == "attn_fwd_ws"), what
+        assert ops["ttg.warp_specialize"] == r["kernel"].startswith("attn_fwd_ws"), what
         # The pair weights' sigmoid takes the one-MUFU form (tanh.approx) on the GPU.
         assert r["tanh_approx"] == (Path(r["example"]).name == "sigmoid_attention.attn"), what
 
@@ -197,3 +203,14 @@ def test_gluon_kernels_with_learnable_inputs_compile_for_hopper(tmp_path):
         paths[-1].write_text(spec)
     names = [p.name for p in paths]
     _check(_compile([str(p) for p in paths], [64, 128], tmp_path), names, [64, 128])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("examples, kernel", [
+    (["causal.attn", "sliding_window.attn"], "attn_fwd_ws3"),
+    (["document.attn", "softcap.attn"], "attn_fwd_ws3_n64")])
+def test_three_consumer_forward_compiles_for_hopper(tmp_path, examples, kernel):
+    # The warp-specialized forward with three 64-row consumer warpgroups (head dim 64
+    # only), on the tiles backends/gluon/tiles.py's fits_registers gives each: 192 x 128
+    # for a plain score, 192 x 64 for a score or a mask that reads tensors.
+    _check(_compile(examples, [64], tmp_path, (kernel,)), examples, [64], (kernel,))

@@ -373,7 +373,7 @@ def test_tiles_larger_than_the_block_evaluate_the_layout_per_element(spec, confi
 
 def test_index_list_layouts_refuse_tiles_larger_than_the_block():
     spec = ("attention l { input top: i32[b, h, qb, 2] layout kb in top[b, h, qb] block 16 }")
-    with pytest.raises(ValueError, match="larger than the layout's block 16"):
+    with pytest.raises(ValueError, match="do not nest in the layout's blocks of 16"):
         attncc.compile(spec, config=tile(32, 16))
     attncc.compile(spec, config=tile(16, 16))  # within the block: fine
 

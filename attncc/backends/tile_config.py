@@ -15,6 +15,9 @@ from .. import ir
 
 KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 EXAMPLE = '{"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}'
+# The one BLOCK_M that is no power of two: the Gluon forward's three consumer warpgroups
+# of 64 rows (backends/gluon/tiles.py); the other kernels refuse it in their checks.
+THREE_WARPGROUPS = 192
 
 
 def _is_int(value) -> bool:
@@ -30,15 +33,20 @@ class TileConfig:
 
     @classmethod
     def from_dict(cls, config, where: str) -> "TileConfig":
-        """A config given as a dict, checked: tiles powers of two from 16 to 256, warps
-        from 1 to 16, stages from 1 to 8; a ValueError naming `where` and the rule."""
+        """A config given as a dict, checked: tiles powers of two from 16 to 256 (BLOCK_M
+        192 too: three 64-row warpgroups, the Gluon forward's), warps from 1 to 16, stages
+        from 1 to 8; a ValueError naming `where` and the rule."""
         if not isinstance(config, dict) or set(config) != set(KEYS):
             raise ValueError(f"{where} must be a dict with exactly the keys {sorted(KEYS)}, "
                              f"got {config!r}")
         for key in ("BLOCK_M", "BLOCK_N"):
             v = config[key]
+            if key == "BLOCK_M" and v == THREE_WARPGROUPS:
+                continue
             if not _is_int(v) or v < 16 or v > 256 or v & (v - 1):
-                raise ValueError(f"{where}: {key} must be a power of two from 16 to 256, got {v!r}")
+                also = f" (or {THREE_WARPGROUPS})" if key == "BLOCK_M" else ""
+                raise ValueError(f"{where}: {key} must be a power of two from 16 to 256{also}, "
+                                 f"got {v!r}")
         if not _is_int(config["num_warps"]) or not 1 <= config["num_warps"] <= 16:
             raise ValueError(f"{where}: num_warps must be an int from 1 to 16, "
                              f"got {config['num_warps']!r}")
@@ -54,8 +62,9 @@ class TileConfig:
                     num_stages=self.num_stages)
 
     def within(self, block: int) -> bool:
-        """Whether both tile sides fit in a layout block of `block` positions."""
-        return self.block_m <= block and self.block_n <= block
+        """Whether every tile lies inside one layout block of `block` positions (a power
+        of two): both sides divide it (a 192-row tile fits no block)."""
+        return block % self.block_m == 0 and block % self.block_n == 0
 
     def label(self) -> str:
         """As progress lines write it: 128x128 w8 s3."""

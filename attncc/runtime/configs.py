@@ -60,9 +60,9 @@ def env_config() -> TileConfig | None:
 def check_pinned(config: TileConfig, variant: ir.Variant, where: str) -> TileConfig:
     """A pinned config must be one the kernels can run correctly for this variant."""
     if not fits_variant(config, variant):
-        raise ValueError(f"{where}: tiles {config.block_m}x{config.block_n} are larger than "
-                         f"the layout's block {variant.block}; a layout given as index lists "
-                         f"needs BLOCK_M and BLOCK_N of at most {variant.block}")
+        raise ValueError(f"{where}: tiles {config.block_m}x{config.block_n} do not nest in "
+                         f"the layout's blocks of {variant.block}; a layout given as index lists "
+                         f"needs BLOCK_M and BLOCK_N that divide {variant.block}")
     return config
 
 

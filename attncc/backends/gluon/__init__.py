@@ -69,7 +69,8 @@ class GluonBackend:
     def candidates(self, direction: str, head_dim: int, variant: ir.Variant) -> list[TileConfig]:
         if direction not in tiles.CANDIDATES:
             return []
-        return [c for c in tiles.CANDIDATES[direction](head_dim) if fits_variant(c, variant)]
+        return [c for c in tiles.CANDIDATES[direction](head_dim)
+                if fits_variant(c, variant) and tiles.fits_registers(c, variant)]
 
     def check_config(self, config: TileConfig, direction: str, head_dim: int | None) -> str | None:
         if direction not in tiles.CHECKS:

@@ -3,12 +3,44 @@ the check a pinned, cached or shipped config must pass (wgmma's rows per warp, H
 shared memory)."""
 from __future__ import annotations
 
+from ... import ir
 from ..tile_config import TileConfig
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a Hopper block may use
-# num_warps of the warp-specialized forward (two consumer warpgroups and a producer warp);
-# the generated module's WS_WARPS.
-WS_WARPS = 9
+# num_warps of the warp-specialized forward -> its consumer warpgroups (64 query rows
+# each, BLOCK_M = 64 x consumers), beside one producer warp; the generated module's
+# WS_CONSUMERS. Three consumers at head dim 64, as FlashAttention-3 runs it (192 x 128
+# tiles): there a key tile's two products are small beside the softmax, and a third
+# warpgroup keeps the tensor cores fed.
+WS_CONSUMERS = {9: 2, 13: 3}
+WS_WARPS = 9    # two consumers
+WS3_WARPS = 13  # three
+# Three consumers share the 64K registers four ways (168 or 160 each, beside the
+# producer's warpgroup): at head dim 128 the [64, 128] fp32 output alone takes 64 of
+# them, and the kernel would spill.
+WS3_HEAD_DIMS = (64,)
+
+
+def score_registers_heavy(variant: ir.Variant) -> bool:
+    """Whether a score element costs more than the product, a compare of positions and
+    a weight of the score alone: a score expression, or a mask that reads tensors.
+    Compiled for sm_90 (Triton 3.6, head dim 64), three consumers on 192 x 128 tiles
+    spilled for these (alibi 1.4 KB, document 0.7 KB, softcap 180 B) and not for full,
+    causal, sliding window, GQA, longformer, chunked, bigbird's layout, gpt-oss's
+    sinks, sigmoid and relu weights; on 192 x 64 tiles none spilled."""
+    mask_reads = variant.mask is not None and ir.loaded_tensors(variant.mask)
+    return bool(variant.score is not None or mask_reads)
+
+
+def fits_registers(config: TileConfig, variant: ir.Variant) -> bool:
+    """Whether the candidate is the three-consumer tile the variant's registers take:
+    BLOCK_N 128 where score elements are light, 64 where they are heavy (other configs
+    always)."""
+    if WS_CONSUMERS.get(config.num_warps) != 3:
+        return True
+    return (config.block_n <= 64) == score_registers_heavy(variant)
+
+
 # Head dims of the Gluon dK/dV kernel: each thread holds its rows of dK and dV in fp32,
 # and at 256 columns the two accumulators alone would take every register.
 BACKWARD_HEAD_DIMS = (64, 128)
@@ -34,10 +66,16 @@ def candidates(head_dim: int) -> list:
     # Head dim 128 (H200, bf16, 16K tokens; benchmarks/RESULTS.md runs 78-79): the
     # warp-specialized kernel (num_warps WS_WARPS) ran full attention 1.12x faster than
     # the best single-partition config, 128x128 w8 s2, and 64x64 w4 tiles (two programs
-    # per SM) came next. Every config listed for 64 and 128 passed the GPU checks; the
-    # warp-specialized kernel was not run at head dim 256, so it is not offered there.
-    shapes = {64: [(128, 128, WS_WARPS, 2), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
-                   (128, 64, 8, 3), (64, 128, 4, 3)],
+    # per SM) came next. Every other config listed for 64 and 128 passed the GPU checks;
+    # the warp-specialized kernel was not run at head dim 256, so it is not offered there.
+    # Head dim 64: three consumers (192 x 128, FlashAttention-3's tile there; 192 x 64
+    # where the score takes more registers: fits_registers keeps one of the two) come
+    # second, after the two-consumer kernel the GPU checks passed: compiled for sm_90
+    # without spills, not yet run on a GPU (benchmarks/gluon_check.py checks and times
+    # them).
+    shapes = {64: [(128, 128, WS_WARPS, 2), (192, 128, WS3_WARPS, 2), (192, 64, WS3_WARPS, 2),
+                   (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3),
+                   (64, 128, 4, 3)],
               128: [(128, 128, WS_WARPS, 2), (128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3),
                     (128, 64, 8, 3), (128, 64, 8, 2), (64, 128, 4, 2)],
               # (192, 128): as at 128 (the same registers: O and S are 128 wide), with the
@@ -68,10 +106,11 @@ def _check_backward(kind: str, config: TileConfig, head_dim: int | None) -> str 
     held, streamed, name = _BACKWARD_SIDES[kind]
     w, rows, cols = config.num_warps, getattr(config, held), getattr(config, streamed)
     if w not in (4, 8) or rows % (16 * w) or rows > 256 or cols % 16 or not 16 <= cols <= 256 \
-            or config.num_stages < 1:
+            or rows & (rows - 1) or cols & (cols - 1) or config.num_stages < 1:
         return (f"config {config.as_dict()} does not fit the Gluon {name} kernel: it needs "
-                f"num_warps 4 or 8, {_KEY_OF[held]} a multiple of 16 * num_warps up to 256, "
-                f"{_KEY_OF[streamed]} a multiple of 16 up to 256 and num_stages >= 1")
+                f"num_warps 4 or 8, {_KEY_OF[held]} a power of two, a multiple of 16 * num_warps "
+                f"up to 256, "
+                f"{_KEY_OF[streamed]} a power of two from 16 to 256 and num_stages >= 1")
     if head_dim is not None and _backward_smem(kind, config, head_dim) > SMEM_LIMIT:
         return (f"config {config.as_dict()} needs {_backward_smem(kind, config, head_dim)} bytes "
                 f"of shared memory at head dim {head_dim}; Hopper has {SMEM_LIMIT}")
@@ -115,11 +154,23 @@ def dq_candidates(head_dim: int) -> list:
 
 def check_config(config: TileConfig, head_dim: int | None) -> str | None:
     """Why a config cannot run the Gluon forward, or None."""
-    w = 8 if config.num_warps == WS_WARPS else config.num_warps  # two consumer warpgroups
-    if w not in (4, 8) or config.block_m < 16 * w or config.block_n > 256 \
+    consumers = WS_CONSUMERS.get(config.num_warps)
+    if consumers is not None:  # warp-specialized: a share of the rows per consumer warpgroup
+        if config.block_m % (64 * consumers) or config.block_n > 256 or config.num_stages < 2:
+            return (f"config {config.as_dict()} does not fit the warp-specialized Gluon forward: "
+                    f"num_warps {config.num_warps} runs {consumers} consumer warpgroups of "
+                    f"BLOCK_M / {consumers} rows, a multiple of 64 (wgmma's), so it needs BLOCK_M a "
+                    f"multiple of {64 * consumers}, BLOCK_N <= 256 and num_stages >= 2")
+        if consumers == 3 and head_dim is not None and head_dim not in WS3_HEAD_DIMS:
+            return (f"config {config.as_dict()}: three consumer warpgroups take head dims "
+                    f"{', '.join(map(str, WS3_HEAD_DIMS))} (their registers do not hold a "
+                    f"[64, {head_dim}] output beside the scores); use num_warps {WS_WARPS}")
+    elif config.num_warps not in (4, 8) or config.block_m < 16 * config.num_warps \
+            or config.block_m & (config.block_m - 1) or config.block_n > 256 \
             or config.num_stages < 2:
         return (f"config {config.as_dict()} does not fit the Gluon forward: it needs num_warps "
-                "4, 8 or 9 (warp-specialized), BLOCK_M >= 16 * num_warps, BLOCK_N <= 256 and "
+                f"4 or 8 with BLOCK_M >= 16 * num_warps (a power of two), or the warp-specialized "
+                f"{WS_WARPS} (BLOCK_M 128) or {WS3_WARPS} (BLOCK_M 192); BLOCK_N <= 256 and "
                 "num_stages >= 2")
     if head_dim is not None and smem_bytes(config, head_dim) > SMEM_LIMIT:
         return (f"config {config.as_dict()} needs {smem_bytes(config, head_dim)} bytes of shared "

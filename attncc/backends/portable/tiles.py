@@ -14,6 +14,9 @@ def check_config(config: TileConfig) -> str | None:
     if config.num_warps not in WARPS:
         return (f"num_warps must be {', '.join(map(str, WARPS[:-1]))} or {WARPS[-1]} for the "
                 f"portable kernels, got {config.num_warps}")
+    if config.block_m & (config.block_m - 1):  # tl.arange spans a power of two
+        return (f"BLOCK_M {config.block_m} is the Gluon forward's (three warpgroups); the "
+                "portable kernels need BLOCK_M a power of two")
     return None
 
 
