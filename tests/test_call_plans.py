@@ -230,13 +230,16 @@ def launcher(kernel, grid):
 q, k, v, do = (torch.randn(1, 4, 256, 64, dtype=torch.bfloat16) for _ in range(4))
 lse, delta = torch.randn(1, 4, 256), torch.randn(1, 4, 256)
 inputs = {d.name: torch.randn(4) for d in variant.inputs}
-for warps in (4, module.WS_WARPS):  # attn_fwd, and the warp-specialized attn_fwd_ws
-    module.forward(q, k, v, inputs, launcher=launcher,
-                   config=dict(BLOCK_M=128, BLOCK_N=128, num_warps=warps, num_stages=2))
+# attn_fwd, and the warp-specialized attn_fwd_ws with each count of consumer warpgroups
+configs = [dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2)]
+configs += [dict(BLOCK_M=64 * consumers, BLOCK_N=128, num_warps=warps, num_stages=2)
+            for warps, consumers in module.WS_CONSUMERS.items()]
+for config in configs:
+    module.forward(q, k, v, inputs, launcher=launcher, config=config)
 small = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 module.backward_dq(q, k, v, lse, delta, do, inputs, config=small, out=q, launcher=launcher)
 module.backward_dkdv(q, k, v, lse, delta, do, inputs, config=small, launcher=launcher)
-assert len(ran) == 4 and unpassed == [], (ran, unpassed)
+assert len(ran) == len(configs) + 2 and unpassed == [], (ran, unpassed)
 '''
 
 
