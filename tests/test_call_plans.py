@@ -27,6 +27,7 @@ SLIDING_SINK = """attention sliding_sink {
     sink sinks[h]
 }"""
 CAUSAL = "attention causal { mask q >= k }"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the interpreter
 
 
 def tensors(seed, *, len_q=9, len_k=9, heads=(3, 1), dim=16, dtype=torch.float32):
@@ -35,7 +36,7 @@ def tensors(seed, *, len_q=9, len_k=9, heads=(3, 1), dim=16, dtype=torch.float32
     k = torch.randn(1, heads[1], len_k, dim, generator=gen).to(dtype)
     v = torch.randn(1, heads[1], len_k, dim, generator=gen).to(dtype)
     sinks = torch.randn(heads[0], generator=gen)
-    return q, k, v, sinks
+    return tuple(t.to(DEVICE) for t in (q, k, v, sinks))
 
 
 def _grads(fn, q, k, v, sinks, seed):
@@ -43,8 +44,8 @@ def _grads(fn, q, k, v, sinks, seed):
     q, k, v, sinks = (t.detach().clone().requires_grad_() for t in (q, k, v, sinks))
     out, lse = fn(q, k, v, sinks)
     gen = torch.Generator().manual_seed(seed)
-    w_out = torch.randn(out.shape, generator=gen).to(out.dtype)
-    w_lse = torch.randn(lse.shape, generator=gen).to(lse.dtype)
+    w_out = torch.randn(out.shape, generator=gen).to(out.device, out.dtype)
+    w_lse = torch.randn(lse.shape, generator=gen).to(lse.device, lse.dtype)
     ((out * w_out).sum() + (lse * w_lse).sum()).backward()
     return out, lse, q.grad, k.grad, v.grad, sinks.grad
 
@@ -93,7 +94,7 @@ def test_another_length_stride_alignment_dtype_or_option_gets_a_plan_of_its_own(
     with torch.no_grad():
         kernel(q, k, v, sinks=sinks)
     counting = Counting(monkeypatch)
-    storage = torch.randn(q.numel() + 1)
+    storage = torch.randn(q.numel() + 1, device=DEVICE)
     unaligned = storage[1:].view(q.shape)  # 4 bytes past a 16-byte boundary
     unaligned.copy_(q)
     assert unaligned.data_ptr() % 16

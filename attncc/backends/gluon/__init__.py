@@ -24,7 +24,7 @@ CAPABILITY = (9, 0)
 # backward kernel owns, summing its pairs in registers and storing one partial per
 # owner, as the portable kernels do. Reads of keys alone fall to dK/dV, every other read
 # to dQ; a variant with a read its role's Gluon kernel does not own runs the portable one.
-OWNED_KINDS = {"dq": ("broadcast", "rows", "table"), "dkdv": ("cols",)}
+OWNED_KINDS = {"dq": ("broadcast", "rows"), "dkdv": ("cols",)}
 
 
 class GluonBackend:
