@@ -47,7 +47,7 @@ CASES = {
     "t5_bidirectional": f"""attention t5_bidirectional {{ scale 1.0
         learnable input table: f32[h, 32] score s + table[h, {T5_BUCKETS}] }}""",
     "t5_causal": """attention t5_causal { learnable input table: f32[h, 32] mask q >= k
-        score s + table[h, where(q - k < 16, q - k,
+        score s + table[h, where(q - k < 16, max(q - k, 0),
             min(16 + int(log(max(q - k, 16) / 16.0) / log(128.0 / 16.0) * 16.0), 31))] }""",
     "relative_511": """attention relative_511 { learnable input bias: f32[h, 511]
         score s + bias[h, min(max(q - k, -255), 255) + 255] }""",
@@ -68,6 +68,90 @@ def inputs_for(name, variant, L, heads, dim, batch):
     if name == "learned_alibi":
         inputs["sl"] = torch.logspace(-1, -8, heads, base=2, device="cuda")
     return [t.requires_grad_() for t in (q, k, v)], dout, {n: t.requires_grad_() for n, t in inputs.items()}
+
+
+def flex_score_mod(name, inputs):
+    """FlexAttention's score_mod (and whether the case is causal) for a case: the same
+    formula as its attncc spec, closing over the same learnable tensors, so Flex's
+    captured-buffer gradients are the ones timed."""
+    import math
+
+    def t5_large(a, exact, span, top):  # min(exact + int(log(a / exact) / log(span / exact) * exact), top)
+        big = exact + (torch.log(a.clamp(min=exact).float() / exact) / math.log(span / exact) * exact).to(torch.int32)
+        return torch.clamp(big, max=top)
+
+    if name == "learned_alibi":
+        sl = inputs["sl"]
+        return (lambda s, b, h, q, k: s + sl[h] * (k - q)), True
+    if name == "t5_bidirectional":
+        table = inputs["table"]
+
+        def mod(s, b, h, q, k):
+            a = torch.abs(k - q)
+            bucket = torch.where(k > q, 16, 0) + torch.where(a < 8, a, t5_large(a, 8, 128.0, 15))
+            return s + table[h, bucket]
+        return mod, False
+    if name == "t5_causal":
+        table = inputs["table"]
+
+        def mod(s, b, h, q, k):
+            d = q - k
+            # Flex evaluates masked pairs of a partial block too: keep their index in range.
+            return s + table[h, torch.where(d < 16, d.clamp(min=0), t5_large(d, 16, 128.0, 31))]
+        return mod, True
+    if name == "relative_511":
+        bias = inputs["bias"]
+        return (lambda s, b, h, q, k: s + bias[h, torch.clamp(q - k, -255, 255) + 255]), False
+    if name == "key_gain":
+        g = inputs["g"]
+        return (lambda s, b, h, q, k: s + g[b, h, k]), True
+    raise KeyError(name)
+
+
+def run_flex(cases, lengths, heads, dim, batch, repeats, reps, budget_s) -> list:
+    """The same cases through FlexAttention's Triton kernels (torch.compile'd
+    flex_attention, a block mask for the causal ones), on the same inputs: its time, its
+    gradients' determinism, and its largest difference from attncc's output and learnable
+    gradients (the two compute the same function, so a large one means a wrong case)."""
+    import attncc
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    flex = torch.compile(flex_attention, dynamic=False)
+    rows = []
+    for L in lengths:
+        for name in cases:
+            variant = attncc.parse(CASES[name])
+            (q, k, v), dout, inputs = inputs_for(name, variant, L, heads, dim, batch)
+            score_mod, causal = flex_score_mod(name, inputs)
+            mask = (create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, L, L)
+                    if causal else None)
+            from attncc.semantics.reference import scale_value
+            scale = scale_value(variant, dim)
+            leaves = [q, k, v, *inputs.values()]
+
+            def step():
+                out = flex(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale)
+                return (out, *torch.autograd.grad(out, leaves, dout))
+            try:
+                first = step()
+                torch.cuda.synchronize()
+            except Exception as err:  # Flex refusing a case is a result, not a crash
+                rows.append(dict(case=name, L=L, skipped=f"{type(err).__name__}: {str(err)[:300]}"))
+                print(json.dumps(rows[-1]), flush=True)
+                continue
+            same = all(all(torch.equal(a, b) for a, b in zip(first[1:], step()[1:]))
+                       for _ in range(repeats))
+            kernel = attncc.compile(variant)
+            out = kernel(q, k, v, **inputs)
+            mine = torch.autograd.grad(out, list(inputs.values()), dout)
+            diff = {"out": (out.float() - first[0].float()).abs().max().item()}
+            for (n, t), a in zip(inputs.items(), mine):
+                scale_g = a.abs().max().item() or 1.0
+                diff[n] = (a - first[4 + list(inputs).index(n)]).abs().max().item() / scale_g
+            ms, timed = median_ms(lambda: step(), warmup=2, reps=reps, budget_s=budget_s)
+            rows.append(dict(case=name, L=L, ms=ms, calls_timed=timed, bit_identical=same,
+                             max_diff_vs_attncc=diff))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def median_ms(step, warmup: int, reps: int, budget_s: float) -> tuple:
@@ -157,6 +241,8 @@ def main():
     ap.add_argument("--budget", type=float, default=10.0, help="seconds of timed calls per case")
     ap.add_argument("--baseline", help="another attncc checkout to time the same cases with")
     ap.add_argument("--baseline-timeout", type=float, default=300.0)
+    ap.add_argument("--flex", action="store_true",
+                    help="also time FlexAttention (Triton) with the same captured-buffer gradients")
     ap.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -180,16 +266,21 @@ def main():
                 "--dim", str(args.dim), "--batch", str(args.batch), "--repeats", str(args.repeats),
                 "--reps", str(args.reps), "--budget", str(args.budget)]
         base = run_baseline(args.baseline, argv, args.baseline_timeout)
+    flex = run_flex(cases, lengths, args.heads, args.dim, args.batch, *timing) if args.flex else []
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "learnable_gradients.json"), "w") as f:
-        json.dump(dict(owned=mine, baseline=base, tune=args.tune, config=args.config), f, indent=1)
+        json.dump(dict(owned=mine, baseline=base, flex=flex, tune=args.tune, config=args.config),
+                  f, indent=1)
     by_case = {(r["case"], r["L"]): r for r in base}
+    flex_of = {(r["case"], r["L"]): r for r in flex}
     print(f"\n{'case':18s} {'L':>6s} {'owned ms':>9s} {'same bits':>9s} {'baseline ms':>11s} "
-          f"{'same bits':>9s}  owners")
+          f"{'same bits':>9s} {'flex ms':>8s} {'same bits':>9s}  owners")
     for r in mine:
         b = by_case.get((r["case"], r["L"]), {})
+        f = flex_of.get((r["case"], r["L"]), {})
         print(f"{r['case']:18s} {r['L']:6d} {r['ms']:9.2f} {str(r['bit_identical']):>9s} "
-              f"{b.get('ms', float('nan')):11.2f} {str(b.get('bit_identical', '-')):>9s}  "
+              f"{b.get('ms', float('nan')):11.2f} {str(b.get('bit_identical', '-')):>9s} "
+              f"{f.get('ms', float('nan')):8.2f} {str(f.get('bit_identical', '-')):>9s}  "
               f"{','.join(r['owners'])}")
 
 
