@@ -278,3 +278,14 @@ def test_deterministic_true_refuses_what_would_add_with_atomics():
         kernel(q, k, v, sb=sb, z=z, deterministic=True)
     with pytest.raises(CallError, match=r"deterministic must be True or False"):
         kernel(q, k, v, sb=sb, z=z, deterministic=1)
+
+
+def test_deterministic_true_names_a_weights_read_too():
+    # Under `normalize none` the learnable reads are in `weight`, not in a score: the
+    # refusal must find them there (it once looked in the score alone and found none).
+    kernel = attncc.compile("""attention a { learnable input z: f32[h] normalize none
+        weight sigmoid(s + z[h // 2]) }""")
+    q, k, v = (torch.randn(1, 3, 8, 16, device=DEVICE) for _ in range(3))
+    z = torch.randn(3, device=DEVICE, requires_grad=True)
+    with pytest.raises(CallError, match=r"'z'.*`z\[h // 2\]`.*deterministic=False"):
+        kernel(q, k, v, z=z, deterministic=True)

@@ -188,7 +188,9 @@ def gradient_owners(variant: ir.Variant, loads) -> list:
 
 
 def learnable_reads(variant: ir.Variant) -> list:
-    """The score's distinct reads of learnable inputs, in source order."""
+    """The score's distinct reads of learnable inputs, in source order. Under `normalize
+    sum` or `none` pass the variant as the kernels see a pair (`per_pair` in
+    backends/portable/codegen.py puts weight(score) in the score's slot)."""
     learnable = {d.name for d in variant.learnable_inputs}
     if variant.score is None:
         return []

@@ -214,11 +214,14 @@ class Kernel:
         atomic = self.module.atomic_reads(p.batch, p.heads_q, p.len_q, p.len_k, inputs)
         # Imported here: the analysis needs sympy, which a warm start never imports.
         from ..analysis import gradient_owners
+        from ..backends.portable.codegen import per_pair
+        # The reads as the kernels see a pair: under `normalize sum` or `none`, weight's.
+        pair = per_pair(self.variant)
         for name in atomic:
             if not inputs[name].requires_grad:
                 continue
             owners = [o for o in gradient_owners.gradient_owners(
-                self.variant, gradient_owners.learnable_reads(self.variant)) if o.load.tensor == name]
+                pair, gradient_owners.learnable_reads(pair)) if o.load.tensor == name]
             read = next(o for o in owners if not o.deterministic)
             text = ir.print_expr(read.load)
             if read.kind == "shared":
