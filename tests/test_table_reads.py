@@ -43,6 +43,12 @@ ESCAPING = {
     "only masked pairs": ("input bias: f32[10]\n mask q >= k and q - k < 10\n"
                           " score s + bias[q - k]",
                           r"goes below 0"),
+    # A min/max around the compared expression is narrowed by the condition as well, but
+    # only by what the condition says: one past the table, or a floor never applied.
+    "where max one past": ("input t: f32[h, 16]\n score s + t[h, where(q - k < 17, max(q - k, 0), 15)]",
+                           r"goes past 15"),
+    "where min no floor": ("input t: f32[h, 16]\n score s + t[h, where(q - k < 16, min(q - k, 3), 15)]",
+                           r"goes below 0"),
 }
 
 
@@ -73,6 +79,9 @@ SAFE = {
     "t5 buckets": ("input table: f32[h, 32]\n score s + table[h, where(k > q, 16, 0) + "
                    "where(abs(k - q) < 8, abs(k - q), min(8 + int(log(max(abs(k - q), 1) / 8.0) "
                    "/ log(128.0 / 8.0) * 8.0), 15))]"),
+    "t5 causal buckets": ("input table: f32[h, 32]\n mask q >= k\n score s + table[h, where(q - k < 16, "
+                          "max(q - k, 0), min(16 + int(log(max(q - k, 16) / 16.0) / log(128.0 / 16.0) "
+                          "* 16.0), 31))]"),
 }
 
 
