@@ -8,7 +8,11 @@ included), and a call it does not fit (another length, stride, 16-byte alignment
 or option) never runs it. A plan copies the tuner's choice, so a choice the tuner no
 longer remembers is chosen again. On the JIT's side, a stand-in kernel checks that each
 entry point passes every parameter of its kernel, so that on a GPU the plan's launches
-leave the JIT after their first call.
+leave the JIT after their first call. `attncc check`, which sets the interpreter itself
+after attncc is imported, runs its plans too.
+
+On a GPU the same tests run on CUDA tensors, compiled: a test that counts launches or
+choices pins what a GPU would otherwise tune (ATTNCC_TUNE, a config).
 """
 from __future__ import annotations
 
@@ -123,6 +127,10 @@ def test_a_choice_the_tuner_forgot_is_chosen_again(monkeypatch):
     dropped when the tuner's memory no longer holds that choice."""
     monkeypatch.setattr(tuning, "_MEMORY", {})
     monkeypatch.setattr("attncc.runtime.settings.interpreting", lambda: False)
+    # The tuner's memory is read in its default mode alone (a GPU run of the suite may
+    # set ATTNCC_TUNE=0, or pin a config, for correctness).
+    monkeypatch.delenv("ATTNCC_TUNE", raising=False)
+    monkeypatch.delenv("ATTNCC_CONFIG", raising=False)
     kernel = attncc.compile(CAUSAL, backend="triton")
     q, k, v, _ = tensors(6, heads=(2, 2))
     problem = kernel.check_call(q, k, v, {}, 0, 0)
@@ -173,7 +181,10 @@ class _Jit:
 def test_a_plans_launches_relaunch_the_compiled_kernels_with_what_the_jit_bound(monkeypatch):
     monkeypatch.setattr(launch, "current_device", lambda: 0)
     monkeypatch.setattr(launch, "current_stream", lambda device: 1234)
-    kernel = attncc.compile(SLIDING_SINK.replace("q - k < 6", "q - k < 5"))
+    # A pinned config: on a GPU the tuner, or a first forward compiling the backward
+    # beside it (runtime/scheduling.py), would launch each kernel more often.
+    kernel = attncc.compile(SLIDING_SINK.replace("q - k < 6", "q - k < 5"),
+                            config=dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1))
     stand_ins = {}
     for name in ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv"):
         stand_ins[name] = _Jit(getattr(kernel.module, name))
@@ -316,3 +327,40 @@ def test_a_planned_call_captures_in_a_cuda_graph_and_replays_on_new_values():
     eager_grads = torch.autograd.grad(eager, (q, k, v), dout)
     for got, want in zip((out, *grads), (eager, *eager_grads)):
         assert not torch.isnan(got).any() and torch.allclose(got, want, atol=1e-3, rtol=1e-3)
+
+
+CHECK_THROUGH_PLANS = r'''
+import sys
+from attncc.runtime import call_plans  # imported before check sets TRITON_INTERPRET
+from attncc.tools.cli import main
+planned = []
+forward, backward = call_plans.forward, call_plans.backward
+call_plans.forward = lambda *a, **kw: planned.append("fwd") or forward(*a, **kw)
+call_plans.backward = lambda *a, **kw: planned.append("bwd") or backward(*a, **kw)
+code = main(["check", sys.argv[1], "--len", "11,11", "--heads", "3/1", "--dim", "16",
+             "--dtype", "float16"])
+# The second length is the first again: a call like the first one, run by its plans.
+assert code == 0 and planned == ["fwd", "bwd"], (code, planned)
+'''
+
+
+@pytest.mark.slow
+def test_attncc_check_runs_its_second_call_through_the_plans_in_a_fresh_process():
+    """`attncc check` without TRITON_INTERPRET in the environment (it sets it itself,
+    without a GPU) after attncc's runtime was imported: the plans' module must not import
+    triton with it, or triton's own JIT functions (tl.cdiv) stay compiled and the
+    interpreted kernels cannot call them. On a GPU the check runs compiled, plans too.
+    (Slow: ~4 s; the suite's default guard of that import is tests/test_cli.py's
+    test_check_sets_the_interpreter_itself_without_a_gpu, which failed on it.)"""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root)
+    done = subprocess.run([sys.executable, "-c", CHECK_THROUGH_PLANS, SLIDING_SINK],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.count("OK: every tensor within tolerance") == 1
+    assert done.stdout.count("len_q 11, len_k 11") == 2

@@ -36,7 +36,6 @@ import torch
 from .. import backends
 from . import settings, tuning
 from .configs import density_bucket
-from .launch import Launch
 
 MAX_PLANS = 64  # per kernel: a model trains with a handful of shapes
 
@@ -44,7 +43,13 @@ MAX_PLANS = 64  # per kernel: a model trains with a handful of shapes
 class Launches:
     """The launcher of a plan's entry points (the generated modules' `_via`): each kernel
     through a Launch of its own, made on the plan's first run (where the JIT binds the
-    arguments and finds the compiled kernel) and relaunched directly after."""
+    arguments and finds the compiled kernel) and relaunched directly after.
+
+    Under the interpreter a plan is used and every launch of it takes the interpreter's
+    own path: the interpreter returns no compiled kernel, so each Launch calls
+    kernel[grid] as the entry point would (runtime/launch.py). The plan still skips the
+    roles and the tuner, and the CPU tests run the same plan code as the GPU does; a plan
+    key holds whether the interpreter runs, so no plan crosses between the two."""
     __slots__ = ("kept",)
 
     def __init__(self):
@@ -57,6 +62,11 @@ class Launches:
         key = (id(kernel), grid)
         run = self.kept.get(key)
         if run is None or run.kernel is not kernel or run.options != options:
+            # Imported here, not with this module: runtime/launch.py imports triton, and
+            # a triton imported before `attncc check` sets TRITON_INTERPRET keeps its own
+            # JIT functions (tl.cdiv) compiled, which the interpreter cannot call
+            # (runtime/eager.py; kernel.decode's plans import it so too).
+            from .launch import Launch
             run = self.kept[key] = Launch(kernel, grid, options)
         run(*args)
 
