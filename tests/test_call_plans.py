@@ -122,6 +122,38 @@ def test_another_length_stride_alignment_dtype_or_option_gets_a_plan_of_its_own(
     assert counting.roles == len(calls) + 1
 
 
+def test_a_planned_backward_under_normalize_none_gives_the_gradients_without_delta(monkeypatch):
+    """Sigmoid attention (no normaliser, so no delta) with a learnable bias: the planned
+    dQ reads no O, as the first call's did, and its gradients, the bias's included, are
+    the float64 reference's on new values."""
+    kernel = attncc.compile("attention sigmoid_bias { learnable input bias: f32[h]  "
+                            "mask q >= k  normalize none  weight sigmoid(s + bias[h]) }")
+
+    def grads(fn, seed):
+        q, k, v, bias = (t.detach().clone().requires_grad_()
+                         for t in tensors(seed, len_q=7, len_k=10, heads=(2, 2)))
+        out = fn(q, k, v, bias)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+        (out * w.to(out.device, out.dtype)).sum().backward()
+        return out, q.grad, k.grad, v.grad, bias.grad
+
+    ours = lambda q, k, v, bias: kernel(q, k, v, bias=bias)
+    grads(ours, 12)
+    counting = Counting(monkeypatch)
+    read_o = []
+    backward_run = Kernel.backward_run
+    monkeypatch.setattr(Kernel, "backward_run", lambda self, *a, **kw: read_o.append(
+        kw.get("out") is not None) or backward_run(self, *a, **kw))
+    got = grads(ours, 13)
+    ref = grads(lambda q, k, v, bias: attncc.reference(
+        kernel.variant, q.double(), k.double(), v.double(), bias=bias.double()), 13)
+    assert counting.roles == 0 and read_o == [False, False]
+    for name, g, r in zip(("out", "dq", "dk", "dv", "dbias"), got, ref):
+        assert not torch.isnan(g).any(), name
+        error = (g.double() - r.double()).abs().max()
+        assert torch.allclose(g.double(), r.double(), atol=2e-4, rtol=1e-4), (name, error)
+
+
 def test_a_choice_the_tuner_forgot_is_chosen_again(monkeypatch):
     """A plan copies the tuner's choice (here put in its memory, as on a GPU): it is
     dropped when the tuner's memory no longer holds that choice."""
