@@ -12,6 +12,12 @@ the wall time is well above the GPU time, the host is the bound. --profile adds
 cProfile's top entries (cumulative) for attncc's layout forward + backward on kept
 tables (`attncc kept`).
 No kernel is tuned here: configs are pinned, so only the steady-state path is timed.
+Then two training shapes on the default path (auto backend, shipped or tuned configs,
+tuned in the warm-up calls): gpt-oss's sliding layers (B=1, 64/8 heads, D=64, a window
+of 128 and learnable sinks, (batch, seq, heads, dim) tensors, `--gpt-oss-seq`) and a
+16-head D=128 causal call of 1K tokens. For these the host time to issue a call (the
+loop before its one synchronisation) is printed beside the wall time, and whether every
+launch plan (attncc/runtime/call_plans.py) relaunches its compiled kernels directly.
 """
 from __future__ import annotations
 
@@ -33,14 +39,53 @@ CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 
 
 def per_call_us(fn, n=200) -> float:
+    return issue_and_wall_us(fn, n)[1]
+
+
+def issue_and_wall_us(fn, n=200) -> tuple:
+    """(µs per call to issue n calls back to back, µs per call until they finished)."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(n):
         fn()
+    issued = time.perf_counter()
     torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
+    return (issued - t0) / n * 1e6, (time.perf_counter() - t0) / n * 1e6
+
+
+GPT_OSS_SLIDING = """attention gpt_oss_sliding {
+    heads 64 / 8
+    learnable input sinks: f32[h]
+    mask q >= k and q - k < 128
+    sink sinks[h]
+}"""
+
+
+def training_shapes(seq: int) -> dict:
+    """{name: (kernel, forward(), the tensors taking gradients, dO)} of the two training
+    shapes, on the default path."""
+    bf16 = dict(device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q = torch.randn(1, seq, 64, 64, **bf16)
+    k, v = (torch.randn(1, seq, 8, 64, **bf16) for _ in range(2))
+    sinks = torch.randn(64, device="cuda", requires_grad=True)
+    sliding = attncc.compile(GPT_OSS_SLIDING)
+    q2, k2, v2 = (torch.randn(1, 16, 1024, 128, **bf16) for _ in range(3))
+    causal = attncc.compile(CAUSAL)
+    return {
+        f"gpt-oss sliding {seq}": (sliding, lambda: sliding(q, k, v, layout="bshd", sinks=sinks),
+                                   (q, k, v, sinks), torch.randn_like(q)),
+        "causal 16x1K D128": (causal, lambda: causal(q2, k2, v2), (q2, k2, v2),
+                              torch.randn_like(q2)),
+    }
+
+
+def relaunches_directly(kernel) -> str:
+    """Whether every launch of the kernel's plans leaves Triton's JIT (runtime/launch.py)."""
+    launches = [run for plan in kernel._call_plans.values() for run in plan.launches.kept.values()]
+    direct = sum(run.compiled is not None for run in launches)
+    return f"{len(kernel._call_plans)} plans, {direct}/{len(launches)} launches relaunched directly"
 
 
 def gpu_us(fn, iters=10) -> float:
@@ -57,7 +102,17 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--gpt-oss-seq", type=int, default=4096)
     args = ap.parse_args()
+    training = []
+    for name, (kernel, fn, grads, do) in training_shapes(args.gpt_oss_seq).items():
+        fwd_bwd = lambda: torch.autograd.grad(fn(), grads, do)
+        with torch.no_grad():
+            fwd = issue_and_wall_us(fn)
+        both = issue_and_wall_us(fwd_bwd)
+        training.append((name, *fwd, *both, gpu_us(fwd_bwd), relaunches_directly(kernel)))
+        print("{:22s} fwd issue {:7.1f} wall {:7.1f} us  fwd+bwd issue {:7.1f} wall {:7.1f} us "
+              "(GPU {:6.1f}); {}".format(*training[-1]), flush=True)
     S, H, D = args.seq, 16, 128
     q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
@@ -105,6 +160,10 @@ def main():
     print("case             fwd wall   GPU   fwd+bwd wall   GPU")
     for name, fwd, fwd_gpu, both, both_gpu in rows:
         print(f"{name:15s} {fwd:8.1f} {fwd_gpu:6.1f}   {both:11.1f} {both_gpu:6.1f}")
+    print("\nTraining shapes (default path, bf16): host µs to issue a call, wall µs per call")
+    print("case                    fwd issue   wall   fwd+bwd issue   wall    GPU")
+    for name, f_issue, f_wall, b_issue, b_wall, b_gpu, _ in training:
+        print(f"{name:22s} {f_issue:10.1f} {f_wall:6.1f}   {b_issue:13.1f} {b_wall:6.1f} {b_gpu:6.1f}")
 
 
 if __name__ == "__main__":

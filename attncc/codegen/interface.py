@@ -30,7 +30,8 @@ PORTABLE = {
     "TABLE_FIELDS": "tile_tables()'s keys, TABLE_FIELDS above",
     "DECODE_STRATEGY": "a sentence on how kernel.decode skips keys (tools/decode_bench.py)",
     # forward and backward (runtime/ops.py, distributed.py)
-    "forward": "forward(q, k, v, inputs, *, q_offset, k_offset, seed, config, tables) -> (out, lse)",
+    "forward": "forward(q, k, v, inputs, *, q_offset, k_offset, seed, config, tables, launcher) "
+               "-> (out, lse) (launcher: runtime/call_plans.py, as backward_dq's and _dkdv's)",
     "backward_delta": "backward_delta(out, dout, *, lse=None, dlse=None) -> delta (minus dlse)",
     "new_delta": "new_delta(q) -> the delta tensor backward_dq(..., out=) fills",
     "backward_dq": "backward_dq(q, k, v, lse, delta, dout, inputs, *, ..., out=None, dlse=None) "
@@ -64,7 +65,7 @@ PORTABLE_WITH_LEARNABLE = {
 # shared host template (codegen/templates/host_args.jinja).
 GLUON = {
     "forward": "forward(q, k, v, inputs, *, q_offset, k_offset, seed, config, "
-               "tables) -> (out, lse)",
+               "tables, launcher) -> (out, lse)",
     "backward_dq": "backward_dq(q, k, v, lse, delta, dout, inputs, *, ..., "
                    "out=None, dlse=None) -> (dq, dinputs) (runtime/kernel.py: backward_role)",
     "backward_dkdv": "backward_dkdv(q, k, v, lse, delta, dout, inputs, *, ...) "

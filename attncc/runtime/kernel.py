@@ -65,6 +65,8 @@ class Kernel:
         # kernel.decode's operator, defined now: torch.compile cannot trace its definition.
         self._decode_op = ops.decode_operator(self)  # torch.ops.attncc.<name>_<key>_<revision>_decode
         self._decode_plans: dict = {}  # plan key -> DecodePlan (runtime/decoding.py)
+        self._call_plans: dict = {}  # plan key -> a call's Plan (runtime/call_plans.py)
+        self._checked_calls: dict = {}  # call signature -> its Problem (_check_call_once)
         # The same variant without dropout, for training=False: its module is generated on
         # first use, but the Kernel exists now, so that torch.compile can trace a call of
         # it (a kernel made at trace time would be file reads and writes, untraceable).
@@ -110,17 +112,27 @@ class Kernel:
         keyword arguments `common` (offsets, seed, tables). Decided on the real tensors
         (strides, alignment), so that a traced call decides on every run as an eager one
         does. The single-device op and each context-parallel piece come here."""
-        return dispatch.make_role(self, "fwd", q, k, v, lambda backend: tuning.launcher(
-            self._entry(backend, "fwd"), q, k, v, values, **common))
+        return dispatch.make_role(self, "fwd", q, k, v, lambda backend: self.forward_run(
+            backend, q, k, v, values, common))
+
+    def forward_run(self, backend, q, k, v, values: dict, common: dict):
+        """run(config): this call's forward on `backend` (a backend object)."""
+        return tuning.launcher(self._entry(backend, "fwd"), q, k, v, values, **common)
 
     def backward_role(self, kind, q, k, v, lse, delta, dout, values: dict, common: dict,
                       out=None, dlse=None) -> dispatch.Role:
         """This call's dQ (kind "dq"; `out`, the forward's output: the kernel computes delta
         from it, minus `dlse`, the returned LSE's gradient, where given) or dK/dV (kind
         "dkdv"), as forward_role decides the forward."""
+        return dispatch.make_role(self, kind, q, k, v, lambda backend: self.backward_run(
+            backend, kind, q, k, v, lse, delta, dout, values, common, out=out, dlse=dlse))
+
+    def backward_run(self, backend, kind, q, k, v, lse, delta, dout, values: dict, common: dict,
+                     out=None, dlse=None):
+        """run(config): this call's dQ or dK/dV (as backward_role) on `backend`."""
         extra = dict(out=out, dlse=dlse) if kind == "dq" else {}
-        return dispatch.make_role(self, kind, q, k, v, lambda backend: tuning.launcher(
-            self._entry(backend, kind), q, k, v, lse, delta, dout, values, **extra, **common))
+        return tuning.launcher(self._entry(backend, kind), q, k, v, lse, delta, dout, values,
+                               **extra, **common)
 
     def one_launch_role(self, q, k, v, lse, delta, dout, values: dict,
                         common: dict) -> dispatch.Role:
@@ -141,12 +153,16 @@ class Kernel:
         why = role.reason
         if why is None:
             why = dispatch.tuner_reason(role, choice.backend, tuning.untimed_reason())
-        ran = (choice.backend, why)
-        if role.direction == "fwd":
+        self.record_choice(role.direction, (choice.backend, why))
+        return role.runs[choice.backend], choice.config
+
+    def record_choice(self, direction: str, ran: tuple):
+        """(backend, reason) ran role `direction` of this call: last_backend or
+        last_backward reports it."""
+        if direction == "fwd":
             self._last_backend = ran
         else:
-            self._last_backward[role.direction] = ran
-        return role.runs[choice.backend], choice.config
+            self._last_backward[direction] = ran
 
     def begin_backward(self):
         """A backward starts: last_backward reports its kernels alone."""
@@ -202,6 +218,33 @@ class Kernel:
                                 f"the layout's block {b}, so that kernel tiles nest in layout blocks")
         if index_lists:
             self.check_index_lists(p, inputs)
+        return p
+
+    def _check_call_once(self, q, k, v, inputs, q_offset, k_offset, layout):
+        """check_call(..., index_lists=False), remembered per call signature in eager
+        mode: its checks read only what the signature holds (each tensor's type, shape,
+        dtype and device, whether inputs require grad, the offsets and their types, the
+        layout, grad mode, the interpreter), so a call like a checked one passes as it
+        did, without the ~10-30 us of the checks. Under torch.compile they run at every
+        trace, on fake tensors."""
+        key = None
+        if not torch.compiler.is_compiling():
+            try:
+                key = (_signature(q), _signature(k), _signature(v),
+                       tuple([(name, _signature(t), t.requires_grad)
+                              for name, t in inputs.items()]),
+                       type(q_offset), q_offset, type(k_offset), k_offset, layout,
+                       torch.is_grad_enabled(), interpreting())
+                p = self._checked_calls.get(key)
+            except TypeError:  # not a plain tensor, or an unhashable option: check it
+                key, p = None, None
+            if p is not None:
+                return p
+        p = self.check_call(q, k, v, inputs, q_offset, k_offset, layout, index_lists=False)
+        if key is not None:
+            if len(self._checked_calls) >= 64:
+                self._checked_calls.pop(next(iter(self._checked_calls), None), None)
+            self._checked_calls[key] = p
         return p
 
     def check_deterministic(self, p, inputs):
@@ -280,7 +323,7 @@ class Kernel:
             return self.evaluation_kernel()(q, k, v, return_lse=return_lse, q_offset=q_offset,
                                             k_offset=k_offset, tables=tables, layout=layout,
                                             deterministic=deterministic, **inputs)
-        p = self.check_call(q, k, v, inputs, q_offset, k_offset, layout, index_lists=False)
+        p = self._check_call_once(q, k, v, inputs, q_offset, k_offset, layout)
         if not isinstance(deterministic, bool):
             raise CallError(f"deterministic must be True or False, got {deterministic!r}")
         if deterministic:
@@ -483,6 +526,14 @@ class TileTables:
         sizes = ", ".join(f"{m}x{n}" for m, n in self.store) or "none yet"
         return (f"<attncc tile tables for '{self.kernel.variant.name}', "
                 f"{_shape_text(self.problem)}; tile sizes built: {sizes}>")
+
+
+def _signature(t) -> tuple:
+    """What the call checks read of a tensor; TypeError for anything but a plain tensor or
+    a Parameter (a subclass may answer them otherwise)."""
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        raise TypeError
+    return type(t), t.shape, t.dtype, t.device
 
 
 def _state(t: torch.Tensor) -> tuple:

@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from .. import backends, ir
-from . import precompile, sinks, tuning
+from . import call_plans, precompile, sinks, tuning
 from .settings import backward_directions
 
 
@@ -29,12 +29,20 @@ def forward(kernel, problem, q, k, v, values: dict, kept_tables, **common):
                       "every replay drops the same elements", stacklevel=2)
     if kept_tables is not None:
         kept_tables.check_reads(values)
+    # A call like an earlier one runs the earlier one's choices (runtime/call_plans.py).
+    key = call_plans.forward_key(q, k, v, values, common, kept_tables)
+    plan = call_plans.find(kernel, key)
+    if plan is not None:
+        return call_plans.forward(kernel, plan, q, k, v, values, common)
     tune = kernel.tuning_inputs(problem, values, q.device, kept_tables)
     role = kernel.forward_role(q, k, v, values, common)
     if q.is_cuda and (q.requires_grad or k.requires_grad or v.requires_grad):
         compile_backward_beside(kernel, problem, q, k, v, values, common, tune, role)
     run, config = kernel.choose(role, problem, q.dtype, tune)
-    return tuning.launch(kernel, problem, q.dtype, "fwd", run, config)
+    result = tuning.launch(kernel, problem, q.dtype, "fwd", run, config)
+    call_plans.keep(kernel, key, call_plans.Plan(kernel, {"fwd": call_plans.Step(kernel, "fwd",
+                                                                                 config)}))
+    return result
 
 
 def _untimed(kernel, role, problem, dtype, tune):
@@ -84,9 +92,20 @@ def backward(kernel, problem, q, k, v, out, lse, dout, dlse, values: dict, kept_
     see the backward template), so the dQ and dK/dV kernels run unchanged. `dinputs`:
     [gradient] of the learnable inputs, in declared order. Arguments as forward's."""
     module = kernel.module
-    tune = kernel.tuning_inputs(problem, values, q.device, kept_tables)
     kernel.begin_backward()
-    if backward_directions(module.USES_TABLES) == ("bwd",):
+    one_launch = backward_directions(module.USES_TABLES) == ("bwd",)
+    # A call like an earlier one runs the earlier one's choices (runtime/call_plans.py);
+    # the one-launch backward has no plan.
+    key = None if one_launch else call_plans.backward_key(q, k, v, out, lse, dout, dlse, values,
+                                                          common, kept_tables)
+    plan = call_plans.find(kernel, key)
+    if plan is not None:
+        # Under `none` the dQ kernel reads neither O nor delta (see _dq_then_dkdv).
+        dq, dk, dv, dinputs, delta = call_plans.backward(
+            kernel, plan, q, k, v, out if reads_delta(kernel.variant) else None, lse, dout, dlse,
+            values, common)
+    elif one_launch:
+        tune = kernel.tuning_inputs(problem, values, q.device, kept_tables)
         # dK/dV and dQ as two roles of one grid, one config, both reading delta: the
         # portable module's launch (Kernel.one_launch_role).
         choice, new = tuning.untimed_choice(kernel, problem, q.dtype, "bwd",
@@ -104,8 +123,11 @@ def backward(kernel, problem, q, k, v, out, lse, dout, dlse, values: dict, kept_
         run, config = kernel.choose(role, problem, q.dtype, tune)
         dq, dk, dv, dinputs = tuning.launch(kernel, problem, q.dtype, "bwd", run, config)
     else:
-        dq, dk, dv, dinputs, delta = _dq_then_dkdv(kernel, problem, q, k, v, out, lse, dout,
-                                                   dlse, values, common, tune)
+        tune = kernel.tuning_inputs(problem, values, q.device, kept_tables)
+        dq, dk, dv, dinputs, delta, chosen = _dq_then_dkdv(kernel, problem, q, k, v, out, lse,
+                                                           dout, dlse, values, common, tune)
+        call_plans.keep(kernel, key, call_plans.Plan(kernel, {
+            d: call_plans.Step(kernel, d, config) for d, config in chosen.items()}))
     if kernel.variant.sink is not None:
         dinputs = sinks.add_sink_gradients(kernel.variant, problem, values, lse, delta, dinputs)
     return dq, dk, dv, [dinputs[d.name] for d in kernel.variant.learnable_inputs]
@@ -120,7 +142,8 @@ def reads_delta(variant) -> bool:
 
 def _dq_then_dkdv(kernel, problem, q, k, v, out, lse, dout, dlse, values, common, tune):
     """dQ first, computing delta = rowsum(dO * O) on the way, then dK/dV, which reads it
-    (returned last: a sink's gradient reads it too).
+    (returned after the gradients: a sink's gradient reads it too), and the tile config
+    each ran ({"dq": config, "dkdv": config}: a plan keeps them).
     They are tuned apart: they want different tile shapes. Each runs on the backend its
     role chose (kernel.last_backward says which)."""
     module = kernel.module
@@ -138,8 +161,10 @@ def _dq_then_dkdv(kernel, problem, q, k, v, out, lse, dout, dlse, values, common
     # dQ first: tuning it fills delta, which tuning dK/dV then reads.
     run, config = kernel.choose(roles["dq"], problem, q.dtype, tune)
     dq, dinputs = tuning.launch(kernel, problem, q.dtype, "dq", run, config)
+    chosen = {"dq": config}
     run, config = kernel.choose(roles["dkdv"], problem, q.dtype, tune)
     dk, dv, *by_keys = tuning.launch(kernel, problem, q.dtype, "dkdv", run, config)
+    chosen["dkdv"] = config
     if by_keys:  # learnable reads of keys alone, whose gradients the dK/dV programs own
         dinputs = {name: g + by_keys[0][name] for name, g in dinputs.items()}
-    return dq, dk, dv, dinputs, delta
+    return dq, dk, dv, dinputs, delta, chosen

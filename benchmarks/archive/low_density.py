@@ -127,13 +127,13 @@ def persistent(flatten: bool):
         body_end = source.index("# ------------------------------------------------------------------ backward: preprocess")
         source = (source[:start] + program + source[sig_end + len(head):body_end] + kernel
                   + source[body_end:])
-        launch = ("    attn_fwd[_grid(triton.cdiv(len_q, bm), B * H)](\n"
+        launch = ("    _via(launcher, attn_fwd, _grid(triton.cdiv(len_q, bm), B * H))(\n"
                   "        q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *args,\n")
         assert source.count(launch) == 1, "the forward launch is not as expected"
         return source.replace(launch, (
             "    n_query_tiles = triton.cdiv(len_q, bm)\n"
             "    grid = (min(n_query_tiles * B * H, PERSISTENT_PROGRAMS),)\n"
-            "    attn_fwd[grid](q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *args,\n"
+            "    _via(launcher, attn_fwd, grid)(q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *args,\n"
             "                   n_query_tiles, n_query_tiles * B * H,\n")) + (
             "\n\nPERSISTENT_PROGRAMS = 4 * (torch.cuda.get_device_properties(0).multi_processor_count\n"
             "                               if torch.cuda.is_available() else 1)\n")
