@@ -298,7 +298,7 @@ def test_the_gluon_entry_points_pass_every_parameter_of_their_kernels(tmp_path):
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     spec = ("attention s { heads 4 / 4  learnable input sinks: f32[h]  "
             "mask q >= k and q - k < 128  sink sinks[h] }")
     done = subprocess.run([sys.executable, "-c", GLUON_PARAMETERS, spec,
@@ -390,7 +390,7 @@ def test_attncc_check_runs_its_second_call_through_the_plans_in_a_fresh_process(
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-c", CHECK_THROUGH_PLANS, SLIDING_SINK],
                           env=env, capture_output=True, text=True, timeout=300, cwd=root)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
