@@ -165,7 +165,7 @@ def _check(results: list, examples: list, head_dims: list, kernels=KERNELS):
         assert ops["ttng.async_tma_copy_local_to_global"] == (dv == 1 << (d.bit_length() - 1)), what
         assert ops["ttg.warp_specialize"] == r["kernel"].startswith("attn_fwd_ws"), what
         # The pair weights' sigmoid takes the one-MUFU form (tanh.approx) on the GPU.
-        assert r["tanh_approx"] == (Path(r["example"]).name == "sigmoid_attention.attn"), what
+        assert r["tanh_approx"] == Path(r["example"]).name.startswith("sigmoid_"), what
 
 
 def test_gluon_kernels_compile_for_hopper(tmp_path):
