@@ -370,18 +370,33 @@ def test_the_decorator_spells_the_same_variant():
 def test_gluon_kernels_accumulate_weights_without_a_max(spec):
     # Rendering only (tests/test_gluon_compile.py compiles them for sm_90): the weights
     # are summed as they are, with no row max to rescale by, and masked pairs are zeroed
-    # with a where (0 in the forward, the ruled-out marker in the backward).
+    # with a where in masked tiles only: the forward's w, the backward's d w / d s (and
+    # the owned learnable read's slope) before dP, so that no mask outlives the products
+    # into full tiles (issue 33: it cost every tile about ten instructions a pair).
     from attncc.backends.gluon.codegen import generate
     variant = attncc.parse(spec)
     assert GluonBackend().supports(variant) is None
     source = generate(variant).source
     assert "alpha" not in source and "w = gl.where(allowed, w, 0.0)" in source
     assert ("l_i = l_i + gl.sum(w, 1)" in source) == (variant.normalize == "sum")
-    assert source.count('ds = gl.where(ruled_out == float("-inf"), 0.0, ds)') == 2  # dQ, dK/dV
+    assert "ruled_out" not in source and "gl.where(allowed, ds" not in source
+    assert source.count("dw = gl.where(allowed, dw, 0.0)") == 2  # dQ, dK/dV
+    assert source.count("ds = ds * dw") == 2
     # Sigmoid's weights: the fast form for these 16-bit kernels, and σ(1 − σ) read from w.
     sigmoid = "sigmoid" in spec
     assert ('DOT_PRECISION = gl.constexpr("tf32")' in source) == sigmoid
-    assert (source.count("ds = ds * (((1.0 + (-1.0 * w)) * w))") == 2) == sigmoid
+    assert (source.count("dw = ((1.0 + (-1.0 * w)) * w)  # d w / d s") == 2) == sigmoid
+
+
+def test_gluon_backward_masks_an_owned_reads_slope_before_dp():
+    # The learnable bias's gradient (owned by the dQ kernel) sums dS/dw times its slope,
+    # zeroed at masked pairs with dw, in the masked tiles' block before dP is waited for.
+    from attncc.backends.gluon.codegen import generate
+    source = generate(attncc.parse(SIGMOID)).source
+    dq = source[source.index("def attn_bwd_dq"):]
+    masked = dq.index("            part0_slope = gl.where(allowed, part0_slope, 0.0)")
+    assert dq.index("part0_slope = ((1.0 + (-1.0 * w)) * w)") < masked
+    assert masked < dq.index("dp = warpgroup_mma_wait(0") < dq.index("part0_acc += gl.sum(ds * part0_slope, 1)")
 
 
 # ------------------------------------------------------------- differential attention (recipe)

@@ -52,9 +52,14 @@ def template_context(variant: ir.Variant, code=None) -> dict:
     """The context the Gluon templates render with: the portable templates' (the Gluon
     module shares their expressions and host side), and which learnable reads' gradients
     its backward kernels own (OWNED_KINDS: `gluon_owns`, and whether the variant has any
-    such read: `gluon_owned_reads`)."""
+    such read: `gluon_owned_reads`), and each kernel's owned reads with the name of the
+    tile of their d w / d element under `sum` and `none` (`gluon_slopes`, `slope`:
+    scores.jinja's masked_weights)."""
     from ..portable.codegen import template_context as shared_context
     context = shared_context(variant, code)
     owned = OWNED_KINDS["dq"] + OWNED_KINDS["dkdv"]
-    return dict(context, gluon_owns=OWNED_KINDS,
+    slopes = {kernel: [dict(g, slope=g["acc"][:-len("_acc")] + "_slope") for g in context["input_grads"]
+                       if g["kind"] in kinds]
+              for kernel, kinds in OWNED_KINDS.items()}
+    return dict(context, gluon_owns=OWNED_KINDS, gluon_slopes=slopes,
                 gluon_owned_reads=any(g["kind"] in owned for g in context["input_grads"]))
