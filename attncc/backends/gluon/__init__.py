@@ -24,7 +24,15 @@ CAPABILITY = (9, 0)
 # backward kernel owns, summing its pairs in registers and storing one partial per
 # owner, as the portable kernels do. Reads of keys alone fall to dK/dV, every other read
 # to dQ; a variant with a read its role's Gluon kernel does not own runs the portable one.
-OWNED_KINDS = {"dq": ("broadcast", "rows"), "dkdv": ("cols",)}
+# The dQ kernel sums a table read per diagonal of its tile (templates/owned_gradients.jinja),
+# so it owns those whose entry goes through q - k alone: `relative table` (gluon_kind).
+OWNED_KINDS = {"dq": ("broadcast", "rows", "relative table"), "dkdv": ("cols",)}
+
+
+def gluon_kind(kind: str, relative: bool) -> str:
+    """A learnable read's kind (analysis/gradient_owners.py's) as OWNED_KINDS names it: a
+    table whose index goes through q - k alone is a `relative table`."""
+    return "relative table" if kind == "table" and relative else kind
 
 
 class GluonBackend:
@@ -70,7 +78,8 @@ class GluonBackend:
         if direction not in tiles.CANDIDATES:
             return []
         return [c for c in tiles.CANDIDATES[direction](head_dim)
-                if fits_variant(c, variant) and tiles.fits_registers(c, variant)]
+                if fits_variant(c, variant) and tiles.fits_registers(c, variant)
+                and (direction != "dq" or tiles.dq_fits_registers(c, _sums_diagonals(variant)))]
 
     def check_config(self, config: TileConfig, direction: str, head_dim: int | None) -> str | None:
         if direction not in tiles.CHECKS:
@@ -141,7 +150,19 @@ def _unowned_reads(variant: ir.Variant, kind: str) -> tuple:
     return tuple(sorted({f"{o.load.tensor} ({o.kind})"
                          for o in gradient_owners(pair, learnable_reads(pair))
                          if (o.kind == "cols") == (kind == "dkdv")
-                         and o.kind not in OWNED_KINDS[kind]}))
+                         and gluon_kind(o.kind, o.relative) not in OWNED_KINDS[kind]}))
+
+
+@functools.lru_cache(maxsize=64)
+def _sums_diagonals(variant: ir.Variant) -> bool:
+    """Whether the Gluon dQ kernel sums a relative table read per diagonal for `variant`."""
+    if not variant.learnable_inputs:
+        return False
+    from ...analysis.gradient_owners import gradient_owners, learnable_reads
+    from ..portable.codegen import per_pair
+    pair = per_pair(variant)
+    return any(gluon_kind(o.kind, o.relative) == "relative table"
+               for o in gradient_owners(pair, learnable_reads(pair)))
 
 
 def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int,

@@ -41,6 +41,19 @@ def fits_registers(config: TileConfig, variant: ir.Variant) -> bool:
     return (config.block_n <= 64) == score_registers_heavy(variant)
 
 
+def dq_fits_registers(config: TileConfig, relative_table: bool) -> bool:
+    """Whether the dQ candidate's registers take the variant: BLOCK_N 64 where it sums a
+    relative table per diagonal (`relative_table`; templates/owned_gradients.jinja),
+    any other config always. Compiled for sm_90 (Triton 3.6 and 3.9, head dims 64 and
+    128; T5 bidirectional and causal, examples/relative_bias.attn), every BLOCK_N 64
+    config used 255 registers and spilled none, and every BLOCK_N 128 config spilled:
+    0.3-0.6 KB for T5, 0.4-1.3 KB for the 511-entry table, where the [BLOCK_M, 128]
+    score tiles in fp32 leave too few registers for the diagonals' sums. Shared memory
+    fits every config: the skew's layout change adds BLOCK_M x BLOCK_N x 4 bytes to the
+    rings (196 KB at most, 128x64 with three stages at head dim 128)."""
+    return not relative_table or config.block_n <= 64
+
+
 # Head dims of the Gluon dK/dV kernel: each thread holds its rows of dK and dV in fp32,
 # and at 256 columns the two accumulators alone would take every register.
 BACKWARD_HEAD_DIMS = (64, 128)
