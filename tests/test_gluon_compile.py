@@ -28,6 +28,7 @@ from attncc.backends.gluon import codegen as gluon
 # "128" (q, k, v all 128 wide) or "192:128" (q·k 192, v 128: the forward kernels alone).
 head_dims = [(int(d), int(dv or d)) for d, _, dv in (a.partition(":") for a in sys.argv[2].split(","))]
 kernels = sys.argv[4].split(",")
+count_spills = sys.argv[5:] == ["spills"]
 
 
 def load(example, path):
@@ -52,6 +53,8 @@ KERNELS = {"attn_fwd": ("attn_fwd", 128, 128, 8, 2, {}),
            "attn_fwd_ws3": ("attn_fwd_ws", 192, 128, 4, 2, {"CONSUMERS": 3}),
            "attn_fwd_ws3_n64": ("attn_fwd_ws", 192, 64, 4, 2, {"CONSUMERS": 3}),
            "attn_bwd_dq": ("attn_bwd_dq", 64, 64, 4, 2, {"DELTA_FROM_O": True, "HAS_DLSE": True}),
+           # dQ's candidate of the most shared memory (three stages of 64 keys at head dim 128)
+           "attn_bwd_dq_w8": ("attn_bwd_dq", 128, 64, 8, 3, {"DELTA_FROM_O": True, "HAS_DLSE": True}),
            "attn_bwd_dkdv": ("attn_bwd_dkdv", 64, 64, 4, 2, {})}
 
 
@@ -77,6 +80,18 @@ def signature(variant, module, fn, consts, widths, rows):
     return sig
 
 
+def spills(ptx):
+    """Bytes of spill stores and loads, from `ptxas -v` (the ptxas Triton compiles with)."""
+    import re, subprocess, tempfile
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.TemporaryDirectory() as d:
+        open(f"{d}/k.ptx", "w").write(ptx)
+        out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.o"],
+                             capture_output=True, text=True)
+    found = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stdout + out.stderr)
+    return [int(found.group(1)), int(found.group(2))] if found else (out.stdout + out.stderr)[-300:]
+
+
 def report(example, name, dims, compiled):
     ttgir = compiled.asm["ttgir"]
     ops = ("ttng.async_tma_copy_global_to_local", "ttng.wait_barrier", "ttng.warp_group_dot",
@@ -84,7 +99,8 @@ def report(example, name, dims, compiled):
     print(json.dumps({"example": example, "kernel": name, "dim": "%d:%d" % dims,
                       "shared": compiled.metadata.shared, "cubin": len(compiled.asm["cubin"]),
                       "ops": {op: op in ttgir for op in ops},
-                      "tanh_approx": "tanh.approx.f32" in compiled.asm["ptx"]}), flush=True)
+                      "tanh_approx": "tanh.approx.f32" in compiled.asm["ptx"],
+                      "spills": spills(compiled.asm["ptx"]) if count_spills else None}), flush=True)
 
 
 for example in sys.argv[1].split(","):
@@ -116,13 +132,14 @@ for example in sys.argv[1].split(","):
 KERNELS = ("attn_fwd", "attn_fwd_ws", "attn_bwd_dq", "attn_bwd_dkdv")
 
 
-def _compile(examples: list, head_dims: list, tmp_path, kernels=KERNELS) -> list:
+def _compile(examples: list, head_dims: list, tmp_path, kernels=KERNELS, count_spills=False) -> list:
     pytest.importorskip("triton.experimental.gluon")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     result = subprocess.run([sys.executable, "-c", COMPILE_GLUON,
                              ",".join(str(ROOT / "examples" / e) for e in examples),
-                             ",".join(map(str, head_dims)), str(tmp_path), ",".join(kernels)],
+                             ",".join(map(str, head_dims)), str(tmp_path), ",".join(kernels),
+                             *(["spills"] if count_spills else [])],
                             capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
@@ -214,3 +231,33 @@ def test_three_consumer_forward_compiles_for_hopper(tmp_path, examples, kernel):
     # only), on the tiles backends/gluon/tiles.py's fits_registers gives each: 192 x 128
     # for a plain score, 192 x 64 for a score or a mask that reads tensors.
     _check(_compile(examples, [64], tmp_path, (kernel,)), examples, [64], (kernel,))
+
+
+# Relative table reads (T5's buckets both ways and causal, the clipped relative-bias
+# example), which the Gluon dQ sums per diagonal (templates/owned_gradients.jinja).
+RELATIVE_TABLE_SPECS = {
+    "t5_bidirectional": LEARNABLE_SPECS["t5_bidirectional"],
+    "t5_causal": """attention t5_causal { learnable input table: f32[h, 32] mask q >= k
+        score s + table[h, where(q - k < 16, max(q - k, 0),
+            min(16 + int(log(max(q - k, 16) / 16.0) / log(128.0 / 16.0) * 16.0), 31))] }""",
+}
+
+
+@pytest.mark.slow
+def test_gluon_dq_sums_relative_tables_within_shared_memory_and_registers(tmp_path):
+    # The dQ kernel's diagonal sums at its first candidate and the one of the most shared
+    # memory, head dims 64 and 128: within Hopper's shared memory and with no spills (the
+    # per-entry loop they replaced needed 240-360 KB; BLOCK_N 128, which spills, is not a
+    # candidate for them: tiles.dq_fits_registers). Run it with Triton 3.6 too (the GPU
+    # machine's). About two minutes on two cores.
+    paths = []
+    for name, spec in RELATIVE_TABLE_SPECS.items():
+        paths.append(tmp_path / f"{name}.attn")
+        paths[-1].write_text(spec)
+    examples = [str(p) for p in paths] + ["relative_bias.attn"]
+    names = [Path(e).name for e in examples]
+    kernels = ("attn_bwd_dq", "attn_bwd_dq_w8")
+    results = _compile(examples, [64, 128], tmp_path, kernels, count_spills=True)
+    _check(results, names, [64, 128], kernels)
+    for r in results:
+        assert r["spills"] == [0, 0], f"{Path(r['example']).name}: {r['kernel']} at {r['dim']}: {r['spills']}"
