@@ -57,7 +57,9 @@ def template_context(variant: ir.Variant, code=None) -> dict:
     from ..portable.codegen import template_context as shared_context
     context = shared_context(variant, code)
     owned = OWNED_KINDS["dq"] + OWNED_KINDS["dkdv"]
-    grads = [dict(g, gluon_kind=gluon_kind(g["kind"], g["diagonal_slot"] is not None))
+    # `pairs`: a relative table's per-pair share of a tile, kept for owned_diagonal_sums.
+    grads = [dict(g, gluon_kind=gluon_kind(g["kind"], g["diagonal_slot"] is not None),
+                  pairs=g["acc"].replace("_acc", "_pairs") if g["acc"] else None)
              for g in context["input_grads"]]
     return dict(context, input_grads=grads, gluon_owns=OWNED_KINDS,
                 gluon_owned_reads=any(g["gluon_kind"] in owned for g in grads))
