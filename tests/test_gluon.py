@@ -406,18 +406,23 @@ def _dq_kernel_source(variant) -> str:
                          ids=["t5_causal", "relative_bias"])
 def test_a_table_read_through_q_minus_k_is_the_gluon_dqs(spec):
     """A table indexed through q - k alone is summed per diagonal by the Gluon dQ kernel
-    (templates/owned_gradients.jinja): no entry loop, no atomics; on key tiles of 64 only
-    (BLOCK_N 128 spilled: tiles.dq_fits_registers)."""
+    (templates/owned_gradients.jinja): no entry loop, no atomics; on the candidates whose
+    registers take it (tiles.dq_fits_registers): key tiles of 64, and at head dim 128 four
+    warps and tables of up to 32 entries."""
     variant = attncc.parse(spec)
     for kind in ("dq", "dkdv"):
         assert gluon_backend.kernel_unsupported(variant, kind, 64) is None
     dq = _dq_kernel_source(variant)
     assert "gl.gather(" in dq and "diag_slot = _index(" in dq and "part0_acc +=" in dq
     assert "for entry in" not in dq and "atomic_add" not in dq
-    for dim in (64, 128):
-        kept = GLUON.candidates("dq", dim, variant)
-        assert kept and all(c.block_n == 64 for c in kept)
-        assert len(kept) == sum(c.block_n == 64 for c in tiles.dq_candidates(dim))
+    assert [c.label() for c in GLUON.candidates("dq", 64, variant)] == ["64x64 w4 s2", "128x64 w8 s2"]
+    at_128 = [c.label() for c in GLUON.candidates("dq", 128, variant)]
+    if "relative_bias" in spec:  # 511 entries: at head dim 128 the portable dQ, saying why
+        why = gluon_backend.kernel_unsupported(variant, "dq", 128)
+        assert at_128 == [] and "512 entries" in why and "up to 32" in why
+    else:
+        assert at_128 == ["64x64 w4 s2", "64x64 w4 s3"]
+        assert gluon_backend.kernel_unsupported(variant, "dq", 128) is None
     # A variant without one keeps every candidate.
     alibi = attncc.parse(LEARNED_ALIBI)
     assert GLUON.candidates("dq", 64, alibi) == tiles.dq_candidates(64)

@@ -53,8 +53,9 @@ KERNELS = {"attn_fwd": ("attn_fwd", 128, 128, 8, 2, {}),
            "attn_fwd_ws3": ("attn_fwd_ws", 192, 128, 4, 2, {"CONSUMERS": 3}),
            "attn_fwd_ws3_n64": ("attn_fwd_ws", 192, 64, 4, 2, {"CONSUMERS": 3}),
            "attn_bwd_dq": ("attn_bwd_dq", 64, 64, 4, 2, {"DELTA_FROM_O": True, "HAS_DLSE": True}),
-           # dQ's candidate of the most shared memory (three stages of 64 keys at head dim 128)
-           "attn_bwd_dq_w8": ("attn_bwd_dq", 128, 64, 8, 3, {"DELTA_FROM_O": True, "HAS_DLSE": True}),
+           # dQ's other candidates for relative tables (tiles.dq_fits_registers)
+           "attn_bwd_dq_w8": ("attn_bwd_dq", 128, 64, 8, 2, {"DELTA_FROM_O": True, "HAS_DLSE": True}),
+           "attn_bwd_dq_s3": ("attn_bwd_dq", 64, 64, 4, 3, {"DELTA_FROM_O": True, "HAS_DLSE": True}),
            "attn_bwd_dkdv": ("attn_bwd_dkdv", 64, 64, 4, 2, {})}
 
 
@@ -245,19 +246,20 @@ RELATIVE_TABLE_SPECS = {
 
 @pytest.mark.slow
 def test_gluon_dq_sums_relative_tables_within_shared_memory_and_registers(tmp_path):
-    # The dQ kernel's diagonal sums at its first candidate and the one of the most shared
-    # memory, head dims 64 and 128: within Hopper's shared memory and with no spills (the
-    # per-entry loop they replaced needed 240-360 KB; BLOCK_N 128, which spills, is not a
-    # candidate for them: tiles.dq_fits_registers). Run it with Triton 3.6 too (the GPU
-    # machine's). About two minutes on two cores.
+    # The dQ kernel's diagonal sums at each candidate tiles.dq_fits_registers keeps for
+    # them: within Hopper's shared memory and with no spills (the per-entry loop they
+    # replaced needed 240-360 KB). Run it with Triton 3.6 too (the GPU machine's). About
+    # a minute and a half on two cores.
     paths = []
     for name, spec in RELATIVE_TABLE_SPECS.items():
         paths.append(tmp_path / f"{name}.attn")
         paths[-1].write_text(spec)
-    examples = [str(p) for p in paths] + ["relative_bias.attn"]
-    names = [Path(e).name for e in examples]
-    kernels = ("attn_bwd_dq", "attn_bwd_dq_w8")
-    results = _compile(examples, [64, 128], tmp_path, kernels, count_spills=True)
-    _check(results, names, [64, 128], kernels)
+    t5 = [str(p) for p in paths]
+    results = []
+    for examples, dim, kernels in ((t5 + ["relative_bias.attn"], 64, ("attn_bwd_dq", "attn_bwd_dq_w8")),
+                                   (t5, 128, ("attn_bwd_dq", "attn_bwd_dq_s3"))):
+        got = _compile(examples, [dim], tmp_path, kernels, count_spills=True)
+        _check(got, [Path(e).name for e in examples], [dim], kernels)
+        results += got
     for r in results:
         assert r["spills"] == [0, 0], f"{Path(r['example']).name}: {r['kernel']} at {r['dim']}: {r['spills']}"

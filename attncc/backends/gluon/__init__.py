@@ -79,7 +79,8 @@ class GluonBackend:
             return []
         return [c for c in tiles.CANDIDATES[direction](head_dim)
                 if fits_variant(c, variant) and tiles.fits_registers(c, variant)
-                and (direction != "dq" or tiles.dq_fits_registers(c, _sums_diagonals(variant)))]
+                and (direction != "dq"
+                     or tiles.dq_fits_registers(c, head_dim, _diagonal_table_entries(variant)))]
 
     def check_config(self, config: TileConfig, direction: str, head_dim: int | None) -> str | None:
         if direction not in tiles.CHECKS:
@@ -154,15 +155,17 @@ def _unowned_reads(variant: ir.Variant, kind: str) -> tuple:
 
 
 @functools.lru_cache(maxsize=64)
-def _sums_diagonals(variant: ir.Variant) -> bool:
-    """Whether the Gluon dQ kernel sums a relative table read per diagonal for `variant`."""
+def _diagonal_table_entries(variant: ir.Variant) -> int:
+    """The padded length of the longest table the Gluon dQ kernel sums per diagonal for
+    `variant` (a relative table read's), 0 where it sums none."""
     if not variant.learnable_inputs:
-        return False
+        return 0
     from ...analysis.gradient_owners import gradient_owners, learnable_reads
     from ..portable.codegen import per_pair
     pair = per_pair(variant)
-    return any(gluon_kind(o.kind, o.relative) == "relative table"
-               for o in gradient_owners(pair, learnable_reads(pair)))
+    return max([1 << max(o.slots - 1, 1).bit_length()  # as the kernels pad it (slots_pad)
+                for o in gradient_owners(pair, learnable_reads(pair))
+                if gluon_kind(o.kind, o.relative) == "relative table"], default=0)
 
 
 def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int,
@@ -192,6 +195,12 @@ def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int,
                 f"gradients the portable {name} kernel owns; the Gluon {name} kernel owns those "
                 f"of {_listed(OWNED_KINDS[kind])} reads only (analysis/gradient_owners.py "
                 "names the kinds)")
+    entries = _diagonal_table_entries(variant) if kind == "dq" else 0
+    if not any(tiles.dq_fits_registers(c, head_dim, entries) for c in tiles.dq_candidates(head_dim)):
+        return (f"head dim {head_dim}: the Gluon dQ kernel sums a relative table of {entries} "
+                f"entries (padded) per diagonal at head dim 64, and at 128 tables of up to "
+                f"{tiles.DIAGONAL_ENTRIES_AT_128}; past that its registers spill "
+                "(backends/gluon/tiles.py's dq_fits_registers)")
     return None
 
 

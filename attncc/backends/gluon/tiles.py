@@ -41,17 +41,27 @@ def fits_registers(config: TileConfig, variant: ir.Variant) -> bool:
     return (config.block_n <= 64) == score_registers_heavy(variant)
 
 
-def dq_fits_registers(config: TileConfig, relative_table: bool) -> bool:
-    """Whether the dQ candidate's registers take the variant: BLOCK_N 64 where it sums a
-    relative table per diagonal (`relative_table`; templates/owned_gradients.jinja),
-    any other config always. Compiled for sm_90 (Triton 3.6 and 3.9, head dims 64 and
-    128; T5 bidirectional and causal, examples/relative_bias.attn), every BLOCK_N 64
-    config used 255 registers and spilled none, and every BLOCK_N 128 config spilled:
-    0.3-0.6 KB for T5, 0.4-1.3 KB for the 511-entry table, where the [BLOCK_M, 128]
-    score tiles in fp32 leave too few registers for the diagonals' sums. Shared memory
-    fits every config: the skew's layout change adds BLOCK_M x BLOCK_N x 4 bytes to the
-    rings (196 KB at most, 128x64 with three stages at head dim 128)."""
-    return not relative_table or config.block_n <= 64
+# The most entries of a relative table whose diagonal sums fit the dQ kernel's registers
+# at head dim 128 (T5's 32 buckets; dq_fits_registers).
+DIAGONAL_ENTRIES_AT_128 = 32
+
+
+def dq_fits_registers(config: TileConfig, head_dim: int, table_entries: int) -> bool:
+    """Whether the dQ candidate's registers take a variant whose relative tables (summed
+    per diagonal: templates/owned_gradients.jinja) have up to `table_entries` entries
+    (padded; 0: none). Compiled for sm_90, T5 bidirectional and causal (32) and
+    examples/relative_bias.attn (512): every BLOCK_N 128 config spilled (0.3-1.3 KB:
+    [BLOCK_M, 128] fp32 score tiles leave too few registers for the diagonals' sums); at
+    head dim 128, where dQ's accumulator takes 64 more, Triton 3.6 (the GPU's) spilled
+    12-40 bytes with 8 warps for T5 and 40-52 bytes at every config for the 512-entry
+    table (3.9 spilled none of these); the rest spilled none on either. Shared memory fits every
+    candidate: the skew's change of layout adds BLOCK_M x BLOCK_N x 4 bytes to the rings
+    (196 KB at most, 128x64 with three stages at head dim 128)."""
+    if not table_entries:
+        return True
+    if config.block_n > 64:
+        return False
+    return head_dim < 128 or (config.num_warps == 4 and table_entries <= DIAGONAL_ENTRIES_AT_128)
 
 
 # Head dims of the Gluon dK/dV kernel: each thread holds its rows of dK and dV in fp32,
