@@ -199,7 +199,7 @@ def correctness(args, dog):
     variants = {n: attncc.parse_file(os.path.join(EXAMPLES, n + ".attn")) for n in names}
     variants.update({n: attncc.parse(spec) for n, spec in LEARNABLE.items()})
     taken = {n: v for n, v in variants.items() if GLUON.supports(v) is None
-             and kernel_unsupported(v, "dq", 128) is None}
+             and kernel_unsupported(v, "dq", 64) is None}  # (a long relative table: 64 only)
     if args.sweep:
         taken = {n: v for n, v in taken.items() if n in args.sweep.split(",")}
     bf, fp = torch.bfloat16, torch.float16

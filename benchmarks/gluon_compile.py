@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import attncc  # noqa: E402
@@ -69,7 +70,7 @@ def _compile_only(compiled: list):
 
 
 def _ptxas_report(ptx: str) -> str:
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    ptxas = get_ptxas(90).path  # the one Triton compiles with (3.9's PTX needs its newer one)
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "k.ptx"
         src.write_text(ptx)

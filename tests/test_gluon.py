@@ -370,7 +370,7 @@ def test_reads_stored_per_pair_keep_the_portable_dq(monkeypatch):
     assert calls == ["forward", "dkdv"]
     backend, why = kernel.last_backward["dq"]
     assert backend == "triton" and "learnable inputs (bias (dense))" in why
-    assert "broadcast and rows reads only" in why
+    assert "broadcast, rows and relative table reads only" in why
     assert bias.grad is not None and bias.grad.abs().sum() > 0
 
 
@@ -391,13 +391,77 @@ def test_owned_learnable_reads_keep_the_gluon_backward(spec):
         assert gluon_backend.kernel_unsupported(variant, kind, 64) is None
 
 
-def test_a_table_read_keeps_the_portable_dq():
-    # The example's clipped relative table: its per-entry sum did not fit the Gluon dQ
-    # kernel's shared memory on the GPU, so dQ stays portable and says why.
-    variant = attncc.parse((EXAMPLES / "relative_bias.attn").read_text())
+T5_CAUSAL = """attention t5_causal { learnable input table: f32[h, 32] mask q >= k
+    score s + table[h, where(max(q - k, 0) < 16, max(q - k, 0),
+        min(16 + int(log(max(q - k, 16) / 16.0) / log(128.0 / 16.0) * 16.0), 31))] }"""
+
+
+def _dq_kernel_source(variant) -> str:
+    source = gluon.generate(variant).source
+    start = source.index("def attn_bwd_dq(")
+    return source[start:source.index("\ndef ", start + 1)]
+
+
+@pytest.mark.parametrize("spec", [T5_CAUSAL, (EXAMPLES / "relative_bias.attn").read_text()],
+                         ids=["t5_causal", "relative_bias"])
+def test_a_table_read_through_q_minus_k_is_the_gluon_dqs(spec):
+    """A table indexed through q - k alone is summed per diagonal by the Gluon dQ kernel
+    (templates/owned_gradients.jinja): no entry loop, no atomics; on the candidates whose
+    registers take it (tiles.dq_fits_registers): key tiles of 64, and at head dim 128 four
+    warps and tables of up to 32 entries."""
+    variant = attncc.parse(spec)
+    for kind in ("dq", "dkdv"):
+        assert gluon_backend.kernel_unsupported(variant, kind, 64) is None
+    dq = _dq_kernel_source(variant)
+    assert "gl.gather(" in dq and "diag_slot = _index(" in dq and "part0_acc +=" in dq
+    assert "for entry in" not in dq and "atomic_add" not in dq
+    assert [c.label() for c in GLUON.candidates("dq", 64, variant)] == ["64x64 w4 s2", "128x64 w8 s2"]
+    at_128 = [c.label() for c in GLUON.candidates("dq", 128, variant)]
+    if "relative_bias" in spec:  # 511 entries: at head dim 128 the portable dQ, saying why
+        why = gluon_backend.kernel_unsupported(variant, "dq", 128)
+        assert at_128 == [] and "512 entries" in why and "up to 32" in why
+    else:
+        assert at_128 == ["64x64 w4 s2", "64x64 w4 s3"]
+        assert gluon_backend.kernel_unsupported(variant, "dq", 128) is None
+    # A variant without one keeps every candidate.
+    alibi = attncc.parse(LEARNED_ALIBI)
+    assert GLUON.candidates("dq", 64, alibi) == tiles.dq_candidates(64)
+
+
+def test_a_relative_table_in_a_weight_keeps_the_portable_dq():
+    # Under `normalize none` (and `sum`) the Gluon dQ sums the weights' slopes per row
+    # only: a table through q - k read by the weight stays on the portable dQ, named.
+    variant = attncc.parse("""attention sig_rel { learnable input bias: f32[h, 32] mask q >= k
+        normalize none weight sigmoid(s + bias[h, min(q - k, 31)]) }""")
     why = gluon_backend.kernel_unsupported(variant, "dq", 64)
-    assert "(table)" in why and "broadcast and rows reads only" in why
+    assert why is not None and "bias (table)" in why
+    assert "gl.gather(" not in _dq_kernel_source(variant)
+
+
+def test_a_table_read_not_through_q_minus_k_keeps_the_portable_dq():
+    # Its entry is not constant along a tile's diagonals: the portable dQ's per-entry sum
+    # takes it, and the refusal names the read and the kinds the Gluon dQ owns.
+    variant = attncc.parse("""attention block_table { learnable input bias: f32[h, 17]
+        score s + bias[h, min(max(q // 64 - k // 64 + 8, 0), 16)] }""")
+    why = gluon_backend.kernel_unsupported(variant, "dq", 64)
+    assert "bias (table)" in why and "broadcast, rows and relative table reads only" in why
     assert gluon_backend.kernel_unsupported(variant, "dkdv", 64) is None
+    assert "gl.gather(" not in _dq_kernel_source(variant)
+
+
+def test_a_t5_backward_runs_the_gluon_dq(monkeypatch):
+    """On an sm_90 GPU (faked: the stand-in runs the portable kernels), a T5 variant's
+    dQ and dK/dV both run Gluon, and the table's gradient reaches it."""
+    kernel = attncc.compile(T5_CAUSAL)
+    calls = []
+    _stand_in_gluon(kernel, monkeypatch, calls)
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 3, 20, 64, generator=gen, requires_grad=True) for _ in range(3))
+    table = torch.randn(3, 32, generator=gen, requires_grad=True)
+    kernel(q, k, v, table=table).sum().backward()
+    assert calls == ["forward", "dq", "dkdv"]
+    assert [b for b, _ in kernel.last_backward.values()] == ["gluon", "gluon"]
+    assert table.grad is not None and table.grad.abs().sum() > 0
 
 
 @pytest.mark.slow
@@ -421,7 +485,7 @@ def test_owned_learnable_reads_run_the_gluon_backward(monkeypatch):
         assert t.grad is not None and t.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("spec", [LEARNED_ALIBI, ROWS_AND_KEYS])
+@pytest.mark.parametrize("spec", [LEARNED_ALIBI, ROWS_AND_KEYS, T5_CAUSAL])
 def test_gluon_launchers_sum_the_partials_their_kernels_write(monkeypatch, spec):
     """The Gluon launchers allocate the portable layout's partials, hand them to their
     kernels and sum them with the shared host pass (codegen/templates/owned_partials.jinja):
@@ -434,7 +498,7 @@ def test_gluon_launchers_sum_the_partials_their_kernels_write(monkeypatch, spec)
     B, H, L, D = 2, 3, 200, 64
     q, k, v, dout = (torch.randn(B, H, L, D, generator=gen, dtype=torch.bfloat16) for _ in range(4))
     shapes = {"b": B, "h": H, "q": L, "k": L}
-    inputs = {d.name: torch.randn([shapes[a] for a in d.axes], generator=gen) for d in variant.inputs}
+    inputs = {d.name: torch.randn([shapes.get(a, a) for a in d.axes], generator=gen) for d in variant.inputs}
     written = {}
 
     class StandIn:

@@ -28,7 +28,8 @@ from attncc.backends.gluon import codegen as gluon
 # "128" (q, k, v all 128 wide) or "192:128" (q·k 192, v 128: the forward kernels alone).
 head_dims = [(int(d), int(dv or d)) for d, _, dv in (a.partition(":") for a in sys.argv[2].split(","))]
 kernels = sys.argv[4].split(",")
-SASS = sys.argv[5:] == ["sass"]  # also count packed predicates in the disassembly (slow)
+SASS = "sass" in sys.argv[5:]  # also count packed predicates in the disassembly (slow)
+count_spills = "spills" in sys.argv[5:]  # and spill bytes from ptxas -v
 
 
 def load(example, path):
@@ -53,6 +54,9 @@ KERNELS = {"attn_fwd": ("attn_fwd", 128, 128, 8, 2, {}),
            "attn_fwd_ws3": ("attn_fwd_ws", 192, 128, 4, 2, {"CONSUMERS": 3}),
            "attn_fwd_ws3_n64": ("attn_fwd_ws", 192, 64, 4, 2, {"CONSUMERS": 3}),
            "attn_bwd_dq": ("attn_bwd_dq", 64, 64, 4, 2, {"DELTA_FROM_O": True, "HAS_DLSE": True}),
+           # dQ's other candidates for relative tables (tiles.dq_fits_registers)
+           "attn_bwd_dq_w8": ("attn_bwd_dq", 128, 64, 8, 2, {"DELTA_FROM_O": True, "HAS_DLSE": True}),
+           "attn_bwd_dq_s3": ("attn_bwd_dq", 64, 64, 4, 3, {"DELTA_FROM_O": True, "HAS_DLSE": True}),
            "attn_bwd_dkdv": ("attn_bwd_dkdv", 64, 64, 4, 2, {})}
 
 
@@ -91,6 +95,18 @@ def packed_predicates(cubin: bytes) -> int:
     return sum(" P2R " in line for line in sass.splitlines())
 
 
+def spills(ptx):
+    """Bytes of spill stores and loads, from `ptxas -v` (the ptxas Triton compiles with)."""
+    import re, subprocess, tempfile
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.TemporaryDirectory() as d:
+        open(f"{d}/k.ptx", "w").write(ptx)
+        out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.o"],
+                             capture_output=True, text=True)
+    found = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stdout + out.stderr)
+    return [int(found.group(1)), int(found.group(2))] if found else (out.stdout + out.stderr)[-300:]
+
+
 def report(example, name, dims, compiled):
     ttgir = compiled.asm["ttgir"]
     ops = ("ttng.async_tma_copy_global_to_local", "ttng.wait_barrier", "ttng.warp_group_dot",
@@ -99,7 +115,8 @@ def report(example, name, dims, compiled):
                       "shared": compiled.metadata.shared, "cubin": len(compiled.asm["cubin"]),
                       "ops": {op: op in ttgir for op in ops},
                       "tanh_approx": "tanh.approx.f32" in compiled.asm["ptx"],
-                      "p2r": packed_predicates(compiled.asm["cubin"]) if SASS else None}), flush=True)
+                      "p2r": packed_predicates(compiled.asm["cubin"]) if SASS else None,
+                      "spills": spills(compiled.asm["ptx"]) if count_spills else None}), flush=True)
 
 
 for example in sys.argv[1].split(","):
@@ -131,14 +148,15 @@ for example in sys.argv[1].split(","):
 KERNELS = ("attn_fwd", "attn_fwd_ws", "attn_bwd_dq", "attn_bwd_dkdv")
 
 
-def _compile(examples: list, head_dims: list, tmp_path, kernels=KERNELS, sass=False) -> list:
+def _compile(examples: list, head_dims: list, tmp_path, kernels=KERNELS, sass=False,
+             count_spills=False) -> list:
     pytest.importorskip("triton.experimental.gluon")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     result = subprocess.run([sys.executable, "-c", COMPILE_GLUON,
                              ",".join(str(ROOT / "examples" / e) for e in examples),
                              ",".join(map(str, head_dims)), str(tmp_path), ",".join(kernels),
-                             *(["sass"] if sass else [])],
+                             *(["sass"] if sass else []), *(["spills"] if count_spills else [])],
                             capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
@@ -245,3 +263,34 @@ def test_three_consumer_forward_compiles_for_hopper(tmp_path, examples, kernel):
     # only), on the tiles backends/gluon/tiles.py's fits_registers gives each: 192 x 128
     # for a plain score, 192 x 64 for a score or a mask that reads tensors.
     _check(_compile(examples, [64], tmp_path, (kernel,)), examples, [64], (kernel,))
+
+
+# Relative table reads (T5's buckets both ways and causal, the clipped relative-bias
+# example), which the Gluon dQ sums per diagonal (templates/owned_gradients.jinja).
+RELATIVE_TABLE_SPECS = {
+    "t5_bidirectional": LEARNABLE_SPECS["t5_bidirectional"],
+    "t5_causal": """attention t5_causal { learnable input table: f32[h, 32] mask q >= k
+        score s + table[h, where(q - k < 16, max(q - k, 0),
+            min(16 + int(log(max(q - k, 16) / 16.0) / log(128.0 / 16.0) * 16.0), 31))] }""",
+}
+
+
+@pytest.mark.slow
+def test_gluon_dq_sums_relative_tables_within_shared_memory_and_registers(tmp_path):
+    # The dQ kernel's diagonal sums at each candidate tiles.dq_fits_registers keeps for
+    # them: within Hopper's shared memory and with no spills (the per-entry loop they
+    # replaced needed 240-360 KB). Run it with Triton 3.6 too (the GPU machine's). About
+    # a minute and a half on two cores.
+    paths = []
+    for name, spec in RELATIVE_TABLE_SPECS.items():
+        paths.append(tmp_path / f"{name}.attn")
+        paths[-1].write_text(spec)
+    t5 = [str(p) for p in paths]
+    results = []
+    for examples, dim, kernels in ((t5 + ["relative_bias.attn"], 64, ("attn_bwd_dq", "attn_bwd_dq_w8")),
+                                   (t5, 128, ("attn_bwd_dq", "attn_bwd_dq_s3"))):
+        got = _compile(examples, [dim], tmp_path, kernels, count_spills=True)
+        _check(got, [Path(e).name for e in examples], [dim], kernels)
+        results += got
+    for r in results:
+        assert r["spills"] == [0, 0], f"{Path(r['example']).name}: {r['kernel']} at {r['dim']}: {r['spills']}"

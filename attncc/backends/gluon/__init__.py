@@ -24,7 +24,17 @@ CAPABILITY = (9, 0)
 # backward kernel owns, summing its pairs in registers and storing one partial per
 # owner, as the portable kernels do. Reads of keys alone fall to dK/dV, every other read
 # to dQ; a variant with a read its role's Gluon kernel does not own runs the portable one.
-OWNED_KINDS = {"dq": ("broadcast", "rows"), "dkdv": ("cols",)}
+# The dQ kernel sums a table read per diagonal of its tile (templates/owned_gradients.jinja),
+# so it owns those whose entry goes through q - k alone: `relative table` (gluon_kind).
+OWNED_KINDS = {"dq": ("broadcast", "rows", "relative table"), "dkdv": ("cols",)}
+
+
+def gluon_kind(kind: str, relative: bool, normalize: str) -> str:
+    """A learnable read's kind (analysis/gradient_owners.py's) as OWNED_KINDS names it: a
+    table whose index goes through q - k alone is a `relative table` under softmax (the
+    per-diagonal sums are written for dS; under `sum` and `none` the weights' slopes
+    are summed per row only, so such a table stays on the portable dQ there)."""
+    return "relative table" if kind == "table" and relative and normalize == ir.SOFTMAX else kind
 
 
 class GluonBackend:
@@ -70,7 +80,9 @@ class GluonBackend:
         if direction not in tiles.CANDIDATES:
             return []
         return [c for c in tiles.CANDIDATES[direction](head_dim)
-                if fits_variant(c, variant) and tiles.fits_registers(c, variant)]
+                if fits_variant(c, variant) and tiles.fits_registers(c, variant)
+                and (direction != "dq"
+                     or tiles.dq_fits_registers(c, head_dim, _diagonal_table_entries(variant)))]
 
     def check_config(self, config: TileConfig, direction: str, head_dim: int | None) -> str | None:
         if direction not in tiles.CHECKS:
@@ -141,7 +153,21 @@ def _unowned_reads(variant: ir.Variant, kind: str) -> tuple:
     return tuple(sorted({f"{o.load.tensor} ({o.kind})"
                          for o in gradient_owners(pair, learnable_reads(pair))
                          if (o.kind == "cols") == (kind == "dkdv")
-                         and o.kind not in OWNED_KINDS[kind]}))
+                         and gluon_kind(o.kind, o.relative, variant.normalize) not in OWNED_KINDS[kind]}))
+
+
+@functools.lru_cache(maxsize=64)
+def _diagonal_table_entries(variant: ir.Variant) -> int:
+    """The padded length of the longest table the Gluon dQ kernel sums per diagonal for
+    `variant` (a relative table read's), 0 where it sums none."""
+    if not variant.learnable_inputs:
+        return 0
+    from ...analysis.gradient_owners import gradient_owners, learnable_reads
+    from ..portable.codegen import per_pair
+    pair = per_pair(variant)
+    return max([1 << max(o.slots - 1, 1).bit_length()  # as the kernels pad it (slots_pad)
+                for o in gradient_owners(pair, learnable_reads(pair))
+                if gluon_kind(o.kind, o.relative, variant.normalize) == "relative table"], default=0)
 
 
 def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int,
@@ -171,6 +197,12 @@ def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int,
                 f"gradients the portable {name} kernel owns; the Gluon {name} kernel owns those "
                 f"of {_listed(OWNED_KINDS[kind])} reads only (analysis/gradient_owners.py "
                 "names the kinds)")
+    entries = _diagonal_table_entries(variant) if kind == "dq" else 0
+    if not any(tiles.dq_fits_registers(c, head_dim, entries) for c in tiles.dq_candidates(head_dim)):
+        return (f"head dim {head_dim}: the Gluon dQ kernel sums a relative table of {entries} "
+                f"entries (padded) per diagonal at head dim 64, and at 128 tables of up to "
+                f"{tiles.DIAGONAL_ENTRIES_AT_128}; past that its registers spill "
+                "(backends/gluon/tiles.py's dq_fits_registers)")
     return None
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ... import ir
-from . import OWNED_KINDS
+from . import OWNED_KINDS, gluon_kind
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
@@ -33,8 +33,9 @@ def generate(variant: ir.Variant):
     from ..portable.codegen import host_helpers, variant_code
     code = variant_code(variant)
     d_score = code.d_score if code.score is not None else None
-    owned = [piece for g in code.input_grads if g.owner.kind in OWNED_KINDS["dq"] + OWNED_KINDS["dkdv"]
-             for piece in (g.d_code, g.slot) if piece is not None]
+    owned = [piece for g in code.input_grads
+             if gluon_kind(g.owner.kind, g.owner.relative, variant.normalize) in OWNED_KINDS["dq"] + OWNED_KINDS["dkdv"]
+             for piece in (g.d_code, g.diagonal_slot) if piece is not None]
     called, _ = used([code.mask, code.score, d_score, code.layout_elem, code.sink, *owned,
                       *([] if code.uses_tables else [*code.k_segments, *code.q_segments])])
     # The shared host side (tile tables, launch arguments) is rendered into this module
@@ -51,15 +52,19 @@ def generate(variant: ir.Variant):
 def template_context(variant: ir.Variant, code=None) -> dict:
     """The context the Gluon templates render with: the portable templates' (the Gluon
     module shares their expressions and host side), and which learnable reads' gradients
-    its backward kernels own (OWNED_KINDS: `gluon_owns`, and whether the variant has any
-    such read: `gluon_owned_reads`), and each kernel's owned reads with the name of the
-    tile of their d w / d element under `sum` and `none` (`gluon_slopes`, `slope`:
-    scores.jinja's masked_weights)."""
+    its backward kernels own (OWNED_KINDS: `gluon_owns`, each read's `gluon_kind`, and
+    whether the variant has any such read: `gluon_owned_reads`), and each kernel's owned
+    reads with the name of the tile of their d w / d element under `sum` and `none`
+    (`gluon_slopes`, `slope`: scores.jinja's masked_weights)."""
     from ..portable.codegen import template_context as shared_context
     context = shared_context(variant, code)
     owned = OWNED_KINDS["dq"] + OWNED_KINDS["dkdv"]
-    slopes = {kernel: [dict(g, slope=g["acc"][:-len("_acc")] + "_slope") for g in context["input_grads"]
-                       if g["kind"] in kinds]
+    # `pairs`: a relative table's per-pair share of a tile, kept for owned_diagonal_sums.
+    grads = [dict(g, gluon_kind=gluon_kind(g["kind"], g["diagonal_slot"] is not None, variant.normalize),
+                  pairs=g["acc"].replace("_acc", "_pairs") if g["acc"] else None)
+             for g in context["input_grads"]]
+    slopes = {kernel: [dict(g, slope=g["acc"][:-len("_acc")] + "_slope") for g in grads
+                       if g["gluon_kind"] in kinds]
               for kernel, kinds in OWNED_KINDS.items()}
-    return dict(context, gluon_owns=OWNED_KINDS, gluon_slopes=slopes,
-                gluon_owned_reads=any(g["kind"] in owned for g in context["input_grads"]))
+    return dict(context, input_grads=grads, gluon_owns=OWNED_KINDS, gluon_slopes=slopes,
+                gluon_owned_reads=any(g["gluon_kind"] in owned for g in grads))

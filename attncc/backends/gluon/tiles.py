@@ -41,6 +41,29 @@ def fits_registers(config: TileConfig, variant: ir.Variant) -> bool:
     return (config.block_n <= 64) == score_registers_heavy(variant)
 
 
+# The most entries of a relative table whose diagonal sums fit the dQ kernel's registers
+# at head dim 128 (T5's 32 buckets; dq_fits_registers).
+DIAGONAL_ENTRIES_AT_128 = 32
+
+
+def dq_fits_registers(config: TileConfig, head_dim: int, table_entries: int) -> bool:
+    """Whether the dQ candidate's registers take a variant whose relative tables (summed
+    per diagonal: templates/owned_gradients.jinja) have up to `table_entries` entries
+    (padded; 0: none). Compiled for sm_90, T5 bidirectional and causal (32) and
+    examples/relative_bias.attn (512): every BLOCK_N 128 config spilled (0.3-1.3 KB:
+    [BLOCK_M, 128] fp32 score tiles leave too few registers for the diagonals' sums); at
+    head dim 128, where dQ's accumulator takes 64 more, Triton 3.6 (the GPU's) spilled
+    12-40 bytes with 8 warps for T5 and 40-52 bytes at every config for the 512-entry
+    table (3.9 spilled none of these); the rest spilled none on either. Shared memory fits every
+    candidate: the skew's change of layout adds BLOCK_M x BLOCK_N x 4 bytes to the rings
+    (196 KB at most, 128x64 with three stages at head dim 128)."""
+    if not table_entries:
+        return True
+    if config.block_n > 64:
+        return False
+    return head_dim < 128 or (config.num_warps == 4 and table_entries <= DIAGONAL_ENTRIES_AT_128)
+
+
 # Head dims of the Gluon dK/dV kernel: each thread holds its rows of dK and dV in fp32,
 # and at 256 columns the two accumulators alone would take every register.
 BACKWARD_HEAD_DIMS = (64, 128)
