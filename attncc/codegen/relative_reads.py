@@ -32,16 +32,18 @@ DIAGONAL_POSITIONS = {"q": "diag_q", "k": "diag_k"}
 
 @dataclass(frozen=True)
 class RelativeRead:
-    """One relative read of the score, named `name` in the tile's uniform branch."""
+    """One relative read of the score: the template names its values after `name`."""
     name: str
     at: Code  # the element's offset at the diagonals diag_q - diag_k, indices clamped
     value: Code  # the element at offset `{name}_lo`: one scalar load
+    per_pair: Code  # the read at each pair of the tile, as the per-pair score reads it
 
 
 @dataclass(frozen=True)
 class DiagonalScore:
-    """The score of a tile whose relative reads each read one element: each read is its
-    RelativeRead's name (a scalar), everything else as in the per-pair score."""
+    """The score with each relative read taken from `{name}_pairs`, the tile of its
+    values (the scalar broadcast where the tile reads one element, else per_pair);
+    everything else as in the per-pair score."""
     reads: tuple
     score: Code
 
@@ -60,13 +62,14 @@ class _NamedReads(TritonEmitter):
 
 
 def relative_loads(score: ir.Expr, params: dict) -> list:
-    """The score's distinct reads that vary with q or k, through q - k only, in source order."""
+    """The score's distinct reads that vary with q and k, through q - k only, in source order."""
     found = []
     for node in ir.walk(score):
         if not isinstance(node, ir.Load) or node in found:
             continue
+        # Both positions: its tile of values then has the tile's shape on either path.
         varies = set().union(*(ir.free_vars(i) for i in node.indices)) & {"q", "k"}
-        if varies and all(is_relative(i, params) for i in node.indices):
+        if varies == {"q", "k"} and all(is_relative(i, params) for i in node.indices):
             found.append(node)
     return found
 
@@ -91,6 +94,6 @@ def diagonal_score(variant: ir.Variant, wide: str | None) -> DiagonalScore | Non
         at = diagonal.capture(lambda: diagonal.offset(decl, load.indices))
         scalar = TritonEmitter(variant, wide=wide)
         value = scalar.capture(lambda: scalar.loaded(decl, f"{name}_lo"))
-        reads.append(RelativeRead(name, at, value))
-    named = _NamedReads(variant, names, wide)
+        reads.append(RelativeRead(name, at, value, TritonEmitter(variant, wide=wide).code(load)))
+    named = _NamedReads(variant, {load: f"{name}_pairs" for load, name in names.items()}, wide)
     return DiagonalScore(tuple(reads), named.code(variant.score))

@@ -346,7 +346,7 @@ def _pruning(variant: ir.Variant, code: VariantCode) -> dict:
     # Where each piece is placed: the loop bounds of the main kernels without tables, of
     # decode_split always; the rest in the per-tile functions they read names of.
     diagonal = [] if code.diagonal is None else [code.diagonal.score] + [
-        piece for r in code.diagonal.reads for piece in (r.at, r.value)]
+        piece for r in code.diagonal.reads for piece in (r.at, r.value, r.per_pair)]
     device, _ = used([code.mask, code.score, d_score, code.layout_elem, code.decode_layout,
                       code.sink, code.decode_sink, *diagonal,
                       *grads, *code.k_segments, *([] if code.uses_tables else code.q_segments)])
@@ -417,7 +417,7 @@ def template_context(variant: ir.Variant, code: VariantCode | None = None) -> di
         # Reads through q - k only: a tile whose diagonals each read one element of
         # them loads it once (codegen/relative_reads.py; the portable kernels)
         diagonal_reads=[] if code.diagonal is None else [
-            {"name": r.name, "at": r.at.text, "value": r.value.text} for r in code.diagonal.reads],
+            {"name": r.name, "at": r.at.text, "value": r.value.text, "per_pair": r.per_pair.text} for r in code.diagonal.reads],
         diagonal_score=_text(code.diagonal.score if code.diagonal else None),
         sink=_text(code.sink),
         decode_sink=_text(code.decode_sink),
