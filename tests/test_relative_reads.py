@@ -143,3 +143,18 @@ def test_relative_511_far_tiles_read_the_clipped_end():
     for name, g, w in zip(["dq", "dk", "dv", "dbias"], got, want):
         torch.testing.assert_close(g.double(), w, rtol=0, atol=2e-5 * w.abs().max().item() + 2e-5,
                                    msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_int_and_bool_relative_reads_match_the_reference():
+    # The broadcast element keeps the read's type: an integer and a boolean table.
+    spec = """attention typed { input ids: i32[h, 9] input on: bool[h, 9]
+        score s + 0.25 * ids[h, min(max(q - k, -4), 4) + 4]
+            + where(on[h, min(max(k - q, -4), 4) + 4], 1.5, -0.5) }"""
+    Lq, Lk, bm, bn = 9, 40, 16, 16
+    uniform, mixed = _tiles(_padded(Lq, Lk, bm, bn, 0).clamp(-4, 4), Lq, Lk, bm, bn)
+    assert uniform and mixed
+    variant = attncc.load(spec)
+    assert generate(variant).source.count("rel1_lo == rel1_hi") == 3
+    config = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4, "num_stages": 1}
+    compare(variant, B=1, H=3, Lq=Lq, Lk=Lk, D=16, config=config)
