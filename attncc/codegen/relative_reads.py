@@ -75,10 +75,10 @@ def relative_loads(score: ir.Expr, params: dict) -> list:
 
 
 def diagonal_score(variant: ir.Variant, wide: str | None) -> DiagonalScore | None:
-    """The softmax score of the tiles whose relative reads are each one element, or None
-    where the variant is not softmax, its score has no relative read or does not read s
-    (its uniform tile would be a scalar, not the tile the softmax needs). `wide`: the
-    per-pair score's integer width."""
+    """The softmax score with its relative reads taken from their tiles of values, or
+    None where the variant is not softmax (its weights are not scores.jinja's log2
+    scores), its score has no relative read, or it ignores s (such a score is left per
+    pair). `wide`: the per-pair score's integer width."""
     if variant.normalize != ir.SOFTMAX or variant.score is None \
             or "s" not in ir.free_vars(variant.score):
         return None
