@@ -107,8 +107,13 @@ class TritonEmitter(Printer):
 
     def Load(self, e):
         decl = self.inputs[e.tensor]
+        return self.loaded(decl, self.offset(decl, e.indices))
+
+    def loaded(self, decl: ir.InputDecl, offset: str) -> str:
+        """The element of input `decl` at `offset` (code), read and converted as the
+        language's values of its type are."""
         self.use(names=(f"{input_code(decl.name)}_ptr",))
-        value = f"tl.load({input_code(decl.name)}_ptr + {self.offset(decl, e.indices)})"
+        value = f"tl.load({input_code(decl.name)}_ptr + {offset})"
         if decl.type == ir.FLOAT:
             return f"{value}.to(tl.float32)"
         if decl.type == ir.BOOL:

@@ -32,6 +32,7 @@ from ...codegen.generated import Generated, module_name
 from ...codegen.plan_code import (ClassificationCode, bound_code, classification_code,
                                   segment_code)
 from ...codegen.printed import Code, used
+from ...codegen.relative_reads import DiagonalScore, diagonal_score
 
 # An expression whose integers fit 32 bits only below an extent this small is always
 # computed in 64 bits: one compiled kernel, not two, for variants that are wide anyway.
@@ -231,6 +232,8 @@ class VariantCode:
     int32_extent: int
     sink: Code | None = None  # σ of the program's query rows, a [BLOCK_M] vector or a scalar
     decode_sink: Code | None = None  # σ of a decode program's rows
+    # The score of a tile whose reads through q - k each read one element (portable kernels)
+    diagonal: DiagonalScore | None = None
 
     @property
     def uses_tables(self) -> bool:
@@ -299,6 +302,7 @@ def variant_code(variant: ir.Variant) -> VariantCode:
         decode_sink=sink_code(variant, widths["sink"][0], {
             "b": "off_b", "h": Code("heads", frozenset(), frozenset({"heads"})),
             "q": Code("(q_first + tok)", frozenset(), frozenset({"q_first", "tok"}))}),
+        diagonal=diagonal_score(variant, widths["score"][0]),
     )
 
 
@@ -341,8 +345,10 @@ def _pruning(variant: ir.Variant, code: VariantCode) -> dict:
     d_score = code.d_score if code.score is not None else None
     # Where each piece is placed: the loop bounds of the main kernels without tables, of
     # decode_split always; the rest in the per-tile functions they read names of.
+    diagonal = [] if code.diagonal is None else [code.diagonal.score] + [
+        piece for r in code.diagonal.reads for piece in (r.at, r.value, r.per_pair)]
     device, _ = used([code.mask, code.score, d_score, code.layout_elem, code.decode_layout,
-                      code.sink, code.decode_sink,
+                      code.sink, code.decode_sink, *diagonal,
                       *grads, *code.k_segments, *([] if code.uses_tables else code.q_segments)])
     if variant.dropout:
         device |= {"_dropout_keep", "_dropout_keep_t"}
@@ -408,6 +414,11 @@ def template_context(variant: ir.Variant, code: VariantCode | None = None) -> di
         host_classify_must=code.classification.must,
         mask=_text(code.mask),
         score=_text(code.score),
+        # Reads through q - k only: a tile whose diagonals each read one element of
+        # them loads it once (codegen/relative_reads.py; the portable kernels)
+        diagonal_reads=[] if code.diagonal is None else [
+            {"name": r.name, "at": r.at.text, "value": r.value.text, "per_pair": r.per_pair.text} for r in code.diagonal.reads],
+        diagonal_score=_text(code.diagonal.score if code.diagonal else None),
         sink=_text(code.sink),
         decode_sink=_text(code.decode_sink),
         # A score that does not vary over both q and k (`score 0.0`, `score x[h]`) is
