@@ -23,11 +23,17 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 import attncc
-from attncc.backends.gluon import codegen as gluon
+from attncc.backends.gluon import codegen as gluon, kernel_unsupported
 
-# "128" (q, k, v all 128 wide) or "192:128" (q·k 192, v 128: the forward kernels alone).
+# "128" (q, k, v all 128 wide) or "192:128" (q·k 192, v 128; the backward kernels where
+# the Gluon backend takes the pair).
 head_dims = [(int(d), int(dv or d)) for d, _, dv in (a.partition(":") for a in sys.argv[2].split(","))]
 kernels = sys.argv[4].split(",")
+# With "spills", each kernel's registers and spill bytes too (ptxas -v, a second or so each).
+with_spills = sys.argv[5:] == ["spills"]
+if with_spills:
+    sys.path.insert(0, "benchmarks")
+    from gluon_compile import ptxas_resources
 
 
 def load(example, path):
@@ -52,7 +58,9 @@ KERNELS = {"attn_fwd": ("attn_fwd", 128, 128, 8, 2, {}),
            "attn_fwd_ws3": ("attn_fwd_ws", 192, 128, 4, 2, {"CONSUMERS": 3}),
            "attn_fwd_ws3_n64": ("attn_fwd_ws", 192, 64, 4, 2, {"CONSUMERS": 3}),
            "attn_bwd_dq": ("attn_bwd_dq", 64, 64, 4, 2, {"DELTA_FROM_O": True, "HAS_DLSE": True}),
-           "attn_bwd_dkdv": ("attn_bwd_dkdv", 64, 64, 4, 2, {})}
+           "attn_bwd_dkdv": ("attn_bwd_dkdv", 64, 64, 4, 2, {}),
+           # Two warpgroups side by side on 64 key rows (the (192, 128) candidates').
+           "attn_bwd_dkdv_w8": ("attn_bwd_dkdv", 64, 64, 8, 2, {})}
 
 
 def signature(variant, module, fn, consts, widths, rows):
@@ -84,7 +92,9 @@ def report(example, name, dims, compiled):
     print(json.dumps({"example": example, "kernel": name, "dim": "%d:%d" % dims,
                       "shared": compiled.metadata.shared, "cubin": len(compiled.asm["cubin"]),
                       "ops": {op: op in ttgir for op in ops},
-                      "tanh_approx": "tanh.approx.f32" in compiled.asm["ptx"]}), flush=True)
+                      "tanh_approx": "tanh.approx.f32" in compiled.asm["ptx"],
+                      "ptxas": ptxas_resources(compiled.asm["ptx"]) if with_spills else None}),
+          flush=True)
 
 
 for example in sys.argv[1].split(","):
@@ -92,20 +102,21 @@ for example in sys.argv[1].split(","):
     for dims, label in itertools.product(head_dims, kernels):
         name, bm, bn, warps, stages, extra = KERNELS[label]
         forward = name.startswith("attn_fwd")
-        if dims[0] != dims[1] and not forward:
-            continue  # the backward kernels take one head dim for all three
+        if not forward and kernel_unsupported(variant, name[len("attn_bwd_"):], *dims):
+            continue  # the pairs the backward kernels do not take
         fn = getattr(module, name)
-        consts = dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=dims[0], NUM_STAGES=stages, WIDE=False,
-                      **extra)
-        widths = {"q_desc": dims[0]}
-        if forward:  # q·k's segments (192 = 128 + 64), as the launcher splits them
-            first, tail = module._segments(dims[0])
-            consts.update(HEAD_DIM=first, HEAD_DIM_TAIL=tail, HEAD_DIM_V=dims[1])
-            widths = dict(q_desc=first, k_desc=first, qt_desc=tail or first,
-                          kt_desc=tail or first, v_desc=dims[1], o_desc=dims[1])
+        # q·k's segments (192 = 128 + 64), as the launchers split them.
+        first, tail = module._segments(dims[0])
+        consts = dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=first, HEAD_DIM_TAIL=tail,
+                      HEAD_DIM_V=dims[1], NUM_STAGES=stages, WIDE=False, **extra)
+        widths = dict(q_desc=first, k_desc=first, qt_desc=tail or first, kt_desc=tail or first,
+                      dq_desc=first, dk_desc=first, dqt_desc=tail or first,
+                      dkt_desc=tail or first, v_desc=dims[1], o_desc=dims[1],
+                      do_desc=dims[1], dv_desc=dims[1])
         share = bm // extra.get("CONSUMERS", 1)  # a consumer's rows: its Q and O boxes
         rows = dict(q_desc=share, do_desc=bm, dq_desc=bm, o_desc=share, k_desc=bn, v_desc=bn,
-                    dk_desc=bn, dv_desc=bn, qt_desc=share, kt_desc=bn)
+                    dk_desc=bn, dv_desc=bn, qt_desc=share, kt_desc=bn, dqt_desc=bm,
+                    dkt_desc=bn)
         src = GluonASTSource(fn=fn, signature=signature(variant, module, fn, consts, widths, rows),
                              constexprs=consts)
         report(example, label, dims, triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -116,25 +127,28 @@ for example in sys.argv[1].split(","):
 KERNELS = ("attn_fwd", "attn_fwd_ws", "attn_bwd_dq", "attn_bwd_dkdv")
 
 
-def _compile(examples: list, head_dims: list, tmp_path, kernels=KERNELS) -> list:
+def _compile(examples: list, head_dims: list, tmp_path, kernels=KERNELS, spills=False) -> list:
     pytest.importorskip("triton.experimental.gluon")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     result = subprocess.run([sys.executable, "-c", COMPILE_GLUON,
                              ",".join(str(ROOT / "examples" / e) for e in examples),
-                             ",".join(map(str, head_dims)), str(tmp_path), ",".join(kernels)],
+                             ",".join(map(str, head_dims)), str(tmp_path), ",".join(kernels),
+                             *(["spills"] if spills else [])],
                             capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
 def _check(results: list, examples: list, head_dims: list, kernels=KERNELS):
-    """`head_dims`: 64 (all three 64 wide) or "192:128" (q·k, v: the forward alone)."""
-    from attncc.backends.gluon.tiles import SMEM_LIMIT
+    """`head_dims`: 64 (all three 64 wide) or "192:128" (q·k, v: the backward kernels
+    where the Gluon backend takes the pair)."""
+    from attncc.backends.gluon.tiles import BACKWARD_HEAD_DIM_PAIRS, SMEM_LIMIT
     pairs = [f"{d}:{d}" if isinstance(d, int) else d for d in head_dims]
+    backward_pairs = {f"{d}:{dv}" for d, dv in BACKWARD_HEAD_DIM_PAIRS}
     assert sorted((Path(r["example"]).name, r["kernel"], r["dim"]) for r in results) == sorted(
         (e, k, d) for e in examples for k in kernels for d in pairs
-        if k.startswith("attn_fwd") or d.split(":")[0] == d.split(":")[1])
+        if k.startswith("attn_fwd") or d.split(":")[0] == d.split(":")[1] or d in backward_pairs)
     for r in results:
         what = f"{Path(r['example']).name}: {r['kernel']} at head dim {r['dim']}"
         assert r["cubin"] > 0, what
@@ -173,7 +187,30 @@ def test_gluon_forward_compiles_with_v_narrower_than_qk(tmp_path):
     # DeepSeek's (192, 128): Q and K 192 wide (128 + 64 column buffers, two wgmmas: a
     # TMA box must be a power of two wide), V and O 128, at the 128x128 tiles of two stages (208 KB of shared memory); and (128, 64).
     examples = ["causal.attn", "document.attn"]
-    _check(_compile(examples, ["192:128", "128:64"], tmp_path), examples, ["192:128", "128:64"])
+    kernels = ("attn_fwd", "attn_fwd_ws")
+    _check(_compile(examples, ["192:128", "128:64"], tmp_path, kernels), examples,
+           ["192:128", "128:64"], kernels)
+
+
+@pytest.mark.slow
+def test_gluon_backward_compiles_at_192_128_without_spills(tmp_path):
+    # DeepSeek-V3's training shape: dQ and dK/dV with Q, K, dQ and dK in 128 + 64 column
+    # segments, V, dO and dV 128 wide, at the first tiles backends/gluon/tiles.py lists at
+    # 192 (dK/dV's two warpgroups side by side on 64 key rows). Alibi took the most
+    # registers of the examples (255 in dQ on Triton 3.6); causal and the tile tables
+    # (document). Run it on Triton 3.6 too (tests/README.md). About a minute.
+    from attncc.backends.gluon import tiles
+    assert (tiles.dq_candidates(192)[0].as_dict() ==
+            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2))
+    assert (tiles.backward_candidates(192)[0].as_dict() ==
+            dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2))
+    examples = ["causal.attn", "document.attn", "alibi.attn"]
+    kernels = ("attn_bwd_dq", "attn_bwd_dkdv_w8")
+    results = _compile(examples, ["192:128"], tmp_path, kernels, spills=True)
+    _check(results, examples, ["192:128"], kernels)
+    for r in results:
+        regs, spill_stores, spill_loads = r["ptxas"]
+        assert regs <= 255 and spill_stores == spill_loads == 0, r
 
 
 # Learnable score inputs whose gradients the Gluon dQ and dK/dV kernels own
