@@ -59,8 +59,10 @@ KERNELS = {"attn_fwd": ("attn_fwd", 128, 128, 8, 2, {}),
            "attn_fwd_ws3_n64": ("attn_fwd_ws", 192, 64, 4, 2, {"CONSUMERS": 3}),
            "attn_bwd_dq": ("attn_bwd_dq", 64, 64, 4, 2, {"DELTA_FROM_O": True, "HAS_DLSE": True}),
            "attn_bwd_dkdv": ("attn_bwd_dkdv", 64, 64, 4, 2, {}),
-           # Two warpgroups side by side on 64 key rows (the (192, 128) candidates').
-           "attn_bwd_dkdv_w8": ("attn_bwd_dkdv", 64, 64, 8, 2, {})}
+           # Two warpgroups side by side on 64 key rows (the (192, 128) candidates'), on
+           # 32-query tiles for variants with learnable inputs (tiles.backward_fits_registers).
+           "attn_bwd_dkdv_w8": ("attn_bwd_dkdv", 64, 64, 8, 2, {}),
+           "attn_bwd_dkdv_w8_m32": ("attn_bwd_dkdv", 32, 64, 8, 2, {})}
 
 
 def signature(variant, module, fn, consts, widths, rows):
@@ -198,8 +200,12 @@ def test_gluon_backward_compiles_at_192_128_without_spills(tmp_path):
     # segments, V, dO and dV 128 wide, at the first tiles backends/gluon/tiles.py lists at
     # 192 (dK/dV's two warpgroups side by side on 64 key rows). Alibi took the most
     # registers of the examples (255 in dQ on Triton 3.6); causal and the tile tables
-    # (document). Run it on Triton 3.6 too (tests/README.md). About a minute.
+    # (document); then two variants with learnable inputs. Run it on Triton 3.6 too
+    # (tests/README.md). About two minutes.
+    import attncc
+    from attncc import backends
     from attncc.backends.gluon import tiles
+    GLUON = backends.named("gluon")
     assert (tiles.dq_candidates(192)[0].as_dict() ==
             dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2))
     assert (tiles.backward_candidates(192)[0].as_dict() ==
@@ -208,7 +214,17 @@ def test_gluon_backward_compiles_at_192_128_without_spills(tmp_path):
     kernels = ("attn_bwd_dq", "attn_bwd_dkdv_w8")
     results = _compile(examples, ["192:128"], tmp_path, kernels, spills=True)
     _check(results, examples, ["192:128"], kernels)
-    for r in results:
+    # Learnable inputs' gradient sums in both kernels, on the tiles their candidates keep.
+    learnable = _learnable_specs(tmp_path, ["learned_alibi", "rows_and_keys"])
+    variant = attncc.parse_file(learnable[1])
+    assert (tiles.backward_candidates(192)[0] not in GLUON.candidates("dkdv", 192, variant)
+            and GLUON.candidates("dkdv", 192, variant)[0].as_dict() ==
+            dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=2))
+    names = [Path(p).name for p in learnable]
+    learnable_kernels = ("attn_bwd_dq", "attn_bwd_dkdv_w8_m32")
+    wide = _compile(learnable, ["192:128"], tmp_path, learnable_kernels, spills=True)
+    _check(wide, names, ["192:128"], learnable_kernels)
+    for r in results + wide:
         regs, spill_stores, spill_loads = r["ptxas"]
         assert regs <= 255 and spill_stores == spill_loads == 0, r
 
@@ -230,16 +246,22 @@ LEARNABLE_SPECS = {
 }
 
 
+def _learnable_specs(tmp_path, names=tuple(LEARNABLE_SPECS)) -> list:
+    """LEARNABLE_SPECS written out as .attn files: their paths."""
+    paths = []
+    for name in names:
+        paths.append(tmp_path / f"{name}.attn")
+        paths[-1].write_text(LEARNABLE_SPECS[name])
+    return [str(p) for p in paths]
+
+
 @pytest.mark.slow
 def test_gluon_kernels_with_learnable_inputs_compile_for_hopper(tmp_path):
     # Their gradients' sums and partial stores in both backward kernels, at both
     # backward head dims; about six minutes on two cores.
-    paths = []
-    for name, spec in LEARNABLE_SPECS.items():
-        paths.append(tmp_path / f"{name}.attn")
-        paths[-1].write_text(spec)
-    names = [p.name for p in paths]
-    _check(_compile([str(p) for p in paths], [64, 128], tmp_path), names, [64, 128])
+    paths = _learnable_specs(tmp_path)
+    names = [Path(p).name for p in paths]
+    _check(_compile(paths, [64, 128], tmp_path), names, [64, 128])
 
 
 @pytest.mark.slow
