@@ -285,16 +285,22 @@ def test_backward_candidates_fit_and_bad_configs_are_named():
         for direction in ("dq", "dkdv"):
             kept = GLUON.candidates(direction, dim, causal)
             assert kept and all(GLUON.check_config(c, direction, dim) is None for c in kept)
-    assert GLUON.candidates("dkdv", 256, causal) == [] == GLUON.candidates("dq", 256, causal)
+    # At 256, two warpgroups side by side on 64 rows hold dK and dV, or dQ.
+    for direction, held in (("dkdv", "block_n"), ("dq", "block_m")):
+        assert {(c.num_warps, getattr(c, held)) for c in GLUON.candidates(direction, 256, causal)
+                } == {(8, 64)}
     assert GLUON.candidates("bwd", 128, causal) == []
-    q = torch.randn(1, 2, 8, 256, dtype=torch.bfloat16)
-    assert "head dim 256" in GLUON.supports_call(causal, q, q, q, "dkdv")
-    q = torch.randn(1, 2, 8, 128, dtype=torch.bfloat16)
-    assert GLUON.supports_call(causal, q, q, q, "dq") is None
-    assert "multiple of 16 * num_warps" in GLUON.check_config(TileConfig(64, 64, 8, 2), "dq", 128)
-    # 8 warps stack 128 rows of wgmma, or (dK/dV) sit side by side on 64 key rows: a
-    # 32-key tile cannot be split among them.
-    assert GLUON.check_config(TileConfig(64, 64, 8, 2), "dkdv", 128) is None
+    for d in (128, 256):
+        q = torch.randn(1, 2, 8, d, dtype=torch.bfloat16)
+        assert GLUON.supports_call(causal, q, q, q, "dq") is None
+        assert GLUON.supports_call(causal, q, q, q, "dkdv") is None
+    assert "takes head dims 64, 128, 256 (the portable kernels take any)" in (
+        gluon_backend.kernel_unsupported(causal, "dkdv", 32))
+    # 8 warps stack 128 rows of wgmma, or sit side by side on 64: a 32-row tile cannot
+    # be split among them.
+    for direction in ("dq", "dkdv"):
+        assert GLUON.check_config(TileConfig(64, 64, 8, 2), direction, 128) is None
+    assert "(or 64 on 8 warps)" in GLUON.check_config(TileConfig(32, 64, 8, 2), "dq", 128)
     assert "(or 64 on 8 warps)" in GLUON.check_config(TileConfig(64, 32, 8, 2), "dkdv", 128)
     assert "shared memory" in GLUON.check_config(TileConfig(256, 128, 8, 3), "dkdv", 128)
     # A cached or shipped config is checked against the kernel it would run.

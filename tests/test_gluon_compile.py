@@ -62,7 +62,9 @@ KERNELS = {"attn_fwd": ("attn_fwd", 128, 128, 8, 2, {}),
            # Two warpgroups side by side on 64 key rows (the (192, 128) candidates'), on
            # 32-query tiles for variants with learnable inputs (tiles.backward_fits_registers).
            "attn_bwd_dkdv_w8": ("attn_bwd_dkdv", 64, 64, 8, 2, {}),
-           "attn_bwd_dkdv_w8_m32": ("attn_bwd_dkdv", 32, 64, 8, 2, {})}
+           "attn_bwd_dkdv_w8_m32": ("attn_bwd_dkdv", 32, 64, 8, 2, {}),
+           # dQ's two warpgroups side by side on 64 query rows (the head dim 256 candidates').
+           "attn_bwd_dq_w8": ("attn_bwd_dq", 64, 64, 8, 2, {"DELTA_FROM_O": True, "HAS_DLSE": True})}
 
 
 def signature(variant, module, fn, consts, widths, rows):
@@ -244,6 +246,28 @@ LEARNABLE_SPECS = {
     "sigmoid_bias": """attention sigmoid_bias { learnable input bias: f32[h] mask q >= k
         normalize none weight sigmoid(s + bias[h]) }""",
 }
+
+
+@pytest.mark.slow
+def test_gluon_backward_compiles_at_head_dim_256_without_spills(tmp_path):
+    # dK and dV (or dQ) 256 wide: two warpgroups side by side on 64 held rows, at the
+    # first tiles backends/gluon/tiles.py lists at 256; alibi and a per-query and per-key
+    # gain took the most registers (252 in dK/dV on Triton 3.6). Run it on Triton 3.6
+    # too (tests/README.md). About two minutes.
+    from attncc.backends.gluon import tiles
+    assert tiles.dq_candidates(256)[0].as_dict() == dict(BLOCK_M=64, BLOCK_N=64, num_warps=8,
+                                                         num_stages=2)
+    assert tiles.backward_candidates(256)[0].as_dict() == dict(BLOCK_M=32, BLOCK_N=64,
+                                                               num_warps=8, num_stages=2)
+    paths = [str(ROOT / "examples" / e) for e in ("causal.attn", "alibi.attn")]
+    paths += _learnable_specs(tmp_path, ["rows_and_keys"])
+    names = [Path(p).name for p in paths]
+    kernels = ("attn_bwd_dq_w8", "attn_bwd_dkdv_w8_m32")
+    results = _compile(paths, [256], tmp_path, kernels, spills=True)
+    _check(results, names, [256], kernels)
+    for r in results:
+        regs, spill_stores, spill_loads = r["ptxas"]
+        assert regs <= 255 and spill_stores == spill_loads == 0, r
 
 
 def _learnable_specs(tmp_path, names=tuple(LEARNABLE_SPECS)) -> list:

@@ -164,8 +164,7 @@ def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int,
                     "(the portable kernels take any)")
     elif head_dim not in tiles.BACKWARD_HEAD_DIMS:
         return (f"head dim {head_dim}: the Gluon {name} kernel takes head dims "
-                f"{', '.join(map(str, tiles.BACKWARD_HEAD_DIMS))} (at 256 its fp32 accumulators "
-                "do not fit in registers beside the score tiles)")
+                f"{', '.join(map(str, tiles.BACKWARD_HEAD_DIMS))} (the portable kernels take any)")
     # Inputs only a `sink` reads take their gradient outside the kernels (runtime/sinks.py).
     unowned = _unowned_reads(variant, kind)
     if unowned:

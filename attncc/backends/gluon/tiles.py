@@ -41,9 +41,10 @@ def fits_registers(config: TileConfig, variant: ir.Variant) -> bool:
     return (config.block_n <= 64) == score_registers_heavy(variant)
 
 
-# Head dims of the Gluon dK/dV kernel: each thread holds its rows of dK and dV in fp32,
-# and at 256 columns the two accumulators alone would take every register.
-BACKWARD_HEAD_DIMS = (64, 128)
+# Head dims of the Gluon dQ and dK/dV kernels: each thread holds its rows of dK and dV
+# (or dQ) in fp32; at 256 columns that takes two warpgroups side by side on 64 rows
+# (backward_candidates' and dq_candidates' comments).
+BACKWARD_HEAD_DIMS = (64, 128, 256)
 # (q·k, v) head dims of the Gluon dQ and dK/dV kernels besides equal ones: DeepSeek-V3's
 # training shape. Q, K, dQ and dK are 192 wide in two column segments (128 + 64, as the
 # forward splits Q·K^T: a tile's shape is a power of two), V, dO and dV 128; which tiles
@@ -112,15 +113,15 @@ def _backward_smem(kind: str, config: TileConfig, head_dim: int) -> int:
 def _check_backward(kind: str, config: TileConfig, head_dim: int | None) -> str | None:
     held, streamed, name = _BACKWARD_SIDES[kind]
     w, rows, cols = config.num_warps, getattr(config, held), getattr(config, streamed)
-    # dK/dV's two warpgroups may sit side by side on 64 key rows, each over half of the
-    # columns (the generated module's _wgmma_layout); dQ stacks its warps down the rows.
-    side_by_side = kind == "dkdv" and w == 8 and rows == 64
+    # Two warpgroups may sit side by side on 64 held rows, each over half of the columns
+    # (the generated module's _wgmma_layout).
+    side_by_side = w == 8 and rows == 64
     if w not in (4, 8) or (rows % (16 * w) and not side_by_side) or rows > 256 or cols % 16 \
             or not 16 <= cols <= 256 or rows & (rows - 1) or cols & (cols - 1) \
             or config.num_stages < 1:
         return (f"config {config.as_dict()} does not fit the Gluon {name} kernel: it needs "
                 f"num_warps 4 or 8, {_KEY_OF[held]} a power of two, a multiple of 16 * num_warps "
-                f"up to 256{' (or 64 on 8 warps)' if kind == 'dkdv' else ''}, "
+                f"up to 256 (or 64 on 8 warps), "
                 f"{_KEY_OF[streamed]} a power of two from 16 to 256 and num_stages >= 1")
     if head_dim is not None and _backward_smem(kind, config, head_dim) > SMEM_LIMIT:
         return (f"config {config.as_dict()} needs {_backward_smem(kind, config, head_dim)} bytes "
@@ -172,9 +173,18 @@ def backward_candidates(head_dim: int) -> list:
     # tests/test_gluon_compile.py's learnable inputs on the tiles backward_fits_registers
     # keeps; 64x64 with three stages spilled for softcap (24 B), and is not listed. 127 KB
     # of shared memory at 64x64 s2. Not run on a GPU yet.
+    # 256: dK and dV take 512 fp32 values a key row, 128 registers a thread with the two
+    # warpgroups side by side on 64 key rows (one warpgroup per 64 rows spilled 2 KB).
+    # 32x64 and 16x64 compiled for sm_90 without spills on Triton 3.6 and 3.9 for causal,
+    # alibi, document, softcap, relative bias, gpt-oss sinks, sigmoid, relu, bigbird, NSA
+    # top-k and the four learnable inputs of tests/test_gluon_compile.py (at most 252
+    # registers, rows_and_keys' 32x64); 64x64 and 32x64 with three stages spilled for
+    # alibi (8 B). FA3's hdim-256 dK/dV holds 64 key rows on two warpgroups, too. 132 KB
+    # of shared memory at 32x64. Not run on a GPU yet.
     shapes = {64: [(64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2), (64, 128, 8, 3)],
               128: [(64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 2)],
-              192: [(64, 64, 8, 2), (32, 64, 8, 2), (32, 64, 8, 3)]}
+              192: [(64, 64, 8, 2), (32, 64, 8, 2), (32, 64, 8, 3)],
+              256: [(32, 64, 8, 2), (16, 64, 8, 2)]}
     return _backward_configs("dkdv", shapes.get(head_dim, []), head_dim)
 
 
@@ -189,7 +199,12 @@ def dq_candidates(head_dim: int) -> list:
               # alibi's) and, on the tiles backward_fits_registers keeps, the learnable
               # inputs. 64x128 spilled for alibi, document, softcap and relative bias
               # (28-748 B) and is not listed. Not run on a GPU yet.
-              192: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3)]}
+              192: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3)],
+              # 256: dQ is 128 registers a thread on one warpgroup per 64 query rows,
+              # 64 with two side by side; these compiled for sm_90 without spills on
+              # Triton 3.6 and 3.9 for the variants backward_candidates names at 256.
+              # 196 KB of shared memory at 64x64. Not run on a GPU yet.
+              256: [(64, 64, 8, 2), (64, 32, 8, 2)]}
     return _backward_configs("dq", shapes.get(head_dim, []), head_dim)
 
 
