@@ -7,8 +7,8 @@ one call.
 
 Correctness: each example variant the Gluon backward takes, on awkward shapes (300
 tokens over two batches with GQA 4/2; len_q 200 != len_k 517; one query token; head dim
-64 too; fp16 too; (q·k, v) (192, 128), every config there on the awkward shapes), the
-other configs on a few; dQ (computing delta itself), dK and dV of
+64 too; fp16 too; (q·k, v) (192, 128) and head dim 256, every config there on the
+awkward shapes), the other configs on a few; dQ (computing delta itself), dK and dV of
 the Gluon kernels, fed the portable forward's output and LSE, held to
 attncc/semantics/tolerance.py's rule against attncc.reference in float64. Variants with
 learnable score inputs whose gradients the Gluon kernels own (LEARNABLE: learned ALiBi
@@ -27,6 +27,7 @@ table is printed last.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -242,18 +243,20 @@ def correctness(args, dog):
             if n in taken:
                 cases.append((n, dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128), bf, config,
                               dq_config))
-    # DeepSeek-V3's (q·k, v) = (192, 128): every config the backend offers the variant
-    # (tiles.backward_fits_registers keeps fewer for learnable inputs), each dK/dV one
-    # beside each dQ one in turn, on the awkward shapes; fp16 and one query token too.
-    wide = dict(D=192, Dv=128)
-    for n in ("full", "causal", "document", "gqa_causal", "alibi", "softcap", "sliding_window",
-              "gpt_oss_sinks", "sigmoid_attention", "learned_alibi", "rows_and_keys",
-              "key_gain"):
-        if n not in taken or kernel_unsupported(taken[n], "dq", 192, 128) \
-                or kernel_unsupported(taken[n], "dkdv", 192, 128):
+    # DeepSeek-V3's (q·k, v) = (192, 128), and head dim 256: every config the backend
+    # offers the variant (tiles.backward_fits_registers keeps fewer for learnable inputs),
+    # each dK/dV one beside each dQ one in turn, on the awkward shapes; fp16 and one query
+    # token too.
+    for n, (d, dv) in itertools.product(
+            ("full", "causal", "document", "gqa_causal", "alibi", "softcap", "sliding_window",
+             "gpt_oss_sinks", "sigmoid_attention", "learned_alibi", "rows_and_keys", "key_gain"),
+            ((192, 128), (256, 256))):
+        wide = dict(D=d, Dv=dv)
+        if n not in taken or kernel_unsupported(taken[n], "dq", d, dv) \
+                or kernel_unsupported(taken[n], "dkdv", d, dv):
             continue
-        dkdv_configs = _dicts(GLUON.candidates("dkdv", 192, taken[n]))
-        dq_configs = _dicts(GLUON.candidates("dq", 192, taken[n]))
+        dkdv_configs = _dicts(GLUON.candidates("dkdv", d, taken[n]))
+        dq_configs = _dicts(GLUON.candidates("dq", d, taken[n]))
         for i in range(max(len(dkdv_configs), len(dq_configs))):
             config, dq_config = dkdv_configs[i % len(dkdv_configs)], dq_configs[i % len(dq_configs)]
             cases.append((n, dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, **wide), bf, config, dq_config))
