@@ -3,10 +3,12 @@ kernels checked against the float64 reference, then timed against the portable o
 one call.
 
     python benchmarks/gluon_backward.py [--part correctness|speed|all] [--variants full,causal]
+    python benchmarks/gluon_backward.py --part speed --dim 192 --dim-v 128
 
 Correctness: each example variant the Gluon backward takes, on awkward shapes (300
 tokens over two batches with GQA 4/2; len_q 200 != len_k 517; one query token; head dim
-64 too; fp16 too), the other configs on a few; dQ (computing delta itself), dK and dV of
+64 too; fp16 too; (q·k, v) (192, 128) and head dim 256, every config there on the
+awkward shapes), the other configs on a few; dQ (computing delta itself), dK and dV of
 the Gluon kernels, fed the portable forward's output and LSE, held to
 attncc/semantics/tolerance.py's rule against attncc.reference in float64. Variants with
 learnable score inputs whose gradients the Gluon kernels own (LEARNABLE: learned ALiBi
@@ -16,7 +18,8 @@ tolerance.input_gradient_scales) and the learned ALiBi slopes' to an independent
 formula, and repeat the backward to check that every gradient comes out bit-identical.
 A watchdog names a case that hangs.
 
-Speed: the ANCHORS shape (bf16, 16 heads, 16384 tokens, head dim --dim): each kernel's
+Speed: the ANCHORS shape (bf16, 16 heads, 16384 tokens, head dim --dim, v's --dim-v,
+e.g. DeepSeek-V3's 192 and 128): each kernel's
 portable candidates (the four the tuner times) against every Gluon config, the same
 inputs, medians of do_bench, ms. Full results go to $OUT/gluon_backward-PART.json; a short
 table is printed last.
@@ -24,6 +27,7 @@ table is printed last.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -84,24 +88,25 @@ def _label(c):
 
 
 def check_dkdv(variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, config, dq_config, seed=0, q_offset=0,
-               k_offset=0):
+               k_offset=0, Dv=None):
     """Rows (tensor, err, eager_err, ok) for the Gluon dQ (with its delta) and dK/dV
-    kernels on one problem."""
+    kernels on one problem (v `Dv` wide, D where not given)."""
     dev = "cuda"
+    Dv = Dv or D
     torch.manual_seed(seed)
     if variant.heads:
         Hq, Hkv = variant.heads.q, variant.heads.kv
-    p = Problem(B, Hq, Hkv, Lq, Lk, D, D, q_offset, k_offset)
+    p = Problem(B, Hq, Hkv, Lq, Lk, D, Dv, q_offset, k_offset)
     inputs = realistic_inputs(sample_inputs(variant, p, seed=seed, device=dev), Hq)
-    q, k, v = (torch.randn(B, h, n, D, device=dev, dtype=torch.float64).to(dtype)
-               for h, n in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk)))
+    q, k, v = (torch.randn(B, h, n, d, device=dev, dtype=torch.float64).to(dtype)
+               for h, n, d in ((Hq, Lq, D), (Hkv, Lk, D), (Hkv, Lk, Dv)))
     kernel = attncc.compile(variant, backend="gluon")
     host, glu = kernel.module, kernel.module_of("gluon")
     offsets = dict(q_offset=q_offset, k_offset=k_offset)
     # The forward is only the backward's input: its first candidate that fits, as
     # ATTNCC_TUNE=0 takes it (a score reading a table may not fit the favourite tile:
     # T5 at 128x128 s3 asked for 360448 B of shared memory, which run 155 took for dQ's).
-    for fwd_config in portable_candidates(variant, D, "fwd"):
+    for fwd_config in portable_candidates(variant, p.tile_dim, "fwd"):
         try:
             out, lse = host.forward(q, k, v, inputs, config=fwd_config, **offsets)
             break
@@ -246,6 +251,28 @@ def correctness(args, dog):
             if n in taken:
                 cases.append((n, dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128), bf, config,
                               dq_config))
+    # DeepSeek-V3's (q·k, v) = (192, 128), and head dim 256: every config the backend
+    # offers the variant (tiles.backward_fits_registers keeps fewer for learnable inputs),
+    # each dK/dV one beside each dQ one in turn, on the awkward shapes; fp16 and one query
+    # token too.
+    for n, (d, dv) in itertools.product(
+            ("full", "causal", "document", "gqa_causal", "alibi", "softcap", "sliding_window",
+             "gpt_oss_sinks", "sigmoid_attention", "learned_alibi", "rows_and_keys", "key_gain"),
+            ((192, 128), (256, 256))):
+        wide = dict(D=d, Dv=dv)
+        if n not in taken or kernel_unsupported(taken[n], "dq", d, dv) \
+                or kernel_unsupported(taken[n], "dkdv", d, dv):
+            continue
+        dkdv_configs = _dicts(GLUON.candidates("dkdv", d, taken[n]))
+        dq_configs = _dicts(GLUON.candidates("dq", d, taken[n]))
+        for i in range(max(len(dkdv_configs), len(dq_configs))):
+            config, dq_config = dkdv_configs[i % len(dkdv_configs)], dq_configs[i % len(dq_configs)]
+            cases.append((n, dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, **wide), bf, config, dq_config))
+            cases.append((n, dict(B=1, Hq=3, Hkv=3, Lq=200, Lk=517, **wide), bf, config, dq_config))
+        cases.append((n, dict(B=1, Hq=4, Hkv=4, Lq=333, Lk=333, **wide), fp, dkdv_configs[0],
+                      dq_configs[0]))
+        cases.append((n, dict(B=2, Hq=2, Hkv=2, Lq=1, Lk=300, **wide), bf, dkdv_configs[0],
+                      dq_configs[0]))
     failures = 0
     for name, shape, dtype, config, dq_config in cases:
         label = f"{name} {shape} {str(dtype)[6:]} dK/dV {_label(config)} dQ {_label(dq_config)}"
@@ -278,17 +305,20 @@ def speed(args, dog):
     for name in args.variants.split(","):
         dog.start(f"speed {name}", 400)
         variant, q, k, v, inputs = anchor_problem(name, 16384, D=args.dim)
-        q, k, v = (t.detach() for t in (q, k, v))
-        D = args.dim
-        p = Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], D, D)
+        D, Dv = args.dim, args.dim_v or args.dim
+        q, k = (t.detach() for t in (q, k))
+        v = v.detach()[..., :Dv].contiguous()  # v's own width: DeepSeek's 128 beside 192
+        p = Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], D, Dv)
         pairs = pairs_per_head(variant, p, inputs, "cuda")[0]
-        flops = 4 * 2 * q.shape[0] * q.shape[1] * D * pairs  # four products of 2*D per pair
+        # Four products per pair: S and dK of 2*D, dP and dV of 2*Dv.
+        flops = 2 * 2 * q.shape[0] * q.shape[1] * (D + Dv) * pairs
         kernel = attncc.compile(variant, backend="gluon")
         host, glu = kernel.module, kernel.module_of("gluon")
-        out, lse = host.forward(q, k, v, inputs, config=portable_candidates(variant, D, "fwd")[0])
+        out, lse = host.forward(q, k, v, inputs,
+                                config=portable_candidates(variant, p.tile_dim, "fwd")[0])
         dout = torch.randn_like(out)
         delta = host.backward_delta(out, dout)
-        entry = dict(variant=name, dim=D, tflop=flops / 1e12, times={}, diffs={})
+        entry = dict(variant=name, dim=D, dim_v=Dv, tflop=flops / 1e12, times={}, diffs={})
         ref_dk = None
         for config in portable_candidates(variant, D, "dkdv")[:4]:
             run = lambda c=config: host.backward_dkdv(q, k, v, lse, delta, dout, inputs, config=c)
@@ -307,7 +337,7 @@ def speed(args, dog):
                 entry["times"][f"portable dQ {_label(config)}"] = _median_ms(run)
             except Exception as e:
                 entry["times"][f"portable dQ {_label(config)}"] = f"{type(e).__name__}: {str(e)[:200]}"
-        for config in dq_candidates(D):
+        for config in _dicts(GLUON.candidates("dq", p.tile_dim, variant)):
             run = lambda c=config: glu.backward_dq(q, k, v, lse, scratch, dout, inputs,
                                                    config=c, out=out)
             try:
@@ -315,7 +345,7 @@ def speed(args, dog):
                 entry["times"][f"gluon dQ {_label(config)}"] = _median_ms(run)
             except Exception as e:
                 entry["times"][f"gluon dQ {_label(config)}"] = f"{type(e).__name__}: {str(e)[:200]}"
-        for config in backward_candidates(D):
+        for config in _dicts(GLUON.candidates("dkdv", p.tile_dim, variant)):
             run = lambda c=config: glu.backward_dkdv(q, k, v, lse, delta, dout, inputs,
                                                      config=c)
             try:
@@ -335,7 +365,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", default="all", choices=["correctness", "speed", "all"])
     ap.add_argument("--variants", default="full,causal", help="speed: ANCHORS variants")
-    ap.add_argument("--dim", type=int, default=128, help="speed: head dim")
+    ap.add_argument("--dim", type=int, default=128, help="speed: q·k's head dim")
+    ap.add_argument("--dim-v", type=int, default=0, help="speed: v's head dim (--dim's if 0)")
     ap.add_argument("--sweep", default="", help="correctness: only these examples")
     args = ap.parse_args()
     global PART

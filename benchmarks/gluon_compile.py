@@ -9,7 +9,8 @@ It proves nothing about the results: that is benchmarks/gluon_check.py's job, on
     python benchmarks/gluon_compile.py [examples/causal.attn ...] [--dims 64,128,256] [--backward]
     python benchmarks/gluon_compile.py examples/causal.attn --dims 192:128 --all-configs
 
-(--dims: "D" for q, k, v all D wide, "D:DV" for v DV wide: the forward alone.)
+(--dims: "D" for q, k, v all D wide, "D:DV" for v DV wide; --backward compiles the dQ and
+dK/dV kernels at the dims the Gluon backend takes them.)
 
 Runs with whichever Triton is importable (put another first on PYTHONPATH to try it).
 """
@@ -33,7 +34,7 @@ from triton.backends.nvidia.compiler import get_ptxas
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import attncc  # noqa: E402
 from attncc import backends
-from attncc.backends.gluon import tiles
+from attncc.backends.gluon import kernel_unsupported, tiles
 from attncc.arguments import Problem
 from attncc.runtime.cache import load_generated
 from attncc.semantics.samples import sample_inputs
@@ -69,21 +70,35 @@ def _compile_only(compiled: list):
     triton.runtime.jit.KernelInterface.__getitem__ = getitem
 
 
-def _ptxas_report(ptx: str) -> str:
-    ptxas = get_ptxas(90).path  # the one Triton compiles with (3.9's PTX needs its newer one)
+def ptxas_resources(ptx: str):
+    """(registers, spill store bytes, spill load bytes) of a kernel's PTX as ptxas -v
+    reports them for its target, or ptxas's words where it said no such thing."""
+    # The ptxas Triton compiles with first; where its PTX is newer than that one reads
+    # (Triton 3.9's fixed bin/ptxas), its ptxas-blackwell (CUDA 13) reads it, sm_90 too.
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "k.ptx"
         src.write_text(ptx)
         target = re.search(r"\.target\s+(sm_\w+)", ptx)
         arch = target.group(1) if target else "sm_90a"
-        out = subprocess.run([str(ptxas), f"-arch={arch}", "-v", str(src), "-o", str(Path(d) / "k.o")],
-                             capture_output=True, text=True)
+        for ptxas in (Path(get_ptxas(90).path), bin_dir / "ptxas-blackwell"):
+            out = subprocess.run([str(ptxas), f"-arch={arch}", "-v", str(src), "-o",
+                                  str(Path(d) / "k.o")], capture_output=True, text=True)
+            if "Unsupported .version" not in out.stderr:
+                break
     text = out.stdout + out.stderr
     regs = re.search(r"Used (\d+) registers", text)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     if not (regs and spill):
         return f"ptxas -v said: {text.strip()[:200]}"
-    return f"{regs.group(1)} regs, spills {spill.group(1)}/{spill.group(2)} B"
+    return int(regs.group(1)), int(spill.group(1)), int(spill.group(2))
+
+
+def _ptxas_report(ptx: str) -> str:
+    resources = ptxas_resources(ptx)
+    if isinstance(resources, str):
+        return resources
+    return "%d regs, spills %d/%d B" % resources
 
 
 def _import(path: Path, name: str):
@@ -132,15 +147,15 @@ def main() -> int:
             inputs = sample_inputs(variant, p)
             lse = torch.randn(1, heads[0], 300)
             delta = torch.randn(1, heads[0], 300)
-            dout = torch.randn_like(q)
+            dout = torch.randn(1, heads[0], 300, dim_v, dtype=dtype)
             kernels = [("", _dicts(backends.named("gluon").candidates("fwd", p.tile_dim, variant)),
                         lambda c: module.forward(q, k, v, inputs, config=c))]
-            if args.backward and dim_v == dim:  # the backward kernels take one head dim
+            if args.backward and not kernel_unsupported(variant, "dkdv", dim, dim_v):
                 kernels += [
-                    (" dK/dV", _dicts(tiles.backward_candidates(dim)),
+                    (" dK/dV", _dicts(tiles.backward_candidates(p.tile_dim)),
                      lambda c: module.backward_dkdv(q, k, v, lse, delta, dout, inputs,
                                                     config=c)),
-                    (" dQ", _dicts(tiles.dq_candidates(dim)),
+                    (" dQ", _dicts(tiles.dq_candidates(p.tile_dim)),
                      lambda c: module.backward_dq(q, k, v, lse, delta, dout, inputs,
                                                   config=c, out=dout))]
             for what, configs, launch in kernels:

@@ -74,6 +74,7 @@ def check(E: int, Ev: int, dtype, causal: bool) -> list:
         rows.append(dict(tensor=name, err=err, eager_err=eerr,
                          ok=bool(within_tolerance(err, eerr, dtype, t, scales.get(name, 1.0)))))
     rows.append(dict(tensor="backend", value=str(kernel.last_backend)))
+    rows.append(dict(tensor="backward", value=str(kernel.last_backward)))
     return rows
 
 
@@ -168,8 +169,8 @@ def speed(length: int) -> list:
     v = torch.randn(B, H, length, Ev, device="cuda", dtype=dt, requires_grad=True)
     dout = torch.randn(B, H, length, Ev, device="cuda", dtype=dt)
     ours = attncc.compile(CAUSAL)
-    # Each backend's forward asked for by name (the Gluon backward hands (192, 128) to the
-    # portable kernels), beside auto's choice above.
+    # Each backend asked for by name (Gluon's dQ and dK/dV take (192, 128) too), beside
+    # auto's choice above.
     gluon = attncc.compile(CAUSAL, backend="gluon")
     portable = attncc.compile(CAUSAL, backend="triton")
     padded = attncc.compile("attention causal_192 { scale 1.0 / sqrt(192.0)  mask q >= k }")
@@ -177,7 +178,7 @@ def speed(length: int) -> list:
 
     candidates = {  # name: (function, its leaves, the output's gradient)
         "attncc (192, 128)": (ours, (q, k, v), dout),
-        "attncc Gluon forward": (gluon, (q, k, v), dout),
+        "attncc Gluon": (gluon, (q, k, v), dout),
         "attncc portable": (portable, (q, k, v), dout),
         "attncc padded to 256": (padded, p256, F.pad(dout, (0, 128))),
     }

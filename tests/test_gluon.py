@@ -69,8 +69,8 @@ def test_gluon_module_takes_the_portable_argument_list():
     variant = attncc.parse_file(EXAMPLES / "document.attn")
     tree = ast.parse(gluon.generate(variant).source)
     params = template_context(variant)["common_param_list"]
-    for fn, before in (("attn_fwd", 8), ("attn_fwd_ws", 8), ("attn_bwd_dkdv", 8),
-                       ("attn_bwd_dq", 16)):
+    for fn, before in (("attn_fwd", 8), ("attn_fwd_ws", 8), ("attn_bwd_dkdv", 11),
+                       ("attn_bwd_dq", 19)):
         node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == fn)
         names = [a.arg for a in node.args.args]
         assert names[before:before + len(params)] == params
@@ -151,7 +151,13 @@ def test_candidates_at_192_are_sized_for_both_widths():
     assert tiles.smem_bytes(kept[0], 192) == tiles.smem_bytes(kept[0], 192, 128) <= tiles.SMEM_LIMIT
     assert tiles.smem_bytes(kept[0], 192, 192) > tiles.SMEM_LIMIT
     assert all(GLUON.check_config(c, "fwd", 192) is None for c in kept)
-    assert GLUON.candidates("dq", 192, causal) == [] == GLUON.candidates("dkdv", 192, causal)
+    # The backward's: Q, K (192) and V, dO (128) held and streamed.
+    for kind, held, streamed in (("dq", "block_m", "block_n"), ("dkdv", "block_n", "block_m")):
+        kept = GLUON.candidates(kind, 192, causal)
+        assert kept and all(GLUON.check_config(c, kind, 192) is None for c in kept)
+        for c in kept:
+            rows = getattr(c, held) + c.num_stages * getattr(c, streamed)
+            assert tiles._backward_smem(kind, c, 192) == 2 * (192 + 128) * rows <= tiles.SMEM_LIMIT
 
 
 @pytest.mark.parametrize("dims, segments", [((192, 128), (128, 64)), ((128, 64), (128, 0)),
@@ -222,27 +228,85 @@ def test_the_warp_specialized_forward_copies_q_and_its_tail_per_consumer(dims, c
         assert "take head dims 64" in GLUON.check_config(ws3, "fwd", dim)
 
 
+@pytest.mark.parametrize("dims, segments", [((192, 128), (128, 64)), ((128, 128), (128, 0)),
+                                            ((64, 64), (64, 0))])
+def test_the_gluon_backward_launches_split_qk_into_segments(dims, segments, monkeypatch):
+    """The dQ and dK/dV launchers (stand-ins, no GPU) hand their kernels q·k's segments:
+    Q, K, dQ and dK in a box of each segment's width (the tail's descriptors stand in
+    for nothing where there is none), V and dO v-wide; dQ and dK come back q·k-wide,
+    dV v-wide."""
+    from attncc.runtime.cache import load_generated
+    module = load_generated(attncc.parse_file(EXAMPLES / "causal.attn"), "gluon")[1]
+    launched = {}
+
+    def descriptor(t, shape, strides, block, layout):
+        return SimpleNamespace(tensor=t, rows=block[-2], width=block[-1])
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **constants: launched.update({self.name: (args, constants)})
+    monkeypatch.setattr(module, "_bind_context", lambda device: None)
+    monkeypatch.setattr(module, "TensorDescriptor", descriptor)
+    monkeypatch.setattr(module, "attn_bwd_dq", Kernel("dq"))
+    monkeypatch.setattr(module, "attn_bwd_dkdv", Kernel("dkdv"))
+    d, dv = dims
+    gen = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(1, 2, 70, d, generator=gen).bfloat16() for _ in range(2))
+    v, dout = (torch.randn(1, 2, 70, dv, generator=gen).bfloat16() for _ in range(2))
+    lse, delta = torch.zeros(1, 2, 70), torch.zeros(1, 2, 70)
+    config = dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    dq, _ = module.backward_dq(q, k, v, lse, delta, dout, {}, config=config, out=dout)
+    dk, dv_grad = module.backward_dkdv(q, k, v, lse, delta, dout, {}, config=config)
+    assert dq.shape == dk.shape == (1, 2, 70, d) and dv_grad.shape == (1, 2, 70, dv)
+    first, tail = segments
+    for name, (segmented, own, rows) in {"dq": ((q, k, dq), (v, dout), (64, 32, 64)),
+                                         "dkdv": ((q, k, dk), (v, dout, dv_grad), (64, 32, 32))
+                                         }.items():
+        args, constants = launched[name]
+        assert (constants["HEAD_DIM"], constants["HEAD_DIM_TAIL"], constants["HEAD_DIM_V"]) == (
+            first, tail, dv)
+        descs = [a for a in args if isinstance(a, SimpleNamespace)]
+        n = len(descs)
+        firsts, tails = [descs[i] for i in (0, 1, 4)], descs[n - 3:]
+        assert [x.tensor for x in firsts] == [x.tensor for x in tails] == list(segmented)
+        assert [x.rows for x in firsts] == [x.rows for x in tails] == list(rows)
+        assert {x.width for x in firsts} == {first}
+        assert {x.width for x in tails} == {tail or first}
+        assert all(x.width == dv for x in descs[2:4] + descs[5:n - 3])
+        assert [x.tensor for x in descs[2:4] + descs[5:n - 3]] == list(own)
+
+
 def test_backward_candidates_fit_and_bad_configs_are_named():
     causal = attncc.parse_file(EXAMPLES / "causal.attn")
     for dim in tiles.BACKWARD_HEAD_DIMS:
         for direction in ("dq", "dkdv"):
             kept = GLUON.candidates(direction, dim, causal)
             assert kept and all(GLUON.check_config(c, direction, dim) is None for c in kept)
-    assert GLUON.candidates("dkdv", 256, causal) == [] == GLUON.candidates("dq", 256, causal)
+    # At 256, two warpgroups side by side on 64 rows hold dK and dV, or dQ.
+    for direction, held in (("dkdv", "block_n"), ("dq", "block_m")):
+        assert {(c.num_warps, getattr(c, held)) for c in GLUON.candidates(direction, 256, causal)
+                } == {(8, 64)}
     assert GLUON.candidates("bwd", 128, causal) == []
-    q = torch.randn(1, 2, 8, 256, dtype=torch.bfloat16)
-    assert "head dim 256" in GLUON.supports_call(causal, q, q, q, "dkdv")
-    q = torch.randn(1, 2, 8, 128, dtype=torch.bfloat16)
-    assert GLUON.supports_call(causal, q, q, q, "dq") is None
-    assert "multiple of 16 * num_warps" in GLUON.check_config(TileConfig(64, 64, 8, 2), "dq", 128)
-    # 8 warps stack 128 rows of wgmma: a 64-key tile cannot be split among them.
-    assert "multiple of 16 * num_warps" in GLUON.check_config(TileConfig(64, 64, 8, 2), "dkdv",
-                                                              128)
+    for d in (128, 256):
+        q = torch.randn(1, 2, 8, d, dtype=torch.bfloat16)
+        assert GLUON.supports_call(causal, q, q, q, "dq") is None
+        assert GLUON.supports_call(causal, q, q, q, "dkdv") is None
+    assert "takes head dims 64, 128, 256 (the portable kernels take any)" in (
+        gluon_backend.kernel_unsupported(causal, "dkdv", 32))
+    # 8 warps stack 128 rows of wgmma, or sit side by side on 64: a 32-row tile cannot
+    # be split among them.
+    for direction in ("dq", "dkdv"):
+        assert GLUON.check_config(TileConfig(64, 64, 8, 2), direction, 128) is None
+    assert "(or 64 on 8 warps)" in GLUON.check_config(TileConfig(32, 64, 8, 2), "dq", 128)
+    assert "(or 64 on 8 warps)" in GLUON.check_config(TileConfig(64, 32, 8, 2), "dkdv", 128)
     assert "shared memory" in GLUON.check_config(TileConfig(256, 128, 8, 3), "dkdv", 128)
     # A cached or shipped config is checked against the kernel it would run.
     good = GLUON.candidates("dkdv", 128, causal)[0]
     assert configs.usable("gluon", good, causal, 128, "dkdv")
-    assert not configs.usable("gluon", TileConfig(64, 64, 8, 2), causal, 128, "dkdv")
+    assert not configs.usable("gluon", TileConfig(64, 32, 8, 2), causal, 128, "dkdv")
     # The warp-specialized forward's config (9 warps) is the Gluon forward's alone.
     ws = TileConfig(128, 128, tiles.WS_WARPS, 2)
     assert configs.usable("gluon", ws, causal, 128, "fwd")
@@ -354,6 +418,23 @@ def test_the_backward_runs_the_gluon_dkdv_kernel_where_the_backend_takes_it(monk
     for kind in ("dq", "dkdv"):
         backend, why = kernel.last_backward[kind]
         assert backend == "triton" and "head dim 32" in why
+
+
+def test_the_backward_runs_the_gluon_kernels_at_192_128(monkeypatch):
+    """DeepSeek-V3's training shape (q·k 192, v 128) takes the Gluon dQ and dK/dV
+    kernels on an sm_90 (the stand-in says the GPU takes the call); test_head_dims_v.py
+    checks that other pairs keep the portable ones and say why."""
+    kernel = attncc.compile(str(EXAMPLES / "causal.attn"))
+    calls = []
+    _stand_in_gluon(kernel, monkeypatch, calls)
+    gen = torch.Generator().manual_seed(9)
+    q, k = (torch.randn(1, 1, 17, 192, generator=gen, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, 1, 17, 128, generator=gen, requires_grad=True)
+    kernel(q, k, v).sum().backward()
+    assert q.grad.shape == k.grad.shape == (1, 1, 17, 192) and v.grad.shape == (1, 1, 17, 128)
+    assert calls == ["forward", "dq", "dkdv"]
+    assert kernel.last_backward == {"dq": ("gluon", "backend='gluon' was asked for (dQ)"),
+                                    "dkdv": ("gluon", "backend='gluon' was asked for (dK/dV)")}
 
 
 def test_reads_stored_per_pair_keep_the_portable_dq(monkeypatch):
@@ -513,7 +594,7 @@ def test_gluon_launchers_sum_the_partials_their_kernels_write(monkeypatch, spec)
             return launch
 
     monkeypatch.setattr(module, "_bind_context", lambda device: None)
-    monkeypatch.setattr(module, "_descriptor", lambda t, rows: t)
+    monkeypatch.setattr(module, "_descriptor", lambda t, rows, width=None: t)
     monkeypatch.setattr(module, "attn_bwd_dq", StandIn())
     monkeypatch.setattr(module, "attn_bwd_dkdv", StandIn())
     lse, delta = torch.zeros(B, H, L), torch.zeros(B, H, L)

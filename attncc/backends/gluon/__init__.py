@@ -81,6 +81,7 @@ class GluonBackend:
             return []
         return [c for c in tiles.CANDIDATES[direction](head_dim)
                 if fits_variant(c, variant) and tiles.fits_registers(c, variant)
+                and tiles.backward_fits_registers(direction, c, head_dim, variant)
                 and (direction != "dq"
                      or tiles.dq_fits_registers(c, head_dim, _diagonal_table_entries(variant)))]
 
@@ -135,8 +136,8 @@ def _call_unsupported(q, k, v) -> str | None:
     return None
 
 
-def _pairs() -> str:
-    return ", ".join(f"({d}, {dv})" for d, dv in tiles.HEAD_DIM_PAIRS)
+def _pairs(pairs=tiles.HEAD_DIM_PAIRS) -> str:
+    return ", ".join(f"({d}, {dv})" for d, dv in pairs)
 
 
 @functools.lru_cache(maxsize=64)
@@ -183,13 +184,13 @@ def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int,
         return f"the Gluon backend has no {KERNEL_NAMES[kind]} kernel of one launch"
     name = KERNEL_NAMES[kind]
     if dim_v is not None and dim_v != head_dim:
-        # Its rings, TMA boxes and accumulators are sized by one head dim.
-        return (f"v has head dim {dim_v} and q, k {head_dim}: the Gluon {name} kernel takes "
-                "one head dim for all three (the portable kernels take different ones)")
-    if head_dim not in tiles.BACKWARD_HEAD_DIMS:
+        if (head_dim, dim_v) not in tiles.BACKWARD_HEAD_DIM_PAIRS:
+            return (f"v has head dim {dim_v} and q, k {head_dim}: the Gluon {name} kernel takes "
+                    f"v of another width only at (q·k, v) {_pairs(tiles.BACKWARD_HEAD_DIM_PAIRS)} "
+                    "(the portable kernels take any)")
+    elif head_dim not in tiles.BACKWARD_HEAD_DIMS:
         return (f"head dim {head_dim}: the Gluon {name} kernel takes head dims "
-                f"{', '.join(map(str, tiles.BACKWARD_HEAD_DIMS))} (at 256 its fp32 accumulators "
-                "do not fit in registers beside the score tiles)")
+                f"{', '.join(map(str, tiles.BACKWARD_HEAD_DIMS))} (the portable kernels take any)")
     # Inputs only a `sink` reads take their gradient outside the kernels (runtime/sinks.py).
     unowned = _unowned_reads(variant, kind)
     if unowned:

@@ -64,9 +64,15 @@ def dq_fits_registers(config: TileConfig, head_dim: int, table_entries: int) -> 
     return head_dim < 128 or (config.num_warps == 4 and table_entries <= DIAGONAL_ENTRIES_AT_128)
 
 
-# Head dims of the Gluon dK/dV kernel: each thread holds its rows of dK and dV in fp32,
-# and at 256 columns the two accumulators alone would take every register.
-BACKWARD_HEAD_DIMS = (64, 128)
+# Head dims of the Gluon dQ and dK/dV kernels: each thread holds its rows of dK and dV
+# (or dQ) in fp32; at 256 columns that takes two warpgroups side by side on 64 rows
+# (backward_candidates' and dq_candidates' comments).
+BACKWARD_HEAD_DIMS = (64, 128, 256)
+# (q·k, v) head dims of the Gluon dQ and dK/dV kernels besides equal ones: DeepSeek-V3's
+# training shape. Q, K, dQ and dK are 192 wide in two column segments (128 + 64, as the
+# forward splits Q·K^T: a tile's shape is a power of two), V, dO and dV 128; which tiles
+# fit in registers is backward_candidates' and dq_candidates' comment.
+BACKWARD_HEAD_DIM_PAIRS = ((192, 128),)
 # (q·k, v) head dims of the Gluon forward besides equal ones: DeepSeek-V2/V3's 192 / 128
 # (the 192-wide Q·K^T is one wgmma: 12 K steps of 16) and v half of q·k. The runtime
 # picks tiles by the wider of the two; q·k 192 comes only with v 128, so the candidates
@@ -119,20 +125,26 @@ _KEY_OF = {"block_m": "BLOCK_M", "block_n": "BLOCK_N"}  # the sides as configs a
 
 def _backward_smem(kind: str, config: TileConfig, head_dim: int) -> int:
     """The held tiles (two: K, V or Q, dO) plus NUM_STAGES slots of the streamed two, in
-    16-bit elements."""
+    16-bit elements: one of each pair q·k's `head_dim` wide, the other v's (the widest
+    the backward takes beside it)."""
     held, streamed, _ = _BACKWARD_SIDES[kind]
-    return 2 * head_dim * (2 * getattr(config, held)
-                           + 2 * config.num_stages * getattr(config, streamed))
+    dim_v = _V_BESIDE.get(head_dim, head_dim)
+    return 2 * (head_dim + dim_v) * (getattr(config, held)
+                                     + config.num_stages * getattr(config, streamed))
 
 
 def _check_backward(kind: str, config: TileConfig, head_dim: int | None) -> str | None:
     held, streamed, name = _BACKWARD_SIDES[kind]
     w, rows, cols = config.num_warps, getattr(config, held), getattr(config, streamed)
-    if w not in (4, 8) or rows % (16 * w) or rows > 256 or cols % 16 or not 16 <= cols <= 256 \
-            or rows & (rows - 1) or cols & (cols - 1) or config.num_stages < 1:
+    # Two warpgroups may sit side by side on 64 held rows, each over half of the columns
+    # (the generated module's _wgmma_layout).
+    side_by_side = w == 8 and rows == 64
+    if w not in (4, 8) or (rows % (16 * w) and not side_by_side) or rows > 256 or cols % 16 \
+            or not 16 <= cols <= 256 or rows & (rows - 1) or cols & (cols - 1) \
+            or config.num_stages < 1:
         return (f"config {config.as_dict()} does not fit the Gluon {name} kernel: it needs "
                 f"num_warps 4 or 8, {_KEY_OF[held]} a power of two, a multiple of 16 * num_warps "
-                f"up to 256, "
+                f"up to 256 (or 64 on 8 warps), "
                 f"{_KEY_OF[streamed]} a power of two from 16 to 256 and num_stages >= 1")
     if head_dim is not None and _backward_smem(kind, config, head_dim) > SMEM_LIMIT:
         return (f"config {config.as_dict()} needs {_backward_smem(kind, config, head_dim)} bytes "
@@ -143,6 +155,18 @@ def _check_backward(kind: str, config: TileConfig, head_dim: int | None) -> str 
 def _backward_configs(kind: str, shapes: list, head_dim: int) -> list:
     configs = [TileConfig(*shape) for shape in shapes]
     return [c for c in configs if _backward_smem(kind, c, head_dim) <= SMEM_LIMIT]
+
+
+def backward_fits_registers(direction: str, config: TileConfig, head_dim: int,
+                            variant: ir.Variant) -> bool:
+    """Whether a (192, 128) backward candidate leaves room in registers for the sums of
+    the variant's learnable inputs' gradients (other candidates always). Compiled for
+    sm_90 on Triton 3.6, dK/dV on 64x64 tiles spilled 28 B for a per-query and per-key
+    gain (tests/test_gluon_compile.py's rows_and_keys), 32x64 did not; dQ with three
+    stages spilled 4 B for a learned alibi slope, two stages did not."""
+    if head_dim != 192 or direction not in ("dq", "dkdv") or not variant.learnable_inputs:
+        return True
+    return config.block_m <= 32 if direction == "dkdv" else config.num_stages <= 2
 
 
 def check_backward_config(config: TileConfig, head_dim: int | None) -> str | None:
@@ -162,8 +186,28 @@ def backward_candidates(head_dim: int) -> list:
     # Head dim 128 (H100, bf16, 16K tokens; benchmarks/RESULTS.md run 106): 64x64 tiles
     # on 4 warps (two programs per SM) ran full and causal 8% and 5% faster than 64x128 on
     # 8 warps, 32x128 13-30% slower.
+    # (192, 128): dK (192 wide) and dV (128) take 320 fp32 accumulators a key row; with
+    # one warpgroup per 64 key rows that is 160 registers a thread, and every such tile
+    # spilled (compiled for sm_90 on Triton 3.6, causal: 64x64 w4 660 B, 32x64 w4 92 B,
+    # 64x128 w8 680 B). Two warpgroups side by side on 64 key rows halve it (FA3 spreads
+    # its hdim-192 dK/dV over three warpgroups for the same reason): no spill on 3.6 or
+    # 3.9 for causal, alibi, document, softcap, relative bias, gpt-oss sinks, sigmoid,
+    # relu, bigbird and NSA top-k (at most 253 registers, softcap's 64x64), nor for
+    # tests/test_gluon_compile.py's learnable inputs on the tiles backward_fits_registers
+    # keeps; 64x64 with three stages spilled for softcap (24 B), and is not listed. 127 KB
+    # of shared memory at 64x64 s2. Not run on a GPU yet.
+    # 256: dK and dV take 512 fp32 values a key row, 128 registers a thread with the two
+    # warpgroups side by side on 64 key rows (one warpgroup per 64 rows spilled 2 KB).
+    # 32x64 and 16x64 compiled for sm_90 without spills on Triton 3.6 and 3.9 for causal,
+    # alibi, document, softcap, relative bias, gpt-oss sinks, sigmoid, relu, bigbird, NSA
+    # top-k and the four learnable inputs of tests/test_gluon_compile.py (at most 252
+    # registers, rows_and_keys' 32x64); 64x64 and 32x64 with three stages spilled for
+    # alibi (8 B). FA3's hdim-256 dK/dV holds 64 key rows on two warpgroups, too. 132 KB
+    # of shared memory at 32x64. Not run on a GPU yet.
     shapes = {64: [(64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2), (64, 128, 8, 3)],
-              128: [(64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 2)]}
+              128: [(64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 2)],
+              192: [(64, 64, 8, 2), (32, 64, 8, 2), (32, 64, 8, 3)],
+              256: [(32, 64, 8, 2), (16, 64, 8, 2)]}
     return _backward_configs("dkdv", shapes.get(head_dim, []), head_dim)
 
 
@@ -171,7 +215,19 @@ def dq_candidates(head_dim: int) -> list:
     """dQ tile configs (BLOCK_N key rows stream past BLOCK_M query rows), most likely
     winner first. Each thread holds its rows of dQ (fp32) and of S and dP."""
     shapes = {64: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 4, 2), (128, 128, 8, 2)],
-              128: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3)]}
+              128: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3)],
+              # (192, 128): dQ (192 wide) is 96 registers a thread on 64 query rows a
+              # warpgroup; these compiled for sm_90 without spills on Triton 3.6 and 3.9
+              # for the variants backward_candidates names (at most 255 registers,
+              # alibi's) and, on the tiles backward_fits_registers keeps, the learnable
+              # inputs. 64x128 spilled for alibi, document, softcap and relative bias
+              # (28-748 B) and is not listed. Not run on a GPU yet.
+              192: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3)],
+              # 256: dQ is 128 registers a thread on one warpgroup per 64 query rows,
+              # 64 with two side by side; these compiled for sm_90 without spills on
+              # Triton 3.6 and 3.9 for the variants backward_candidates names at 256.
+              # 196 KB of shared memory at 64x64. Not run on a GPU yet.
+              256: [(64, 64, 8, 2), (64, 32, 8, 2)]}
     return _backward_configs("dq", shapes.get(head_dim, []), head_dim)
 
 
