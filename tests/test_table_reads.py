@@ -79,6 +79,9 @@ SAFE = {
     "t5 buckets": ("input table: f32[h, 32]\n score s + table[h, where(k > q, 16, 0) + "
                    "where(abs(k - q) < 8, abs(k - q), min(8 + int(log(max(abs(k - q), 1) / 8.0) "
                    "/ log(128.0 / 8.0) * 8.0), 15))]"),
+    # The compared expression itself as the branch, a min/max around it: both narrowed.
+    "where on the clamp itself": ("input t: f32[h, 32]\n score s + t[h, where(max(q - k, 0) < 16, "
+                                  "max(q - k, 0), 31)]"),
     "t5 causal buckets": ("input table: f32[h, 32]\n mask q >= k\n score s + table[h, where(q - k < 16, "
                           "max(q - k, 0), min(16 + int(log(max(q - k, 16) / 16.0) / log(128.0 / 16.0) "
                           "* 16.0), 31))]"),

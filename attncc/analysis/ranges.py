@@ -158,7 +158,13 @@ class _Analysis(ir.Visitor):
         of a clamp written with where (T5's buckets); otherwise the range unchanged."""
         if not isinstance(cond, ir.Cmp) or r.wrapped or cond.op in ("==", "!="):
             return r
-        if isinstance(branch, ir.Call) and branch.fn in ("min", "max") and len(branch.args) == 2:
+        op = cond.op if holds else NEGATED[cond.op]
+        if cond.lhs == branch:
+            other = self.ranges.get(id(cond.rhs))
+        elif cond.rhs == branch:
+            other = self.ranges.get(id(cond.lhs))
+            op = MIRRORED[op]  # other op branch
+        elif isinstance(branch, ir.Call) and branch.fn in ("min", "max") and len(branch.args) == 2:
             # min/max of the compared expression and a bound (T5's causal bucket,
             # `where(q - k < 16, max(q - k, 0), ..)`): narrow the expression, then bound it.
             x, y = (self.ranges.get(id(a)) for a in branch.args)
@@ -168,12 +174,6 @@ class _Analysis(ir.Visitor):
             y = self._narrowed(cond, branch.args[1], y, holds)
             pick = max if branch.fn == "max" else min
             return Range(pick(x.lo, y.lo), pick(x.hi, y.hi), r.wide_data, r.wrapped)
-        op = cond.op if holds else NEGATED[cond.op]
-        if cond.lhs == branch:
-            other = self.ranges.get(id(cond.rhs))
-        elif cond.rhs == branch:
-            other = self.ranges.get(id(cond.lhs))
-            op = MIRRORED[op]  # other op branch
         else:
             return r
         if other is None or other.wrapped:
