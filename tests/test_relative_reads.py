@@ -52,16 +52,33 @@ def test_relative_reads_take_the_fast_path_in_every_portable_kernel():
     assert source.count("rel0 = tl.load(in_table_ptr + rel0_lo).to(tl.float32)") == 3
     clipped = generate(attncc.load(CLIPPED)).source
     assert clipped.count(UNIFORM_TEST) == 3
-    # The Gluon kernels keep the per-pair read (documented absent there).
-    assert "rel0" not in gluon_generate(attncc.load(T5_BIDIRECTIONAL)).source
+
+
+@pytest.mark.parametrize("spec", [T5_BIDIRECTIONAL, T5_CAUSAL, CLIPPED], ids=["t5", "t5-causal", "clipped"])
+def test_relative_reads_take_the_fast_path_in_every_gluon_kernel(spec):
+    source = gluon_generate(attncc.load(spec)).source
+    # Each softmax step tests its tile once: the forward's two (tile 0, the loop) in the
+    # plain and the warp-specialized kernel, dQ's and dK/dV's; the scores take the tile
+    # of values, and the per-pair gather is left only in the branch for mixed tiles.
+    assert source.count(UNIFORM_TEST) == 6
+    assert source.count("t = ((s + rel0_pairs)) * LOG2E") == 6
+    assert source.count("rel0 = tl.load(in_") == 6
+    # The broadcast is in the score tile's layout; dK/dV's tiles are transposed (keys
+    # down its rows, whose positions are shifted per diagonal).
+    assert source.count("rel0_pairs = gl.full([BLOCK_M, BLOCK_N], rel0, rel0.dtype, s_layout)") == 5
+    assert source.count("rel0_pairs = gl.full([BLOCK_N, BLOCK_M], rel0, rel0.dtype, s_layout)") == 1
+    assert source.count("diag_k = k_pos - w * BLOCK_N") == 1
+    assert source.count("diag_q = q_pos - w * BLOCK_M") == 5
+    assert not any("LOG2E" in line and "tl.load(" in line for line in source.splitlines())
 
 
 @pytest.mark.parametrize("score", ["s + bias[h, q]", "s + bias[h, q - 2 * k]",
                                    "s + bias[h, min(k, 15)]", "bias[h, min(max(q - k, 0), 15)]"],
                          ids=["q", "q-2k", "k", "no-s"])
 def test_reads_not_through_q_minus_k_alone_stay_per_pair(score):
-    source = generate(attncc.load(f"attention a {{ input bias: f32[h, 16] score {score} }}")).source
-    assert "rel0" not in source
+    variant = attncc.load(f"attention a {{ input bias: f32[h, 16] score {score} }}")
+    assert "rel0" not in generate(variant).source
+    assert "rel0" not in gluon_generate(variant).source
 
 
 def test_only_the_relative_read_of_a_score_is_named():

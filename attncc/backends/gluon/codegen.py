@@ -36,7 +36,10 @@ def generate(variant: ir.Variant):
     owned = [piece for g in code.input_grads
              if gluon_kind(g.owner.kind, g.owner.relative, variant.normalize) in OWNED_KINDS["dq"] + OWNED_KINDS["dkdv"]
              for piece in (g.d_code, g.diagonal_slot) if piece is not None]
-    called, _ = used([code.mask, code.score, d_score, code.layout_elem, code.sink, *owned,
+    # The relative reads' per-diagonal offsets and scalar loads (scores.jinja's read_diagonals).
+    diagonal = [] if code.diagonal is None else [
+        piece for r in code.diagonal.reads for piece in (r.at, r.value, r.per_pair)]
+    called, _ = used([code.mask, code.score, d_score, code.layout_elem, code.sink, *owned, *diagonal,
                       *([] if code.uses_tables else [*code.k_segments, *code.q_segments])])
     # The shared host side (tile tables, launch arguments) is rendered into this module
     # too: its helpers are the portable module's.
