@@ -52,16 +52,36 @@ def test_relative_reads_take_the_fast_path_in_every_portable_kernel():
     assert source.count("rel0 = tl.load(in_table_ptr + rel0_lo).to(tl.float32)") == 3
     clipped = generate(attncc.load(CLIPPED)).source
     assert clipped.count(UNIFORM_TEST) == 3
-    # The Gluon kernels keep the per-pair read (documented absent there).
-    assert "rel0" not in gluon_generate(attncc.load(T5_BIDIRECTIONAL)).source
+
+
+@pytest.mark.parametrize("spec", [T5_BIDIRECTIONAL, T5_CAUSAL, CLIPPED], ids=["t5", "t5-causal", "clipped"])
+def test_relative_reads_take_the_fast_path_in_every_gluon_kernel(spec):
+    source = gluon_generate(attncc.load(spec)).source
+    lines = source.splitlines()
+    # Each softmax step tests its tile once: the forward's two (tile 0, the loop) in the
+    # plain and the warp-specialized kernel, dQ's and dK/dV's. The element is loaded
+    # before the tile's products; after them, t is the score of that scalar, or of the
+    # per-pair gather, which is left only in the branch for tiles that read several.
+    assert source.count("if (rel0_lo == rel0_hi):") == 6
+    assert source.count("rel0 = tl.load(in_") == 6
+    uniform = [n for n, line in enumerate(lines) if "if (rel0_lo == rel0_hi):" in line]
+    assert all(lines[n + 1].strip() == "t = ((s + rel0)) * LOG2E" for n in uniform)
+    assert all(lines[n + 2].strip() == "else:" and "tl.load(" in lines[n + 3] for n in uniform)
+    assert sum("LOG2E" in line and "tl.load(" in line for line in lines) == 6
+    # dK/dV's tiles are transposed: keys down its rows, whose positions are shifted per
+    # diagonal, against the query tile's first position.
+    assert source.count("diag_k = k_pos - w * BLOCK_N") == 1
+    assert source.count("diag_q = q_pos - w * BLOCK_M") == 5
+    assert source.count("diag_t = gl.arange(0, BLOCK_N, row_layout)[:, None]") == 1
 
 
 @pytest.mark.parametrize("score", ["s + bias[h, q]", "s + bias[h, q - 2 * k]",
                                    "s + bias[h, min(k, 15)]", "bias[h, min(max(q - k, 0), 15)]"],
                          ids=["q", "q-2k", "k", "no-s"])
 def test_reads_not_through_q_minus_k_alone_stay_per_pair(score):
-    source = generate(attncc.load(f"attention a {{ input bias: f32[h, 16] score {score} }}")).source
-    assert "rel0" not in source
+    variant = attncc.load(f"attention a {{ input bias: f32[h, 16] score {score} }}")
+    assert "rel0" not in generate(variant).source
+    assert "rel0" not in gluon_generate(variant).source
 
 
 def test_only_the_relative_read_of_a_score_is_named():
@@ -71,6 +91,9 @@ def test_only_the_relative_read_of_a_score_is_named():
     # The score still reads w per pair, and r from its tile of values.
     scores = [line for line in source.splitlines() if "rel0_pairs)) * LOG2E" in line]
     assert len(scores) == 3 and all("in_w_ptr" in x for x in scores)
+    gluon = gluon_generate(attncc.load("""attention a { input w: f32[h, 64] input r: f32[h, 9]
+        score s + w[h, min(q, 63)] + r[h, min(max(k - q, -4), 4) + 4] }""")).source
+    assert gluon.count("if (rel0_lo == rel0_hi):") == 6 and "rel1" not in gluon
 
 
 # Each shape has tiles of both kinds (asserted): lengths off the tiles, len_q != len_k,

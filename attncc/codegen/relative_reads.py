@@ -43,9 +43,13 @@ class RelativeRead:
 class DiagonalScore:
     """The score with each relative read taken from `{name}_pairs`, the tile of its
     values (the scalar broadcast where the tile reads one element, else per_pair);
-    everything else as in the per-pair score."""
+    everything else as in the per-pair score; `uniform`, the score of a tile whose every
+    diagonal reads one element of each read, with each read the scalar `{name}` (the
+    Gluon kernels branch between it and the per-pair score: a branch that yields the
+    tile of values instead spilled there, templates/scores.jinja's log2_scores)."""
     reads: tuple
     score: Code
+    uniform: Code
 
 
 class _NamedReads(TritonEmitter):
@@ -96,4 +100,5 @@ def diagonal_score(variant: ir.Variant, wide: str | None) -> DiagonalScore | Non
         value = scalar.capture(lambda: scalar.loaded(decl, f"{name}_lo"))
         reads.append(RelativeRead(name, at, value, TritonEmitter(variant, wide=wide).code(load)))
     named = _NamedReads(variant, {load: f"{name}_pairs" for load, name in names.items()}, wide)
-    return DiagonalScore(tuple(reads), named.code(variant.score))
+    scalars = _NamedReads(variant, names, wide)
+    return DiagonalScore(tuple(reads), named.code(variant.score), scalars.code(variant.score))

@@ -36,7 +36,11 @@ def generate(variant: ir.Variant):
     owned = [piece for g in code.input_grads
              if gluon_kind(g.owner.kind, g.owner.relative, variant.normalize) in OWNED_KINDS["dq"] + OWNED_KINDS["dkdv"]
              for piece in (g.d_code, g.diagonal_slot) if piece is not None]
-    called, _ = used([code.mask, code.score, d_score, code.layout_elem, code.sink, *owned,
+    # The relative reads' per-diagonal offsets, scalar loads and the score of the scalars
+    # (scores.jinja's read_diagonals and log2_scores).
+    diagonal = [] if code.diagonal is None else [code.diagonal.uniform] + [
+        piece for r in code.diagonal.reads for piece in (r.at, r.value)]
+    called, _ = used([code.mask, code.score, d_score, code.layout_elem, code.sink, *owned, *diagonal,
                       *([] if code.uses_tables else [*code.k_segments, *code.q_segments])])
     # The shared host side (tile tables, launch arguments) is rendered into this module
     # too: its helpers are the portable module's.
@@ -56,7 +60,8 @@ def template_context(variant: ir.Variant, code=None) -> dict:
     whether the variant has any such read: `gluon_owned_reads`), and each kernel's owned
     reads with the name of the tile of their d w / d element under `sum` and `none`
     (`gluon_slopes`, `slope`: scores.jinja's masked_weights)."""
-    from ..portable.codegen import template_context as shared_context
+    from ..portable.codegen import template_context as shared_context, variant_code
+    code = code or variant_code(variant)
     context = shared_context(variant, code)
     owned = OWNED_KINDS["dq"] + OWNED_KINDS["dkdv"]
     # `pairs`: a relative table's per-pair share of a tile, kept for owned_diagonal_sums.
@@ -66,5 +71,9 @@ def template_context(variant: ir.Variant, code=None) -> dict:
     slopes = {kernel: [dict(g, slope=g["acc"][:-len("_acc")] + "_slope") for g in grads
                        if g["gluon_kind"] in kinds]
               for kernel, kinds in OWNED_KINDS.items()}
+    # The score of a tile whose relative reads each read one element (scores.jinja's
+    # log2_scores, branch=True).
+    uniform = code.diagonal.uniform.text if code.diagonal is not None else None
     return dict(context, input_grads=grads, gluon_owns=OWNED_KINDS, gluon_slopes=slopes,
-                gluon_owned_reads=any(g["gluon_kind"] in owned for g in grads))
+                gluon_owned_reads=any(g["gluon_kind"] in owned for g in grads),
+                uniform_score=uniform)
