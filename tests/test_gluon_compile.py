@@ -355,9 +355,12 @@ RELATIVE_TABLE_SPECS = {
 @pytest.mark.slow
 def test_gluon_dq_sums_relative_tables_within_shared_memory_and_registers(tmp_path):
     # The dQ kernel's diagonal sums at each candidate tiles.dq_fits_registers keeps for
-    # them: within Hopper's shared memory and with no spills (the per-entry loop they
-    # replaced needed 240-360 KB). Run it with Triton 3.6 too (the GPU machine's). About
-    # a minute and a half on two cores.
+    # them: within Hopper's shared memory, and without the spills that made those
+    # candidates' choice (0.3-1.3 KB at 128-key tiles). The score's once-per-tile read of
+    # the same tables adds a few bytes on Triton 3.6 (4-36 B), which the H200 ran 5-8%
+    # faster than the per-pair read without them (benchmarks/RESULTS.md run 168): at most
+    # 64 bytes each way. Run it with Triton 3.6 too (the GPU machine's). About a minute
+    # and a half on two cores.
     paths = []
     for name, spec in RELATIVE_TABLE_SPECS.items():
         paths.append(tmp_path / f"{name}.attn")
@@ -370,4 +373,5 @@ def test_gluon_dq_sums_relative_tables_within_shared_memory_and_registers(tmp_pa
         _check(got, [Path(e).name for e in examples], [dim], kernels)
         results += got
     for r in results:
-        assert list(r["ptxas"][1:]) == [0, 0], f"{Path(r['example']).name}: {r['kernel']} at {r['dim']}: {r['ptxas']}"
+        assert not isinstance(r["ptxas"], str) and max(r["ptxas"][1:]) <= 64, \
+            f"{Path(r['example']).name}: {r['kernel']} at {r['dim']}: {r['ptxas']}"
