@@ -2,7 +2,7 @@
 bias tables, a clipped relative table, a per-(b, h, k) gain), forward + backward, bf16.
 
     python benchmarks/learnable_gradients.py [--lengths 16384] [--cases t5_causal,...]
-        [--tune 0] [--config JSON] [--baseline /path/to/tree] [--baseline-timeout 300]
+        [--tune 0] [--config JSON] [--baseline /path/to/tree] [--baseline-timeout 300] [--flex]
 
 Each case times forward + backward (CUDA events around each call, after warm-up calls;
 the median, ms) of one attncc variant whose learnable input takes gradients, runs the
@@ -11,7 +11,10 @@ and reports which kernels ran (kernel.last_backward) and which owner each learna
 got (attncc/analysis/gradient_owners.py). With --baseline, a checkout of another attncc
 (say the commit before owned gradients, which added them all with fp32 atomics:
 `git worktree add /tmp/atomic d2a9a27`) times the same cases on the same inputs in a
-subprocess, and the table shows both. Results go to $OUT/learnable_gradients.json.
+subprocess, and the table shows both. With --flex, FlexAttention's Triton kernels run the
+same cases (a score_mod closing over the same learnable tensors, so its captured-buffer
+gradients are what is timed) and report their largest difference from attncc's output
+and gradients. Results go to $OUT/learnable_gradients.json.
 
 A fair and quick comparison pins the tile configs on both sides: `--tune 0` (each
 kernel's first candidate, untimed: ATTNCC_TUNE=0) or `--config` (one config for every
