@@ -1,9 +1,10 @@
 """GPU script for the Gluon backend's backward (issue 18, stage 3): the dQ and dK/dV
 kernels checked against the float64 reference, then timed against the portable ones, in
-one call.
+one call; and the fused backward of deterministic=False (issue 32), checked and timed.
 
     python benchmarks/gluon_backward.py [--part correctness|speed|all] [--variants full,causal]
     python benchmarks/gluon_backward.py --part speed --dim 192 --dim-v 128
+    python benchmarks/gluon_backward.py --part fused [--variants full,causal,...] [--dim 64]
 
 Correctness: each example variant the Gluon backward takes, on awkward shapes (300
 tokens over two batches with GQA 4/2; len_q 200 != len_k 517; one query token; head dim
@@ -23,6 +24,20 @@ e.g. DeepSeek-V3's 192 and 128): each kernel's
 portable candidates (the four the tuner times) against every Gluon config, the same
 inputs, medians of do_bench, ms. Full results go to $OUT/gluon_backward-PART.json; a short
 table is printed last.
+
+Fused (--part fused): which Triton runs and how its fused backward adds dQ (a TMA
+reduce-add per partial from Triton 3.8, per-element atomics on 3.6), then correctness
+through the public call, kernel(..., deterministic=False) under autograd with a loss
+that reads the LSE too: last_backward must name the fused Gluon backward, and dq, dk, dv
+must hold attncc/semantics/tolerance.py's rule against the float64 reference, on the
+awkward shapes above (GQA, len_q != len_k, one query token, a chunk at q_offset 317,
+head dim 64, fp16), every variant the fused kernel takes; each further fused config on
+a few, through the launcher. Then speed at the ANCHORS shape (head dim --dim; --variants,
+default full, causal, causal_gqa 32/8, sliding_window 1024, causal + softcap 30): the
+whole backward as each schedule launches it, the fused Gluon one (delta pass, the
+kernel, dQ's cast) per config, the split Gluon kernels (dQ computing delta, then dK/dV)
+and the portable split at their first configs, with each fused config's largest
+difference from the split Gluon gradients.
 """
 from __future__ import annotations
 
@@ -42,7 +57,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import attncc  # noqa: E402
 from attncc.arguments import Problem  # noqa: E402
 from attncc import backends  # noqa: E402
-from attncc.backends.gluon import kernel_unsupported, tiles  # noqa: E402
+from attncc.backends.base import FUSED  # noqa: E402
+from attncc.backends.gluon import fused_dq_add, kernel_unsupported, tiles  # noqa: E402
 from attncc.semantics.samples import sample_inputs  # noqa: E402
 from attncc.semantics.tolerance import (gradient_scales, input_gradient_scales,  # noqa: E402
                                         max_abs_error, within_tolerance)
@@ -85,6 +101,10 @@ def dq_candidates(D):
 
 def _label(c):
     return f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}"
+
+
+def fused_candidates(D):
+    return _dicts(tiles.fused_candidates(D))
 
 
 def check_dkdv(variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, config, dq_config, seed=0, q_offset=0,
@@ -361,10 +381,213 @@ def speed(args, dog):
     return rows
 
 
+def _public_grads(variant, shape, dtype, seed=0, deterministic=False):
+    """(gradients of kernel(..., deterministic=) with a loss reading O and the LSE, the
+    float64 reference's, the eager reference's at `dtype`, error scales, last_backward)."""
+    dev = "cuda"
+    B, Hq, Hkv, Lq, Lk, D = (shape[n] for n in ("B", "Hq", "Hkv", "Lq", "Lk", "D"))
+    offsets = dict(q_offset=shape.get("q_offset", 0), k_offset=shape.get("k_offset", 0))
+    torch.manual_seed(seed)
+    if variant.heads:
+        Hq, Hkv = variant.heads.q, variant.heads.kv
+    p = Problem(B, Hq, Hkv, Lq, Lk, D, D, *offsets.values())
+    inputs = realistic_inputs(sample_inputs(variant, p, seed=seed, device=dev), Hq)
+    base = [torch.randn(B, h, n, D, device=dev, dtype=torch.float64)
+            for h, n in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk))]
+    dout = torch.randn(B, Hq, Lq, D, device=dev, dtype=torch.float64)
+    dlse = torch.randn(B, Hq, Lq, device=dev, dtype=torch.float64)
+    kernel = attncc.compile(variant, backend="gluon")
+
+    def grads(fn, cast):
+        leaves = [t.to(cast).requires_grad_() for t in base]
+        out, lse = fn(*leaves)
+        # A row with no key has LSE -inf: its gradient there is 0 whatever dlse says.
+        loss = (out * dout.to(cast)).sum() + (torch.where(lse.isinf(), 0.0, lse)
+                                              * dlse.to(lse.dtype)).sum()
+        return torch.autograd.grad(loss, leaves), leaves
+
+    got, _ = grads(lambda q, k, v: kernel(q, k, v, return_lse=True, deterministic=deterministic,
+                                          **offsets, **inputs), dtype)
+    ran = kernel.last_backward
+    reference = lambda q, k, v: attncc.reference(variant, q, k, v, return_lse=True, **offsets,
+                                                 **inputs)
+    ref, ref_leaves = grads(reference, torch.float64)
+    eager, _ = grads(reference, dtype)
+    from attncc.semantics.reference import scale_value
+    out64 = attncc.reference(variant, *ref_leaves, **offsets, **inputs)
+    scales = gradient_scales(ref_leaves[0], ref_leaves[1], out64, dout, scale_value(variant, D),
+                             Hq // Hkv)
+    return got, ref, eager, scales, ran
+
+
+def check_fused_call(variant, shape, dtype):
+    """Rows for the public call with deterministic=False: that the fused Gluon backward
+    ran, and its dq, dk, dv against the float64 reference (a NaN fails)."""
+    got, ref, eager, scales, ran = _public_grads(variant, shape, dtype)
+    fused = ran.get("fused", (None, ""))
+    rows = [dict(tensor="ran the fused Gluon backward", ok=bool(list(ran) == ["fused"]
+                                                                 and fused[0] == "gluon"),
+                 ran=str(ran))]
+    for n, g, rg, eg in zip("qkv", got, ref, eager):
+        err, eerr = max_abs_error(g, rg), max_abs_error(eg, rg)
+        ok = within_tolerance(err, eerr, dtype, rg, scales.get(f"d{n}", 1.0)) \
+            and bool(torch.isfinite(g).all())
+        rows.append(dict(tensor=f"d{n}", err=err, eager_err=eerr, ok=bool(ok)))
+    return rows
+
+
+def check_fused_config(variant, shape, dtype, config, seed=0):
+    """Rows for one fused config through the launcher (the tuner picks one config per
+    call; the others are reached here), against the float64 reference."""
+    dev = "cuda"
+    B, Hq, Hkv, Lq, Lk, D = (shape[n] for n in ("B", "Hq", "Hkv", "Lq", "Lk", "D"))
+    torch.manual_seed(seed)
+    if variant.heads:
+        Hq, Hkv = variant.heads.q, variant.heads.kv
+    p = Problem(B, Hq, Hkv, Lq, Lk, D, D, 0, 0)
+    inputs = realistic_inputs(sample_inputs(variant, p, seed=seed, device=dev), Hq)
+    q, k, v = (torch.randn(B, h, n, D, device=dev, dtype=torch.float64).to(dtype)
+               for h, n in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk)))
+    kernel = attncc.compile(variant, backend="gluon")
+    host, glu = kernel.module, kernel.module_of("gluon")
+    out, lse = host.forward(q, k, v, inputs, config=portable_candidates(variant, p.tile_dim, "fwd")[0])
+    dout = torch.randn_like(out)
+    grads = glu.backward_fused(q, k, v, lse, host.backward_delta(out, dout), dout, inputs,
+                               config=config)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref = attncc.reference(variant, qr, kr, vr, **inputs)
+    rgrads = torch.autograd.grad(ref, (qr, kr, vr), dout.double())
+    qe, ke, ve = (t.clone().requires_grad_() for t in (q, k, v))
+    egrads = torch.autograd.grad(attncc.reference(variant, qe, ke, ve, **inputs), (qe, ke, ve), dout)
+    from attncc.semantics.reference import scale_value
+    scales = gradient_scales(qr, kr, ref, dout, scale_value(variant, D), Hq // Hkv)
+    rows = []
+    for n, g, rg, eg in zip("qkv", grads, rgrads, egrads):
+        err, eerr = max_abs_error(g, rg), max_abs_error(eg, rg)
+        ok = within_tolerance(err, eerr, dtype, rg, scales.get(f"d{n}", 1.0))
+        rows.append(dict(tensor=f"d{n}", err=err, eager_err=eerr, ok=bool(ok)))
+    return rows
+
+
+def fused_correctness(args, dog):
+    names = sorted(f[:-5] for f in os.listdir(EXAMPLES) if f.endswith(".attn"))
+    variants = {n: attncc.parse_file(os.path.join(EXAMPLES, n + ".attn")) for n in names}
+    taken = {n: v for n, v in variants.items() if GLUON.supports(v) is None
+             and kernel_unsupported(v, FUSED, 128) is None}
+    if args.sweep:
+        taken = {n: v for n, v in taken.items() if n in args.sweep.split(",")}
+    bf, fp = torch.bfloat16, torch.float16
+    cases = []  # (variant name, shape, dtype)
+    for n in taken:
+        cases.append((n, dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128), bf))
+        cases.append((n, dict(B=1, Hq=3, Hkv=3, Lq=200, Lk=517, D=128), bf))
+    for n in ("full", "causal", "document", "gqa_causal", "softcap"):
+        if n in taken:
+            cases.append((n, dict(B=1, Hq=4, Hkv=1, Lq=257, Lk=257, D=64), bf))
+            cases.append((n, dict(B=1, Hq=4, Hkv=4, Lq=333, Lk=333, D=128), fp))
+    for n in ("full", "causal_bottom_right", "sliding_window"):
+        if n in taken:
+            cases.append((n, dict(B=2, Hq=2, Hkv=2, Lq=1, Lk=300, D=128), bf))
+    for n in ("causal", "sliding_window"):  # a chunk of a longer sequence
+        if n in taken:
+            cases.append((n, dict(B=1, Hq=2, Hkv=1, Lq=200, Lk=517, D=128, q_offset=317), bf))
+    failures = 0
+    for name, shape, dtype in cases:
+        label = f"{name} {shape} {str(dtype)[6:]} kernel(..., deterministic=False)"
+        dog.start(label, 120)
+        try:
+            rows = check_fused_call(taken[name], shape, dtype)
+            ok = all(r["ok"] for r in rows)
+        except Exception as e:
+            rows, ok = [dict(error=f"{type(e).__name__}: {str(e)[:600]}")], False
+            traceback.print_exc()
+        failures += not ok
+        RESULTS["correctness"].append(dict(case=label, ok=ok, rows=rows))
+        _write()
+        worst = max((r.get("err", 0.0) for r in rows), default=math.nan)
+        print(f"{'ok  ' if ok else 'FAIL'} {label}: max err {worst:.3g}", flush=True)
+    for d in tiles.FUSED_HEAD_DIMS:
+        for config in fused_candidates(d)[1:]:
+            for n in ("full", "causal", "document", "softcap"):
+                if n not in taken:
+                    continue
+                shape = dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=d)
+                label = f"{n} {shape} bf16 fused {_label(config)}"
+                dog.start(label, 120)
+                try:
+                    rows = check_fused_config(taken[n], shape, bf, config)
+                    ok = all(r["ok"] for r in rows)
+                except Exception as e:
+                    rows, ok = [dict(error=f"{type(e).__name__}: {str(e)[:600]}")], False
+                    traceback.print_exc()
+                failures += not ok
+                RESULTS["correctness"].append(dict(case=label, ok=ok, rows=rows))
+                _write()
+                worst = max((r.get("err", 0.0) for r in rows), default=math.nan)
+                print(f"{'ok  ' if ok else 'FAIL'} {label}: max err {worst:.3g}", flush=True)
+    RESULTS["correctness_failures"] = failures
+    return failures
+
+
+def fused_speed(args, dog):
+    """The whole backward three ways on each --variants anchor (see the docstring)."""
+    from gpu_suite import anchor_problem
+    rows = []
+    for name in args.variants.split(","):
+        dog.start(f"fused {name}", 500)
+        variant, q, k, v, inputs = anchor_problem(name, 16384, D=args.dim)
+        q, k, v = (t.detach() for t in (q, k, v))
+        D = args.dim
+        kernel = attncc.compile(variant, backend="gluon")
+        host, glu = kernel.module, kernel.module_of("gluon")
+        out, lse = host.forward(q, k, v, inputs, config=portable_candidates(variant, D, "fwd")[0])
+        dout = torch.randn_like(out)
+        entry = dict(variant=name, dim=D, heads=f"{q.shape[1]}/{k.shape[1]}", times={}, diffs={})
+
+        def split(module, dq_config, dkdv_config):
+            delta = host.new_delta(q)
+            dq, _ = module.backward_dq(q, k, v, lse, delta, dout, inputs, config=dq_config, out=out)
+            return (dq, *module.backward_dkdv(q, k, v, lse, delta, dout, inputs, config=dkdv_config))
+
+        def fused(config):
+            delta = host.backward_delta(out, dout)
+            return glu.backward_fused(q, k, v, lse, delta, dout, inputs, config=config)
+
+        runs = {"gluon split": lambda: split(glu, dq_candidates(D)[0], backward_candidates(D)[0]),
+                "portable split": lambda: split(host, portable_candidates(variant, D, "dq")[0],
+                                                portable_candidates(variant, D, "dkdv")[0])}
+        runs.update({f"gluon fused {_label(c)}": (lambda c=c: fused(c))
+                     for c in fused_candidates(D)})
+        reference = None
+        for label, run in runs.items():
+            try:
+                grads = run()
+                if reference is None:
+                    reference = grads  # the split Gluon kernels', first in `runs`
+                else:
+                    entry["diffs"][label] = max((a.float() - b.float()).abs().max().item()
+                                                for a, b in zip(grads, reference))
+                entry["times"][label] = _median_ms(run)
+            except Exception as e:
+                entry["times"][label] = f"{type(e).__name__}: {str(e)[:300]}"
+                traceback.print_exc()
+        rows.append(entry)
+        RESULTS["fused"] = RESULTS.get("fused", []) + [entry]
+        _write()
+        split_ms = entry["times"].get("gluon split")
+        print(f"{name} d{D}: " + ", ".join(
+            f"{k} {t:.3f} ms" + (f" ({split_ms / t:.2f}x split)" if isinstance(split_ms, float)
+                                  and k.startswith("gluon fused") else "")
+            for k, t in entry["times"].items() if isinstance(t, float)), flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", default="all", choices=["correctness", "speed", "all"])
-    ap.add_argument("--variants", default="full,causal", help="speed: ANCHORS variants")
+    ap.add_argument("--part", default="all", choices=["correctness", "speed", "fused", "all"])
+    ap.add_argument("--variants", default=None,
+                    help="speed: ANCHORS variants (default full,causal; fused: "
+                         "full,causal,causal_gqa,sliding_window,softcap)")
     ap.add_argument("--dim", type=int, default=128, help="speed: q·k's head dim")
     ap.add_argument("--dim-v", type=int, default=0, help="speed: v's head dim (--dim's if 0)")
     ap.add_argument("--sweep", default="", help="correctness: only these examples")
@@ -375,8 +598,22 @@ def main():
           f"{torch.cuda.get_device_name()}", flush=True)
     RESULTS["versions"] = dict(torch=torch.__version__, triton=__import__("triton").__version__,
                                gpu=torch.cuda.get_device_name())
+    if args.variants is None:
+        args.variants = ("full,causal,causal_gqa,sliding_window,softcap" if args.part == "fused"
+                         else "full,causal")
     dog = Watchdog()
     failures, rows = 0, []
+    if args.part == "fused":
+        RESULTS["fused_dq_add"] = fused_dq_add()
+        print(f"fused backward's dQ add: {RESULTS['fused_dq_add']}", flush=True)
+        os.environ["ATTNCC_TUNE"] = "0"  # the first candidate, as an untuned call takes it
+        failures = fused_correctness(args, dog)
+        fused_speed(args, dog)
+        dog.start("done", math.inf)
+        _write()
+        print(f"\ncorrectness failures: {failures} (triton {triton.__version__}, dQ add: "
+              f"{RESULTS['fused_dq_add']})")
+        return 1 if failures else 0
     if args.part in ("correctness", "all"):
         os.environ["ATTNCC_TUNE"] = "0"
         failures = correctness(args, dog)

@@ -9,8 +9,9 @@ It proves nothing about the results: that is benchmarks/gluon_check.py's job, on
     python benchmarks/gluon_compile.py [examples/causal.attn ...] [--dims 64,128,256] [--backward]
     python benchmarks/gluon_compile.py examples/causal.attn --dims 192:128 --all-configs
 
-(--dims: "D" for q, k, v all D wide, "D:DV" for v DV wide; --backward compiles the dQ and
-dK/dV kernels at the dims the Gluon backend takes them.)
+(--dims: "D" for q, k, v all D wide, "D:DV" for v DV wide; --backward compiles the dQ,
+dK/dV and fused backward kernels at the dims the Gluon backend takes them, and names the
+fused backward's dQ add under this Triton.)
 
 Runs with whichever Triton is importable (put another first on PYTHONPATH to try it).
 """
@@ -34,7 +35,8 @@ from triton.backends.nvidia.compiler import get_ptxas
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import attncc  # noqa: E402
 from attncc import backends
-from attncc.backends.gluon import kernel_unsupported, tiles
+from attncc.backends.base import FUSED
+from attncc.backends.gluon import fused_dq_add, kernel_unsupported, tiles
 from attncc.arguments import Problem
 from attncc.runtime.cache import load_generated
 from attncc.semantics.samples import sample_inputs
@@ -115,7 +117,8 @@ def main() -> int:
     ap.add_argument("--dims", default="128")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--all-configs", action="store_true", help="every candidate, not the first")
-    ap.add_argument("--backward", action="store_true", help="the dK/dV kernel too")
+    ap.add_argument("--backward", action="store_true",
+                    help="the dQ, dK/dV and fused backward kernels too")
     args = ap.parse_args()
     specs = args.specs or sorted(glob.glob(str(Path(__file__).resolve().parent.parent / "examples" / "*.attn")))
     triton.runtime.driver.set_active(Sm90Driver())
@@ -124,6 +127,8 @@ def main() -> int:
     out_dir = Path(tempfile.mkdtemp(prefix="attncc-gluon-"))
     failures = 0
     print(f"triton {triton.__version__}; modules in {out_dir}")
+    if args.backward:
+        print(f"fused backward's dQ add: {fused_dq_add()}")
     for spec in specs:
         variant = attncc.parse_file(spec)
         why = backends.named("gluon").supports(variant)
@@ -158,6 +163,10 @@ def main() -> int:
                     (" dQ", _dicts(tiles.dq_candidates(p.tile_dim)),
                      lambda c: module.backward_dq(q, k, v, lse, delta, dout, inputs,
                                                   config=c, out=dout))]
+            if args.backward and not kernel_unsupported(variant, FUSED, dim, dim_v):
+                kernels += [(" fused", _dicts(tiles.fused_candidates(dim)),
+                             lambda c: module.backward_fused(q, k, v, lse, delta, dout, inputs,
+                                                             config=c))]
             for what, configs, launch in kernels:
                 for config in configs if args.all_configs else configs[:1]:
                     label = (f"{variant.name}{what} d{dims} {config['BLOCK_M']}x{config['BLOCK_N']} "

@@ -20,14 +20,17 @@ from attncc.runtime.decoding import CONFIG_KEYS, DecodeOptions
 
 
 def test_the_schemas_are_the_hand_written_ones():
-    """Today's fields give, word for word, the schemas attncc spelt by hand before."""
+    """Today's fields give, word for word, the schemas attncc spelt by hand before, and
+    the one field added since (deterministic, last)."""
     assert ops.FORWARD_SCHEMA == (
         "(int kernel, Tensor q, Tensor k, Tensor v, Tensor[] inputs, SymInt q_offset, "
-        "SymInt k_offset, SymInt seed, Tensor? drawn_seed, int tables) -> (Tensor, Tensor)")
+        "SymInt k_offset, SymInt seed, Tensor? drawn_seed, int tables, bool deterministic) "
+        "-> (Tensor, Tensor)")
     assert ops.BACKWARD_SCHEMA == (
         "(int kernel, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
         "Tensor? dlse, Tensor[] inputs, SymInt q_offset, SymInt k_offset, SymInt seed, "
-        "Tensor? drawn_seed, int tables) -> (Tensor, Tensor, Tensor, Tensor[])")
+        "Tensor? drawn_seed, int tables, bool deterministic) "
+        "-> (Tensor, Tensor, Tensor, Tensor[])")
     assert ops.DECODE_SCHEMA == (
         "(int kernel, Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
         "Tensor? k_new, Tensor? v_new, Tensor? block_table, Tensor[] inputs, int num_splits, "
@@ -36,7 +39,7 @@ def test_the_schemas_are_the_hand_written_ones():
 
 def test_op_arguments_rebuild_the_record():
     call = CallOptions(q_offset=3, k_offset=5, seed=7, tables=9)
-    assert call.op_arguments() == (3, 5, 7, None, 9)
+    assert call.op_arguments() == (3, 5, 7, None, 9, True)
     assert CallOptions(*call.op_arguments()) == call
     decode = DecodeOptions.of(None, dict(zip(CONFIG_KEYS, (32, 4, 2, 3))), True)
     assert DecodeOptions(*decode.op_arguments()) == decode
@@ -73,9 +76,9 @@ def test_a_field_without_a_schema_type_is_refused():
 # ------------------------------------------------------------ a new option, one field
 @call_record
 class WithMore(CallOptions):
-    """CallOptions with two options more, of the kinds the next ones have: a flag and an
-    optional tensor (FA3's deterministic, attention sinks)."""
-    deterministic: bool = option("bool", False)
+    """CallOptions with two options more, of the kinds the next ones may have: a flag and
+    an optional tensor (attention sinks)."""
+    extra_flag: bool = option("bool", False)
     sinks: torch.Tensor | None = option("Tensor?", None)
 
 
@@ -114,14 +117,15 @@ def _assert_carried(got: WithMore, want: WithMore):
 
 
 def test_a_new_field_reaches_the_schemas_and_the_launches():
-    assert WithMore.FIELDS[-2:] == ("deterministic", "sinks")
+    assert WithMore.FIELDS[-2:] == ("extra_flag", "sinks")
     assert ops.forward_schema(WithMore).endswith(
-        "int tables, bool deterministic, Tensor? sinks) -> (Tensor, Tensor)")
-    assert "int tables, bool deterministic, Tensor? sinks) -> (Tensor, Tensor, Tensor, Tensor[])" \
-        in ops.backward_schema(WithMore)
+        "bool deterministic, bool extra_flag, Tensor? sinks) -> (Tensor, Tensor)")
+    assert ("bool deterministic, bool extra_flag, Tensor? sinks) "
+            "-> (Tensor, Tensor, Tensor, Tensor[])") in ops.backward_schema(WithMore)
     sinks = torch.ones(2)
-    assert WithMore(seed=3, deterministic=True, sinks=sinks).launch_arguments(None) == dict(
-        q_offset=0, k_offset=0, seed=3, tables=None, deterministic=True, sinks=sinks)
+    # deterministic is the backward schedule's, not a launch argument.
+    assert WithMore(seed=3, extra_flag=True, sinks=sinks).launch_arguments(None) == dict(
+        q_offset=0, k_offset=0, seed=3, tables=None, extra_flag=True, sinks=sinks)
 
 
 @pytest.mark.parametrize("traced", [False, True])
@@ -134,7 +138,7 @@ def test_a_new_field_crosses_the_ops_and_their_autograd(more_ops, traced):
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 5, 16, generator=gen, requires_grad=True) for _ in range(3))
     slope = torch.rand(2, generator=gen, requires_grad=True)
-    call = WithMore(q_offset=3, k_offset=1, seed=7, deterministic=True,
+    call = WithMore(q_offset=3, k_offset=1, seed=7, deterministic=False, extra_flag=True,
                     sinks=torch.tensor([0.5, 1.5]))
 
     def attend(q, k, v, slope, call):

@@ -385,12 +385,20 @@ def _stand_in_gluon(kernel, monkeypatch, calls):
         return portable.backward_dq(q, k, v, lse, delta, dout, values, config=config, out=out,
                                     **common)
 
+    def backward_fused(q, k, v, lse, delta, dout, values, *, config, **common):
+        # The split kernels on the delta given: it must carry the LSE's gradient.
+        calls.append("fused")
+        dq, _ = portable.backward_dq(q, k, v, lse, delta, dout, values, config=config, **common)
+        return (dq, *portable.backward_dkdv(q, k, v, lse, delta, dout, values, config=config,
+                                            **common))
+
     monkeypatch.setattr(gluon_backend, "_call_unsupported", lambda q, k, v: None)
     monkeypatch.setattr(kernel, "backends", (GLUON,))
     monkeypatch.setattr(kernel, "backend", "gluon")
     monkeypatch.setattr(kernel, "requested_backend", "gluon")
     monkeypatch.setitem(kernel._modules, "gluon", (None, SimpleNamespace(
-        forward=forward, backward_dq=backward_dq, backward_dkdv=backward_dkdv)))
+        forward=forward, backward_dq=backward_dq, backward_dkdv=backward_dkdv,
+        backward_fused=backward_fused)))
 
 
 def test_the_backward_runs_the_gluon_dkdv_kernel_where_the_backend_takes_it(monkeypatch):
@@ -617,8 +625,8 @@ def test_a_table_driven_backward_says_it_runs_one_portable_launch(monkeypatch):
     calls = []
     _stand_in_gluon(kernel, monkeypatch, calls)
     gen = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(1, 2, 32, 64, generator=gen, requires_grad=True) for _ in range(3))
-    doc = torch.tensor([0] * 12 + [1] * 20, dtype=torch.int32)
+    q, k, v = (torch.randn(1, 2, 12, 64, generator=gen, requires_grad=True) for _ in range(3))
+    doc = torch.tensor([0] * 5 + [1] * 7, dtype=torch.int32)
     kernel(q, k, v, doc_q=doc, doc_k=doc).sum().backward()
     assert calls == ["forward"]
     backend, why = kernel.last_backward["bwd"]
@@ -626,6 +634,145 @@ def test_a_table_driven_backward_says_it_runs_one_portable_launch(monkeypatch):
     monkeypatch.setattr(settings, "TABLES_BACKWARD", "sequential")
     kernel(q, k, v, doc_q=doc, doc_k=doc).sum().backward()
     assert calls == ["forward", "forward", "dq", "dkdv"]
+
+
+def test_fused_candidates_fit_and_bad_configs_are_named():
+    causal = attncc.parse_file(EXAMPLES / "causal.attn")
+    for dim in tiles.FUSED_HEAD_DIMS:
+        kept = GLUON.candidates("fused", dim, causal)
+        # Two warpgroups side by side on 64 key rows first: the tile that compiled without
+        # spills (tests/test_gluon_compile.py's fused test).
+        assert kept[0] == TileConfig(64, 64, 8, 2)
+        assert all(GLUON.check_config(c, "fused", dim) is None for c in kept)
+        assert all(tiles._fused_smem(c, dim) <= tiles.SMEM_LIMIT for c in kept)
+    assert GLUON.candidates("fused", 256, causal) == []
+    # dQ's product has BLOCK_M rows: whole warpgroups, none split between two 16-row halves.
+    assert "BLOCK_M a multiple of 64" in GLUON.check_config(TileConfig(32, 128, 8, 2), "fused", 128)
+    # The dK/dV kernel's rules hold too, and dS^T's and the float32 dQ partial's buffers
+    # count in shared memory.
+    assert "multiple of 16 * num_warps" in GLUON.check_config(TileConfig(64, 32, 8, 2), "fused", 128)
+    assert GLUON.check_config(TileConfig(64, 128, 8, 4), "dkdv", 128) is None
+    assert "shared memory" in GLUON.check_config(TileConfig(64, 128, 8, 4), "fused", 128)
+
+
+def test_the_fused_backward_names_what_it_does_not_take():
+    def why(name, dim=128, dim_v=None, spec=None):
+        variant = attncc.parse(spec) if spec else attncc.parse_file(EXAMPLES / f"{name}.attn")
+        q = torch.randn(1, 2, 8, dim, dtype=torch.bfloat16)
+        v = torch.randn(1, 2, 8, dim_v or dim, dtype=torch.bfloat16)
+        return GLUON.supports_call(variant, q, q, v, "fused")
+
+    for name in ("causal", "softcap", "alibi", "document", "gqa_causal"):
+        assert why(name) is None and why(name, 64) is None
+    assert "head dim 256" in why("causal", 256) and "64, 128" in why("causal", 256)
+    assert "(192, 128)" in why("causal", 192, 128)
+    assert "learnable inputs (bias)" in why("relative_bias")
+    assert "normalizes by `none`" in why("sigmoid_attention")
+    # Each says that the split runs the call.
+    assert why("causal", 256).endswith("the deterministic dQ and dK/dV kernels run it")
+
+
+def _grads(kernel, q, k, v, dlse_weight=0.5, **options):
+    """q, k, v's gradients of a loss reading the output and the LSE."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out, lse = kernel(*leaves, return_lse=True, **options)
+    (out.square().sum() + dlse_weight * lse.sum()).backward()
+    return [t.grad for t in leaves]
+
+
+def _recording_gluon(kernel, monkeypatch, calls):
+    """As _stand_in_gluon, with kernels that return zeros: which ones a call runs, with
+    no kernel run (the interpreter's time)."""
+    _stand_in_gluon(kernel, monkeypatch, calls)
+    zeros = torch.zeros_like
+    results = {
+        "forward": lambda q, k, v, values: (zeros(q), q.new_zeros(q.shape[:3])),
+        "dq": lambda q, k, v, lse, delta, dout, values: (
+            zeros(q), {d.name: zeros(values[d.name]) for d in kernel.variant.learnable_inputs}),
+        "dkdv": lambda q, k, v, *_: (zeros(k), zeros(v)),
+        "fused": lambda q, k, v, *_: (zeros(q), zeros(k), zeros(v))}
+
+    def recorded(name):
+        def run(*args, config, **common):
+            calls.append(name)
+            return results[name](*args)
+        return run
+    monkeypatch.setitem(kernel._modules, "gluon", (None, SimpleNamespace(
+        forward=recorded("forward"), backward_dq=recorded("dq"), backward_dkdv=recorded("dkdv"),
+        backward_fused=recorded("fused"))))
+
+
+def test_deterministic_false_runs_the_fused_backward(monkeypatch):
+    kernel = attncc.compile(str(EXAMPLES / "causal.attn"))
+    calls = []
+    _recording_gluon(kernel, monkeypatch, calls)
+    q = torch.randn(1, 3, 9, 64, requires_grad=True)
+    kernel(q, q, q, deterministic=False).sum().backward()
+    assert calls == ["forward", "fused"]
+    backend, why = kernel.last_backward["fused"]
+    assert list(kernel.last_backward) == ["fused"] and backend == "gluon"
+    assert "deterministic=False" in why and "no fixed order" in why
+    assert gluon_backend.fused_dq_add() in why  # which add this Triton runs
+    # The default, deterministic=True, and torch's deterministic mode whatever the call
+    # says run the split deterministic kernels.
+    for options in ({}, {"deterministic": True}):
+        calls.clear()
+        kernel(q, q, q, **options).sum().backward()
+        assert calls == ["forward", "dq", "dkdv"] and "fused" not in kernel.last_backward
+    calls.clear()
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    kernel(q, q, q, deterministic=False).sum().backward()
+    assert calls == ["forward", "dq", "dkdv"]
+
+
+@pytest.mark.slow
+def test_the_fused_backward_reads_the_delta_that_carries_the_lse_gradient(monkeypatch):
+    # The stand-in fused kernel runs the portable split on the delta it is given: the
+    # gradients, the LSE's included, match the portable kernels' only if that delta is
+    # delta - dlse (runtime/scheduling.py's _fused).
+    spec = str(EXAMPLES / "causal.attn")
+    kernel = attncc.compile(spec)
+    calls = []
+    _stand_in_gluon(kernel, monkeypatch, calls)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 3, 21, 64, generator=gen) for _ in range(3))
+    fused = _grads(kernel, q, k, v, deterministic=False)
+    assert calls == ["forward", "fused"]
+    portable = _grads(attncc.compile(spec, backend="triton"), q, k, v)
+    for a, b in zip(fused, portable):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_the_fused_backward_takes_tile_tables_and_leaves_the_rest_to_the_split(monkeypatch):
+    kernel = attncc.compile(str(EXAMPLES / "document.attn"))
+    calls = []
+    _recording_gluon(kernel, monkeypatch, calls)
+    q = torch.randn(1, 2, 12, 64, requires_grad=True)
+    doc = torch.tensor([0] * 5 + [1] * 7, dtype=torch.int32)
+    kernel(q, q, q, doc_q=doc, doc_k=doc, deterministic=False).sum().backward()
+    assert calls == ["forward", "fused"]
+    # Learnable inputs' gradients are not the fused kernel's: the split kernels run, and
+    # last_backward says why.
+    kernel = attncc.compile(str(EXAMPLES / "relative_bias.attn"))
+    calls = []
+    _recording_gluon(kernel, monkeypatch, calls)
+    bias = torch.randn(2, 511, requires_grad=True)
+    kernel(q, q, q, bias=bias, deterministic=False).sum().backward()
+    assert calls == ["forward", "dq", "dkdv"] and bias.grad is not None
+    backend, why = kernel.last_backward["fused"]
+    assert backend is None and "learnable inputs (bias)" in why and "deterministic kernels ran" in why
+    # A kernel on the portable backend alone has no fused backward.
+    kernel = attncc.compile(str(EXAMPLES / "causal.attn"), backend="triton")
+    kernel(q[..., :16], q[..., :16], q[..., :16], deterministic=False).sum().backward()
+    assert "backend='triton' was asked for" in kernel.last_backward["fused"][1]
+
+
+def test_deterministic_must_be_a_bool_or_none():
+    kernel = attncc.compile(str(EXAMPLES / "causal.attn"))
+    q = torch.randn(1, 2, 8, 16)
+    for bad in ("no", 1):
+        with pytest.raises(attncc.CallError, match=r"deterministic must be True or False"):
+            kernel(q, q, q, deterministic=bad)
 
 
 def test_backend_names_are_checked():

@@ -22,6 +22,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon.language.nvidia.hopper import tma
 import attncc
 from attncc.backends.gluon import codegen as gluon, kernel_unsupported
 
@@ -50,7 +51,8 @@ def load(example, path):
     return variant, module
 
 
-POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "O": "*bf16", "DO": "*bf16"}
+POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32", "O": "*bf16", "DO": "*bf16",
+            "DQ": "*fp32"}
 DTYPES = {"f32": "*fp32", "i32": "*i32", "bool": "*i1"}
 # label: (kernel, BLOCK_M, BLOCK_N, num_warps, num_stages, other constexprs); BLOCK_M is
 # the query tile's rows (the warp-specialized forward's CONSUMERS take a share each).
@@ -68,7 +70,12 @@ KERNELS = {"attn_fwd": ("attn_fwd", 128, 128, 8, 2, {}),
            "attn_bwd_dkdv_w8": ("attn_bwd_dkdv", 64, 64, 8, 2, {}),
            "attn_bwd_dkdv_w8_m32": ("attn_bwd_dkdv", 32, 64, 8, 2, {}),
            # dQ's two warpgroups side by side on 64 query rows (the head dim 256 candidates').
-           "attn_bwd_dq_w8": ("attn_bwd_dq", 64, 64, 8, 2, {"DELTA_FROM_O": True, "HAS_DLSE": True})}
+           "attn_bwd_dq_w8": ("attn_bwd_dq", 64, 64, 8, 2, {"DELTA_FROM_O": True, "HAS_DLSE": True}),
+           # The fused backward at its first candidate (two warpgroups side by side on 64
+           # key rows), its dQ partials added by a bulk reduce-add where this Triton has
+           # one (3.8 on), else by an atomic per element (the launcher's TMA_REDUCE).
+           "attn_bwd_fused": ("attn_bwd_fused", 64, 64, 8, 2,
+                              {"TMA_REDUCE": hasattr(tma, "async_atomic_add")})}
 
 
 def signature(variant, module, fn, consts, widths, rows):
@@ -76,6 +83,10 @@ def signature(variant, module, fn, consts, widths, rows):
     for n in fn.arg_names:
         if n in consts:
             sig[n] = "constexpr"
+        elif n == "dq_desc" and "TMA_REDUCE" in consts:  # the fused backward's float32 dQ
+            width = widths["q_desc"]
+            sig[n] = (f"tensordesc<fp32[1,1,{rows[n]},{width}],{module._float32_layout(rows[n], width)!r}>"
+                      if consts["TMA_REDUCE"] else "*fp32")  # (not read where atomics add)
         elif n.endswith("_desc"):  # a TMA descriptor of [rows, width] tiles
             block, layout = module._shared_layout(rows[n], widths.get(n, widths["q_desc"]),
                                                   torch.bfloat16)
@@ -109,8 +120,10 @@ def packed_predicates(cubin: bytes) -> int:
 def report(example, name, dims, compiled):
     ttgir = compiled.asm["ttgir"]
     ops = ("ttng.async_tma_copy_global_to_local", "ttng.wait_barrier", "ttng.warp_group_dot",
-           "ttng.async_tma_copy_local_to_global", "ttg.warp_specialize")
+           "ttng.async_tma_copy_local_to_global", "ttg.warp_specialize", "tt.atomic_rmw",
+           "ttng.async_tma_reduce")
     print(json.dumps({"example": example, "kernel": name, "dim": "%d:%d" % dims,
+                      "tma_reduce": hasattr(tma, "async_atomic_add"),
                       "shared": compiled.metadata.shared, "cubin": len(compiled.asm["cubin"]),
                       "ops": {op: op in ttgir for op in ops},
                       "tanh_approx": "tanh.approx.f32" in compiled.asm["ptx"],
@@ -131,6 +144,8 @@ for example in sys.argv[1].split(","):
         first, tail = module._segments(dims[0])
         consts = dict(BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=first, HEAD_DIM_TAIL=tail,
                       HEAD_DIM_V=dims[1], NUM_STAGES=stages, WIDE=False, **extra)
+        # (the fused backward's one head dim takes no tail or v width of its own)
+        consts = {n: value for n, value in consts.items() if n in fn.arg_names}
         widths = dict(q_desc=first, k_desc=first, qt_desc=tail or first, kt_desc=tail or first,
                       dq_desc=first, dk_desc=first, dqt_desc=tail or first,
                       dkt_desc=tail or first, v_desc=dims[1], o_desc=dims[1],
@@ -176,9 +191,10 @@ def _check(results: list, examples: list, head_dims: list, kernels=KERNELS):
 
     def taken(e, k, d):  # the backward kernels' refusals (a 512-entry table's dQ at 128) skip
         dims = tuple(map(int, d.split(":")))
+        kind = "dq" if k.startswith("attn_bwd_dq") else "fused" if k == "attn_bwd_fused" else "dkdv"
         return k.startswith("attn_fwd") or (
             (dims[0] == dims[1] or d in backward_pairs)
-            and kernel_unsupported(variants[e], "dq" if k.startswith("attn_bwd_dq") else "dkdv", *dims) is None)
+            and kernel_unsupported(variants[e], kind, *dims) is None)
     assert sorted((Path(r["example"]).name, r["kernel"], r["dim"]) for r in results) == sorted(
         (e, k, d) for e in examples for k in kernels for d in pairs if taken(e, k, d))
     for r in results:
@@ -196,6 +212,11 @@ def _check(results: list, examples: list, head_dims: list, kernels=KERNELS):
         assert ops["ttg.warp_specialize"] == r["kernel"].startswith("attn_fwd_ws"), what
         # The pair weights' sigmoid takes the one-MUFU form (tanh.approx) on the GPU.
         assert r["tanh_approx"] == Path(r["example"]).name.startswith("sigmoid_"), what
+        # Only the fused backward adds across programs (the others write each tile once):
+        # a bulk reduce-add per dQ partial where Triton has one, else an atomic per element.
+        fused = r["kernel"] == "attn_bwd_fused"
+        assert ops["ttng.async_tma_reduce"] == (fused and r["tma_reduce"]), what
+        assert ops["tt.atomic_rmw"] == (fused and not r["tma_reduce"]), what
 
 
 def test_gluon_kernels_compile_for_hopper(tmp_path):
@@ -308,6 +329,27 @@ def test_gluon_backward_compiles_at_head_dim_256_without_spills(tmp_path):
     kernels = ("attn_bwd_dq_w8", "attn_bwd_dkdv_w8_m32")
     results = _compile(paths, [256], tmp_path, kernels, spills=True)
     _check(results, names, [256], kernels)
+    for r in results:
+        regs, spill_stores, spill_loads = r["ptxas"]
+        assert regs <= 255 and spill_stores == spill_loads == 0, r
+
+
+@pytest.mark.slow
+def test_gluon_fused_backward_compiles_without_spills(tmp_path):
+    # deterministic=False's kernel at its first candidate, 64x64 tiles on two warpgroups
+    # side by side (tiles.fused_candidates): no spill at head dims 64 and 128 for plain
+    # masks, a score (softcap, alibi), tile tables (document) and GQA, on Triton 3.9 (its
+    # TMA reduce-add: at most 215 registers, softcap's at 128) and 3.6 (atomics: 229).
+    # One warpgroup per 64 key rows spilled 60-440 bytes at 128 (FlashAttention-3's 64x128
+    # on 8 warps 96-568). Run it on Triton 3.6 too (tests/README.md). About two minutes.
+    from attncc.backends.gluon import tiles
+    for dim in tiles.FUSED_HEAD_DIMS:
+        assert tiles.fused_candidates(dim)[0].as_dict() == dict(BLOCK_M=64, BLOCK_N=64,
+                                                                num_warps=8, num_stages=2)
+    examples = ["causal.attn", "softcap.attn", "alibi.attn", "document.attn", "gqa_causal.attn"]
+    kernels = ("attn_bwd_fused",)
+    results = _compile(examples, [64, 128], tmp_path, kernels, spills=True)
+    _check(results, examples, [64, 128], kernels)
     for r in results:
         regs, spill_stores, spill_loads = r["ptxas"]
         assert regs <= 255 and spill_stores == spill_loads == 0, r

@@ -29,7 +29,12 @@ def test_a_portable_module_keeps_the_contract(name, uses_tables):
 
 def test_the_gluon_module_keeps_the_contract():
     gen, module = load_generated(attncc.load(EXAMPLES / "causal.attn"), "gluon")
-    assert interface.missing(module, False, backend="gluon") == []
+    assert interface.missing(module, False, backend="gluon", fused=True) == []
+    # The fused backward only where it takes the variant: softmax, no learnable inputs.
+    for name in ("relative_bias", "sigmoid_attention"):
+        gen, module = load_generated(attncc.load(EXAMPLES / f"{name}.attn"), "gluon")
+        assert interface.missing(module, False, backend="gluon") == []
+        assert not hasattr(module, "backward_fused") and "attn_bwd_fused" not in gen.source
 
 
 def test_attncc_uses_only_the_contracts_names():

@@ -16,11 +16,16 @@ from .tile_config import TileConfig
 # The kernel roles, as the tuner names them: the forward, dQ, dK/dV, and "bwd", dK/dV and
 # dQ in one launch (the portable module's, for table-driven variants).
 DIRECTIONS = ("fwd", "dq", "dkdv", "bwd")
+# The role of a call with deterministic=False where a backend has it: dK, dV and dQ in one
+# pass, dQ added across key tiles in no fixed order (the Gluon module's; such a backend
+# says how in its `fused_add`).
+FUSED = "fused"
 # What each role's kernel is called in messages.
-KERNEL_NAMES = {"fwd": "forward", "dq": "dQ", "dkdv": "dK/dV", "bwd": "backward"}
+KERNEL_NAMES = {"fwd": "forward", "dq": "dQ", "dkdv": "dK/dV", "bwd": "backward",
+                FUSED: "fused backward"}
 # Each role's entry point in a generated module (attncc/codegen/interface.py).
 ENTRY_POINTS = {"fwd": "forward", "dq": "backward_dq", "dkdv": "backward_dkdv",
-                "bwd": "backward_one_launch"}
+                "bwd": "backward_one_launch", FUSED: "backward_fused"}
 
 
 class Backend(Protocol):

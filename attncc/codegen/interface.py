@@ -72,11 +72,19 @@ GLUON = {
                      "-> (dk, dv), and dinputs where the variant reads learnable inputs by "
                      "key alone",
 }
+# Present only where the Gluon fused backward takes the variant (softmax, no learnable
+# inputs: backends/gluon/__init__.py's fused_variant_unsupported).
+GLUON_FUSED = {
+    "backward_fused": "backward_fused(q, k, v, lse, delta, dout, inputs, *, ...) "
+                      "-> (dq, dk, dv) (runtime/scheduling.py: deterministic=False)",
+}
 
 
-def missing(module, uses_tables: bool, backend: str = "triton", learnable: bool = False) -> list:
-    """The names of the contract a generated module lacks (empty when it keeps it)."""
-    names = dict(GLUON) if backend == "gluon" else {
+def missing(module, uses_tables: bool, backend: str = "triton", learnable: bool = False,
+            fused: bool = False) -> list:
+    """The names of the contract a generated module lacks (empty when it keeps it);
+    `fused`: a Gluon module with the fused backward."""
+    names = {**GLUON, **(GLUON_FUSED if fused else {})} if backend == "gluon" else {
         **PORTABLE, **(PORTABLE_WITH_TABLES if uses_tables else {}),
         **(PORTABLE_WITH_LEARNABLE if learnable else {})}
     return [name for name in names if not hasattr(module, name)]

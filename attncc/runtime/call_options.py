@@ -73,6 +73,9 @@ class CallOptions(CallRecord):
     seed: int = option("SymInt", 0)  # dropout_seed as given; 0 where drawn or no dropout
     drawn_seed: torch.Tensor | None = option("Tensor?", None)  # the seed the call drew, if any
     tables: int = option("int", NO_TABLES)  # the kept TileTables' id (runtime/ops.py)
+    # False: the backward may sum dQ with atomic adds in no fixed order (the Gluon fused
+    # backward), so its last bits may differ between runs (runtime/scheduling.py).
+    deterministic: bool = option("bool", True)
 
     @classmethod
     def received(cls, arguments: tuple) -> "CallOptions":
@@ -87,13 +90,15 @@ class CallOptions(CallRecord):
     def launch_arguments(self, table_store) -> dict:
         """The keyword arguments of the generated modules' launches (forward, dQ, dK/dV,
         one-launch backward; the Gluon ones alike) for this call: each field under its
-        own name, but for the two that cross the op boundary as stand-ins. A drawn seed
+        own name, but for `deterministic` (the backward's schedule reads it, no launch
+        takes it) and the two that cross the op boundary as stand-ins. A drawn seed
         is read into `seed` (a CPU tensor: reading it syncs nothing), and the kept
         tables' id gives way to `table_store`, where the launch finds its tile tables
         (kept tables' store, a store of the caller's own, or None for the module's cache
         of recent calls)."""
         arguments = {name: getattr(self, name) for name in self.FIELDS}
         drawn_seed = arguments.pop("drawn_seed")
+        del arguments["deterministic"]  # the schedule's choice, not a launch's argument
         if drawn_seed is not None:
             arguments["seed"] = int(drawn_seed)
         arguments["tables"] = table_store

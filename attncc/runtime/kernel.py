@@ -15,6 +15,7 @@ import weakref
 import torch
 
 from .. import backends, ir
+from ..backends.base import FUSED
 from ..backends.tile_config import EXAMPLE
 from ..codegen.generated import Generated
 from ..errors import CallError, did_you_mean
@@ -103,7 +104,8 @@ class Kernel:
     @property
     def last_backward(self) -> dict:
         """{"dq": (backend, reason), "dkdv": (backend, reason)} of the latest backward
-        ({} before the first; {"bwd": ...} where dQ and dK/dV run in one launch)."""
+        ({} before the first; {"bwd": ...} where dQ and dK/dV run in one launch;
+        {"fused": ...} where deterministic=False ran the fused backward)."""
         return dict(self._last_backward)
 
     # ------------------------------------------------ kernel roles: backends and configs
@@ -141,6 +143,36 @@ class Kernel:
         run = tuning.launcher(self._entry(portable, "bwd"), q, k, v, lse, delta, dout, values,
                               **common)
         return dispatch.Role("bwd", {portable.name: run}, dispatch.one_launch_reason())
+
+    def fused_backend(self, q, k, v):
+        """The first of the kernel's backends whose fused backward (dK, dV and dQ in one
+        pass, dQ added across key tiles in no fixed order: deterministic=False) takes this
+        call, or None: the deterministic kernels run, and last_backward's "fused" entry
+        says why (the backends' reasons)."""
+        portable = backends.portable()
+        reasons = []
+        for backend in self.backends:
+            if backend is portable:
+                continue
+            why = backend.supports_call(self.variant, q, k, v, FUSED)
+            if why is None:
+                return backend
+            reasons.append(f"{backend.title}: {why}")
+        if self.backends == (portable,):  # (the portable backend has no fused backward)
+            reasons.append(self.backend_reason)
+        self._last_backward[FUSED] = (None, "deterministic=False, but no fused backward takes "
+                                      "this call (" + "; ".join(reasons) + "): the deterministic "
+                                      "kernels ran")
+        return None
+
+    def fused_role(self, backend, q, k, v, lse, delta, dout, values: dict,
+                   common: dict) -> dispatch.Role:
+        """This call's fused backward on `backend` (fused_backend's)."""
+        run = tuning.launcher(self._entry(backend, FUSED), q, k, v, lse, delta, dout, values,
+                              **common)
+        return dispatch.Role(FUSED, {backend.name: run},
+                             f"deterministic=False: dK, dV and dQ in one {backend.title} pass, "
+                             f"dQ added across key tiles in no fixed order ({backend.fused_add})")
 
     def _entry(self, backend, kind: str):
         return backend.entry(self.module_of(backend.name), kind)
@@ -308,7 +340,7 @@ class Kernel:
     def __call__(self, q, k, v, /, *positional, return_lse: bool = False,
                  dropout_seed: int | None = None, training: bool = True, q_offset: int = 0,
                  k_offset: int = 0, tables: "TileTables | None" = None, layout: str | None = None,
-                 deterministic: bool = False, **inputs):
+                 deterministic: bool | None = None, **inputs):
         # Everything up to the operator call is what torch.compile traces (attncc/runtime/ops.py):
         # Python on shapes, dtypes and devices, no tensor data read.
         if positional:
@@ -316,6 +348,9 @@ class Kernel:
         check_return_lse(self.variant, return_lse)
         if not isinstance(training, bool):
             raise CallError(f"training must be True or False, got {training!r}")
+        if deterministic is not None and not isinstance(deterministic, bool):
+            raise CallError(f"deterministic must be True or False (or None, the default: "
+                            f"deterministic q, k, v gradients), got {deterministic!r}")
         if dropout_seed is not None:
             dropout_seed = check_seed(dropout_seed)
         if not training and self.variant.dropout:
@@ -324,8 +359,6 @@ class Kernel:
                                             k_offset=k_offset, tables=tables, layout=layout,
                                             deterministic=deterministic, **inputs)
         p = self._check_call_once(q, k, v, inputs, q_offset, k_offset, layout)
-        if not isinstance(deterministic, bool):
-            raise CallError(f"deterministic must be True or False, got {deterministic!r}")
         if deterministic:
             self.check_deterministic(p, inputs)
         # (batch, seq, heads, dim) is read through transposed views: the kernels take any
@@ -350,7 +383,8 @@ class Kernel:
                   for d in self.variant.inputs]
         options = CallOptions(q_offset=q_offset, k_offset=k_offset, seed=seed,
                               drawn_seed=drawn_seed,
-                              tables=NO_TABLES if tables is None else tables._op_id)
+                              tables=NO_TABLES if tables is None else tables._op_id,
+                              deterministic=deterministic is not False)
         # Under torch.compile, the op (a node of the graph); in eager, its autograd kernel.
         op = self._ops.forward if torch.compiler.is_compiling() else self._ops.apply
         out, lse = op(self._op_id, q, k, v, values, *options.op_arguments())

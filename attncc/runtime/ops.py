@@ -242,12 +242,14 @@ def _table_store(tables):
 
 class _Received(NamedTuple):
     """What an op implementation works from: the kernel, its inputs by name, the call's
-    Problem and kept tables, and the launch keywords of the call's record."""
+    Problem and kept tables, the launch keywords of the call's record, and whether its
+    backward must be deterministic."""
     kernel: object
     values: dict
     problem: Problem
     tables: object
     launch: dict
+    deterministic: bool
 
 
 def _received(kernel_id, q, k, v, inputs, options) -> _Received:
@@ -256,12 +258,12 @@ def _received(kernel_id, q, k, v, inputs, options) -> _Received:
     tables = _tables(call.tables)
     return _Received(kernel, dict(zip(kernel.input_names, inputs)),
                      _problem(q, k, v, call.q_offset, call.k_offset), tables,
-                     call.launch_arguments(_table_store(tables)))
+                     call.launch_arguments(_table_store(tables)), call.deterministic)
 
 
 def _forward(kernel_id, q, k, v, inputs, *options):
     precompile.wait_for_triton()
-    kernel, values, p, tables, launch = _received(kernel_id, q, k, v, inputs, options)
+    kernel, values, p, tables, launch, _ = _received(kernel_id, q, k, v, inputs, options)
     if empty_problem(p):
         if tables is not None:
             tables.check_reads(values)
@@ -297,7 +299,8 @@ def _empty_forward(q, v):
 def _backward(kernel_id, q, k, v, out, lse, dout, dlse, inputs, *options):
     """The gradients of the output and, with dlse (None when no loss reads the LSE), of
     the LSE (runtime/scheduling.py)."""
-    kernel, values, p, tables, launch = _received(kernel_id, q, k, v, inputs, options)
+    kernel, values, p, tables, launch, deterministic = _received(kernel_id, q, k, v, inputs,
+                                                                  options)
     if empty_problem(p):
         # No query sees a key: the output is 0 and the LSE -inf whatever q, k, v and the
         # inputs hold, so every gradient is 0 (dlse included); with a sink, L = σ, whose
@@ -309,7 +312,7 @@ def _backward(kernel_id, q, k, v, out, lse, dout, dlse, inputs, *options):
         return (q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape),
                 [dinputs[d.name] for d in kernel.variant.learnable_inputs])
     return scheduling.backward(kernel, p, q, k, v, out, lse, dout, dlse, values, tables,
-                               **launch)
+                               deterministic, **launch)
 
 
 # ---------------------------------------------------------------------------- decoding

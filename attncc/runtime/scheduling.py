@@ -13,6 +13,7 @@ import warnings
 import torch
 
 from .. import backends, ir
+from ..backends.base import FUSED
 from . import call_plans, precompile, sinks, tuning
 from .settings import backward_directions
 
@@ -86,13 +87,21 @@ def compile_backward_beside(kernel, problem, q, k, v, values, common, tune, forw
 
 
 def backward(kernel, problem, q, k, v, out, lse, dout, dlse, values: dict, kept_tables,
-             **common):
+             deterministic: bool = True, **common):
     """(dq, dk, dv, dinputs) of a non-empty call: the gradients of the output and, with
     dlse (None when no loss reads the LSE), of the LSE: folded into delta (delta - dlse,
     see the backward template), so the dQ and dK/dV kernels run unchanged. `dinputs`:
-    [gradient] of the learnable inputs, in declared order. Arguments as forward's."""
+    [gradient] of the learnable inputs, in declared order. `deterministic` False (and
+    torch.use_deterministic_algorithms off) lets a backend's fused backward run, whose
+    dQ is summed by atomic adds in no fixed order; where none takes the call, the
+    deterministic kernels run. Other arguments as forward's."""
     module = kernel.module
     kernel.begin_backward()
+    if not (deterministic or torch.are_deterministic_algorithms_enabled()):
+        fused = kernel.fused_backend(q, k, v)
+        if fused is not None:
+            return _fused(kernel, fused, problem, q, k, v, out, lse, dout, dlse, values,
+                          kept_tables, common)
     one_launch = backward_directions(module.USES_TABLES) == ("bwd",)
     # A call like an earlier one runs the earlier one's choices (runtime/call_plans.py);
     # the one-launch backward has no plan.
@@ -131,6 +140,20 @@ def backward(kernel, problem, q, k, v, out, lse, dout, dlse, values: dict, kept_
     if kernel.variant.sink is not None:
         dinputs = sinks.add_sink_gradients(kernel.variant, problem, values, lse, delta, dinputs)
     return dq, dk, dv, [dinputs[d.name] for d in kernel.variant.learnable_inputs]
+
+
+def _fused(kernel, backend, problem, q, k, v, out, lse, dout, dlse, values, kept_tables,
+           common):
+    """deterministic=False's backward on `backend` (Kernel.fused_backend's): delta (minus
+    dlse) from the portable module's pass, then dK, dV and dQ in one launch. The fused
+    kernel takes no variant with learnable inputs, so there are no input gradients (a
+    sink's gradient is a learnable input's)."""
+    tune = kernel.tuning_inputs(problem, values, q.device, kept_tables)
+    delta = kernel.module.backward_delta(out, dout, lse=lse, dlse=dlse)
+    role = kernel.fused_role(backend, q, k, v, lse, delta, dout, values, common)
+    run, config = kernel.choose(role, problem, q.dtype, tune)
+    dq, dk, dv = tuning.launch(kernel, problem, q.dtype, FUSED, run, config)
+    return dq, dk, dv, []
 
 
 def reads_delta(variant) -> bool:

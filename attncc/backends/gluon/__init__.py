@@ -1,5 +1,6 @@
 """The Gluon backend: Hopper (sm_90) kernels written in Gluon, for the forward, dQ and
-dK/dV (codegen.py renders them; tiles.py lists their configs).
+dK/dV, and dK, dV and dQ fused in one pass for deterministic=False (codegen.py renders
+them; tiles.py lists their configs).
 
 The backward reads the forward's output and LSE, which both backends write alike, so
 each of the three kernels runs on this backend or the portable one on its own. What the
@@ -12,7 +13,7 @@ import functools
 import os
 
 from ... import ir
-from ..base import ENTRY_POINTS, KERNEL_NAMES
+from ..base import ENTRY_POINTS, FUSED, KERNEL_NAMES
 from ..tile_config import TileConfig, fits_variant
 from . import tiles
 
@@ -92,6 +93,23 @@ class GluonBackend:
 
     def entry(self, module, kind: str):
         return getattr(module, ENTRY_POINTS[kind])
+
+    @property
+    def fused_add(self) -> str:
+        """How the fused backward adds each dQ partial under the installed Triton."""
+        return fused_dq_add()
+
+
+def fused_dq_add() -> str:
+    """How the fused backward adds each key tile's dQ partial into the float32 sum under
+    the installed Triton: one bulk TMA reduce-add where Gluon has it (Triton 3.8 on),
+    else an atomic per element (the generated module's TMA_REDUCE decides alike)."""
+    import triton
+    from triton.experimental.gluon.language.nvidia.hopper import tma
+    if hasattr(tma, "async_atomic_add"):
+        return f"a TMA reduce-add per partial, Triton {triton.__version__}"
+    return (f"per-element fp32 atomics: Triton {triton.__version__} has no Gluon TMA reduce-add "
+            "(3.8 added it)")
 
 
 @functools.lru_cache(maxsize=1)
@@ -176,10 +194,12 @@ def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int,
     """Why the Gluon kernel of role `kind` cannot take a call of this variant at this head
     dim (and v's, `dim_v`, where given), or None: the forward takes every head dim the
     call checks let through; dQ and dK/dV fewer and one for all three, and neither a
-    learnable read whose gradient it does not own (OWNED_KINDS); there is no one-launch
-    backward."""
+    learnable read whose gradient it does not own (OWNED_KINDS); the fused backward
+    fewer still (fused_unsupported); there is no one-launch deterministic backward."""
     if kind == "fwd":
         return None
+    if kind == FUSED:
+        return fused_unsupported(variant, head_dim, dim_v)
     if kind not in ("dq", "dkdv"):
         return f"the Gluon backend has no {KERNEL_NAMES[kind]} kernel of one launch"
     name = KERNEL_NAMES[kind]
@@ -204,6 +224,41 @@ def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int,
                 f"entries (padded) per diagonal at head dim 64, and at 128 tables of up to "
                 f"{tiles.DIAGONAL_ENTRIES_AT_128}; past that its registers spill "
                 "(backends/gluon/tiles.py's dq_fits_registers)")
+    return None
+
+
+def fused_unsupported(variant: ir.Variant, head_dim: int, dim_v: int | None = None) -> str | None:
+    """Why the Gluon fused backward (deterministic=False: dK, dV and dQ in one pass, dQ
+    added across key tiles) cannot take a call of this variant at this head dim, or None.
+    It is the dK/dV kernel's softmax path with dQ's product beside it, at equal head dims
+    of 64 and 128 (tiles.FUSED_HEAD_DIMS) and no learnable inputs; the deterministic
+    split runs everything else."""
+    why = None
+    if dim_v is not None and dim_v != head_dim or head_dim not in tiles.FUSED_HEAD_DIMS:
+        shape = f"(q·k, v) head dims ({head_dim}, {dim_v})" if dim_v not in (None, head_dim) \
+            else f"head dim {head_dim}"
+        why = (f"{shape}: the Gluon fused backward takes equal head dims "
+               f"{', '.join(map(str, tiles.FUSED_HEAD_DIMS))} (past 128 its dQ partial does not "
+               "fit in registers beside dK, dV and the score tiles)")
+    else:
+        why = fused_variant_unsupported(variant)
+    if why is None:
+        return None
+    return why + "; the deterministic dQ and dK/dV kernels run it"
+
+
+def fused_variant_unsupported(variant: ir.Variant) -> str | None:
+    """Why the fused backward cannot take `variant` at any head dim, or None: the Gluon
+    module renders its kernel only where this is None (codegen.py)."""
+    if variant.dropout:  # (the Gluon backend takes no dropout yet: GluonBackend.supports)
+        return f"variant '{variant.name}' has dropout, which the Gluon fused backward does not draw"
+    if variant.learnable_inputs:
+        names = ", ".join(d.name for d in variant.learnable_inputs)
+        return (f"variant '{variant.name}' has learnable inputs ({names}), whose gradients the "
+                "Gluon fused backward does not sum")
+    if variant.normalize != ir.SOFTMAX:
+        return (f"variant '{variant.name}' normalizes by `{variant.normalize}`; the Gluon fused "
+                "backward is written for softmax")
     return None
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ... import ir
-from . import OWNED_KINDS, gluon_kind
+from . import OWNED_KINDS, fused_variant_unsupported, gluon_kind
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
@@ -59,7 +59,8 @@ def template_context(variant: ir.Variant, code=None) -> dict:
     its backward kernels own (OWNED_KINDS: `gluon_owns`, each read's `gluon_kind`, and
     whether the variant has any such read: `gluon_owned_reads`), and each kernel's owned
     reads with the name of the tile of their d w / d element under `sum` and `none`
-    (`gluon_slopes`, `slope`: scores.jinja's masked_weights)."""
+    (`gluon_slopes`, `slope`: scores.jinja's masked_weights), and whether the module has
+    the fused backward (`fused_backward`: a softmax variant without learnable inputs)."""
     from ..portable.codegen import template_context as shared_context, variant_code
     code = code or variant_code(variant)
     context = shared_context(variant, code)
@@ -76,4 +77,4 @@ def template_context(variant: ir.Variant, code=None) -> dict:
     uniform = code.diagonal.uniform.text if code.diagonal is not None else None
     return dict(context, input_grads=grads, gluon_owns=OWNED_KINDS, gluon_slopes=slopes,
                 gluon_owned_reads=any(g["gluon_kind"] in owned for g in grads),
-                uniform_score=uniform)
+                uniform_score=uniform, fused_backward=fused_variant_unsupported(variant) is None)

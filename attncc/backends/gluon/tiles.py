@@ -236,6 +236,48 @@ def dq_candidates(head_dim: int) -> list:
     return _backward_configs("dq", shapes.get(head_dim, []), head_dim)
 
 
+# Head dims of the Gluon fused backward (q·k and v alike): each thread holds its rows of
+# dK and dV beside the dQ partial, which at 256 columns does not fit.
+FUSED_HEAD_DIMS = (64, 128)
+
+
+def _fused_smem(config: TileConfig, head_dim: int) -> int:
+    """The dK/dV kernel's tiles plus dS^T [BLOCK_N, BLOCK_M] in 16-bit elements, and the
+    float32 dQ partial [BLOCK_M, HEAD_DIM] that a Triton with the bulk reduce-add stages
+    (counted always: a config must fit under either Triton)."""
+    return (_backward_smem("dkdv", config, head_dim) + 2 * config.block_m * config.block_n
+            + 4 * config.block_m * head_dim)
+
+
+def check_fused_config(config: TileConfig, head_dim: int | None) -> str | None:
+    """Why a config cannot run the Gluon fused backward, or None: the dK/dV kernel's
+    rules, and query tiles of whole warpgroups (dQ's product has BLOCK_M rows)."""
+    why = _check_backward("dkdv", config, head_dim)
+    rows = config.block_m // 16  # the dQ product's 16-row slices, over min(w, rows) warps
+    if why is None and (config.block_m % 64 or rows % min(config.num_warps, rows)):
+        why = (f"config {config.as_dict()} does not fit the Gluon fused backward: its dQ "
+               "product needs BLOCK_M a multiple of 64 (of 128 on 8 warps, past 64)")
+    if why is None and head_dim is not None and _fused_smem(config, head_dim) > SMEM_LIMIT:
+        why = (f"config {config.as_dict()} needs {_fused_smem(config, head_dim)} bytes of "
+               f"shared memory at head dim {head_dim} in the fused backward; Hopper has {SMEM_LIMIT}")
+    return why
+
+
+def fused_candidates(head_dim: int) -> list:
+    """Fused backward tile configs (BLOCK_M query rows stream past BLOCK_N key rows),
+    most likely winner first. Each thread holds the dK/dV kernel's tiles and, after them,
+    its part of the dQ partial [BLOCK_M, HEAD_DIM]."""
+    # Not yet timed on a GPU; ordered by ptxas's spills on Triton 3.6 (benchmarks/
+    # gluon_compile.py --backward --all-configs, causal and softcap): at head dim 128,
+    # 64x64 w4 spills 104 and 404 bytes (the dK/dV kernel's 56 and 356 at the same
+    # tiles), FlashAttention-3's shape 64x128 w8 296 and 564; at 64 neither spills
+    # causal (softcap: 88 and 24 bytes), and 128x128 w8 spilled 192 and 1024.
+    shapes = {64: [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 8, 3)],
+              128: [(64, 64, 8, 2), (64, 64, 8, 3)]}
+    configs = [TileConfig(*shape) for shape in shapes.get(head_dim, [])]
+    return [c for c in configs if check_fused_config(c, head_dim) is None]
+
+
 def check_config(config: TileConfig, head_dim: int | None) -> str | None:
     """Why a config cannot run the Gluon forward, or None."""
     consumers = WS_CONSUMERS.get(config.num_warps)
@@ -263,6 +305,9 @@ def check_config(config: TileConfig, head_dim: int | None) -> str | None:
 
 
 # Each Gluon kernel's candidates and config check, by direction (it has no one-launch
-# backward: "bwd" is the portable module's).
-CANDIDATES = {"fwd": candidates, "dq": dq_candidates, "dkdv": backward_candidates}
-CHECKS = {"fwd": check_config, "dq": check_dq_config, "dkdv": check_backward_config}
+# backward of the deterministic kind: "bwd" is the portable module's; "fused" is dK, dV
+# and dQ in one pass, dQ summed by atomics).
+CANDIDATES = {"fwd": candidates, "dq": dq_candidates, "dkdv": backward_candidates,
+              "fused": fused_candidates}
+CHECKS = {"fwd": check_config, "dq": check_dq_config, "dkdv": check_backward_config,
+          "fused": check_fused_config}
