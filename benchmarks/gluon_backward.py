@@ -507,10 +507,10 @@ def fused_correctness(args, dog):
         worst = max((r.get("err", 0.0) for r in rows), default=math.nan)
         print(f"{'ok  ' if ok else 'FAIL'} {label}: max err {worst:.3g}", flush=True)
     for d in tiles.FUSED_HEAD_DIMS:
-        for config in fused_candidates(d)[1:]:
-            for n in ("full", "causal", "document", "softcap"):
-                if n not in taken:
-                    continue
+        for n in ("full", "causal", "document", "softcap"):
+            if n not in taken:
+                continue
+            for config in _dicts(GLUON.candidates(FUSED, d, taken[n]))[1:]:
                 shape = dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=d)
                 label = f"{n} {shape} bf16 fused {_label(config)}"
                 dog.start(label, 120)
@@ -556,8 +556,11 @@ def fused_speed(args, dog):
         runs = {"gluon split": lambda: split(glu, dq_candidates(D)[0], backward_candidates(D)[0]),
                 "portable split": lambda: split(host, portable_candidates(variant, D, "dq")[0],
                                                 portable_candidates(variant, D, "dkdv")[0])}
-        runs.update({f"gluon fused {_label(c)}": (lambda c=c: fused(c))
-                     for c in fused_candidates(D)})
+        # Every fused tile, also those whose spills keep them from this variant's
+        # candidates (tiles.fused_fits_registers), marked so.
+        kept = _dicts(GLUON.candidates(FUSED, D, variant))
+        runs.update({f"gluon fused {_label(c)}" + ("" if c in kept else " (spills: not a candidate)"):
+                     (lambda c=c: fused(c)) for c in fused_candidates(D)})
         reference = None
         for label, run in runs.items():
             try:

@@ -646,6 +646,10 @@ def test_fused_candidates_fit_and_bad_configs_are_named():
         assert all(GLUON.check_config(c, "fused", dim) is None for c in kept)
         assert all(tiles._fused_smem(c, dim) <= tiles.SMEM_LIMIT for c in kept)
     assert GLUON.candidates("fused", 256, causal) == []
+    # FlashAttention-3's 128 key rows on two warpgroups, which spill, for light scores only.
+    softcap = attncc.parse_file(EXAMPLES / "softcap.attn")
+    assert TileConfig(64, 128, 8, 2) in GLUON.candidates("fused", 128, causal)
+    assert TileConfig(64, 128, 8, 2) not in GLUON.candidates("fused", 128, softcap)
     # dQ's product has BLOCK_M rows: whole warpgroups, none split between two 16-row halves.
     assert "BLOCK_M a multiple of 64" in GLUON.check_config(TileConfig(32, 128, 8, 2), "fused", 128)
     # The dK/dV kernel's rules hold too, and dS^T's and the float32 dQ partial's buffers

@@ -83,6 +83,7 @@ class GluonBackend:
         return [c for c in tiles.CANDIDATES[direction](head_dim)
                 if fits_variant(c, variant) and tiles.fits_registers(c, variant)
                 and tiles.backward_fits_registers(direction, c, head_dim, variant)
+                and (direction != FUSED or tiles.fused_fits_registers(c, variant))
                 and (direction != "dq"
                      or tiles.dq_fits_registers(c, head_dim, _diagonal_table_entries(variant)))]
 

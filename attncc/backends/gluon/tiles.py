@@ -263,17 +263,34 @@ def check_fused_config(config: TileConfig, head_dim: int | None) -> str | None:
     return why
 
 
+def fused_fits_registers(config: TileConfig, variant: ir.Variant) -> bool:
+    """Whether the fused candidate's registers take the variant: 128 key rows (on two
+    warpgroups, fused_candidates' second) only where score elements are light
+    (score_registers_heavy): there alibi and softcap spilled 284-568 B at head dim 128
+    and 12-24 B at 64."""
+    return config.block_n < 128 or not score_registers_heavy(variant)
+
+
 def fused_candidates(head_dim: int) -> list:
     """Fused backward tile configs (BLOCK_M query rows stream past BLOCK_N key rows),
     most likely winner first. Each thread holds the dK/dV kernel's tiles and, after them,
     its part of the dQ partial [BLOCK_M, HEAD_DIM]."""
-    # Not yet timed on a GPU; ordered by ptxas's spills on Triton 3.6 (benchmarks/
-    # gluon_compile.py --backward --all-configs, causal and softcap): at head dim 128,
-    # 64x64 w4 spills 104 and 404 bytes (the dK/dV kernel's 56 and 356 at the same
-    # tiles), FlashAttention-3's shape 64x128 w8 296 and 564; at 64 neither spills
-    # causal (softcap: 88 and 24 bytes), and 128x128 w8 spilled 192 and 1024.
+    # First where ptxas spilled nothing (benchmarks/gluon_compile.py --backward
+    # --all-configs; tests/test_gluon_compile.py's fused test), on Triton 3.9 (the TMA
+    # reduce-add, its float32 partial staged in 32 KB of shared memory at head dim 128)
+    # and 3.6 (atomics): two warpgroups side by side on 64 key rows hold half of dK, dV
+    # and the partial each, at most 215 registers on 3.9 and 231 on 3.6 at head dim 128
+    # (softcap, alibi) for full, causal, sliding window, GQA, document, bigbird, NSA top-k.
+    # Three stages spilled at 128 on 3.6 (softcap 36 B), not at 64. One warpgroup per 64
+    # key rows spilled at 128: 64x64 w4 92 B (causal) to 416 B (softcap) on 3.9, 92-400 on
+    # 3.6; 128x64 w8 16-168 B on 3.6. Then FlashAttention-3's tile, 128 key rows on two
+    # warpgroups (64x128 w8), for light scores only (fused_fits_registers): it spills at
+    # head dim 128 (causal 96 B on 3.9, 296 B on 3.6; softcap 468 and 568), but each key
+    # tile's dQ partial and Q, dO tiles serve twice the products, so it moves half the
+    # bytes through L2 (dQ's reduce-adds alone 34 GB at 16K tokens x 16 heads, full, on
+    # 64-key tiles; 17 GB on 128): the tuner times the two. Not yet timed on a GPU.
     shapes = {64: [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 8, 3)],
-              128: [(64, 64, 8, 2), (64, 64, 8, 3)]}
+              128: [(64, 64, 8, 2), (64, 128, 8, 2)]}
     configs = [TileConfig(*shape) for shape in shapes.get(head_dim, [])]
     return [c for c in configs if check_fused_config(c, head_dim) is None]
 
