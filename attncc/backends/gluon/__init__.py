@@ -44,8 +44,9 @@ class GluonBackend:
     auto_reason = ("an sm_90 GPU: the Gluon forward, dQ and dK/dV kernels run each call they "
                    "can take where the tuner timed them faster than the portable ones; see "
                    "kernel.last_backend and kernel.last_backward")
-    module_note = ("the Hopper (sm_90) forward, dQ and dK/dV kernels; tile tables and argument "
-                   "values come from the module above")
+    module_note = ("the Hopper (sm_90) forward, dQ and dK/dV kernels (and for softmax variants "
+                   "without learnable inputs the fused backward deterministic=False runs); tile "
+                   "tables and argument values come from the module above")
     forced_note = ("forward, dQ and dK/dV on an sm_90 GPU (refused elsewhere and under the "
                    "interpreter)")
     auto_note = ("forward, dQ and dK/dV on an sm_90 GPU where the tuner times them faster than "
