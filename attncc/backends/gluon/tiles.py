@@ -242,10 +242,10 @@ FUSED_HEAD_DIMS = (64, 128)
 
 
 def _fused_smem(config: TileConfig, head_dim: int) -> int:
-    """The dK/dV kernel's tiles plus dS^T [BLOCK_N, BLOCK_M] in 16-bit elements, and the
+    """The dK/dV kernel's tiles plus P^T and dS^T [BLOCK_N, BLOCK_M] in 16-bit elements, and the
     float32 dQ partial [BLOCK_M, HEAD_DIM] that a Triton with the bulk reduce-add stages
     (counted always: a config must fit under either Triton)."""
-    return (_backward_smem("dkdv", config, head_dim) + 2 * config.block_m * config.block_n
+    return (_backward_smem("dkdv", config, head_dim) + 4 * config.block_m * config.block_n
             + 4 * config.block_m * head_dim)
 
 
@@ -266,8 +266,8 @@ def check_fused_config(config: TileConfig, head_dim: int | None) -> str | None:
 def fused_fits_registers(config: TileConfig, variant: ir.Variant) -> bool:
     """Whether the fused candidate's registers take the variant: 128 key rows (on two
     warpgroups, fused_candidates' second) only where score elements are light
-    (score_registers_heavy): there alibi and softcap spilled 284-568 B at head dim 128
-    and 12-24 B at 64."""
+    (score_registers_heavy): there alibi, softcap and document spilled 252-640 B at head
+    dim 128 and up to 24 B at 64."""
     return config.block_n < 128 or not score_registers_heavy(variant)
 
 
@@ -279,13 +279,13 @@ def fused_candidates(head_dim: int) -> list:
     # --all-configs; tests/test_gluon_compile.py's fused test), on Triton 3.9 (the TMA
     # reduce-add, its float32 partial staged in 32 KB of shared memory at head dim 128)
     # and 3.6 (atomics): two warpgroups side by side on 64 key rows hold half of dK, dV
-    # and the partial each, at most 215 registers on 3.9 and 231 on 3.6 at head dim 128
-    # (softcap, alibi) for full, causal, sliding window, GQA, document, bigbird, NSA top-k.
+    # and the partial each, at most 217 registers on 3.9 and 240 on 3.6 at head dim 128
+    # (alibi) for full, causal, softcap, sliding window, GQA, document, bigbird, NSA top-k.
     # Three stages spilled at 128 on 3.6 (softcap 36 B), not at 64. One warpgroup per 64
     # key rows spilled at 128: 64x64 w4 92 B (causal) to 416 B (softcap) on 3.9, 92-400 on
     # 3.6; 128x64 w8 16-168 B on 3.6. Then FlashAttention-3's tile, 128 key rows on two
     # warpgroups (64x128 w8), for light scores only (fused_fits_registers): it spills at
-    # head dim 128 (causal 96 B on 3.9, 296 B on 3.6; softcap 468 and 568), but each key
+    # head dim 128 (causal 100 B on 3.9, 332 B on 3.6; softcap 468 and 640), but each key
     # tile's dQ partial and Q, dO tiles serve twice the products, so it moves half the
     # bytes through L2 (dQ's reduce-adds alone 34 GB at 16K tokens x 16 heads, full, on
     # 64-key tiles; 17 GB on 128): the tuner times the two. Not yet timed on a GPU.
