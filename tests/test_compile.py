@@ -265,7 +265,7 @@ def test_operators_are_registered_once_per_variant_and_pass_opcheck():
     doc = torch.tensor([0] * 10 + [1] * 14, dtype=torch.int32, device=DEVICE)
     slope = torch.rand(2, device=DEVICE, requires_grad=True)
     # Schema, fake implementation, autograd registration and AOT dispatch (dynamic).
-    torch.library.opcheck(forward, (kernel._op_id, q, k, v, [doc, slope], 0, 0, 4, None, 0),
+    torch.library.opcheck(forward, (kernel._op_id, q, k, v, [doc, slope], 0, 0, 4, None, 0, True),
                           test_utils=("test_schema", "test_faketensor",
                                       "test_autograd_registration", "test_aot_dispatch_dynamic"))
 
@@ -294,7 +294,7 @@ def test_a_graph_outliving_its_kernel_says_so():
     forward = kernel._ops.forward
     gone = ops.register_kernel(kernel) + 1_000_000  # an id no kernel has
     with pytest.raises(CallError, match="no longer exists"):
-        forward(gone, q, k, v, [], 0, 0, 0, None, ops.NO_TABLES)
+        forward(gone, q, k, v, [], 0, 0, 0, None, ops.NO_TABLES, True)
 
 
 # ------------------------------------------------------------------ a model
