@@ -4,7 +4,8 @@ one call; and the fused backward of deterministic=False (issue 32), checked and 
 
     python benchmarks/gluon_backward.py [--part correctness|speed|all] [--variants full,causal]
     python benchmarks/gluon_backward.py --part speed --dim 192 --dim-v 128
-    python benchmarks/gluon_backward.py --part fused [--variants full,causal,...] [--dim 64]
+    python benchmarks/gluon_backward.py --part fused [--sweep causal,...] [--variants full,...]
+    python benchmarks/gluon_backward.py --part fused-speed [--variants full,causal] [--dim 64]
 
 Correctness: each example variant the Gluon backward takes, on awkward shapes (300
 tokens over two batches with GQA 4/2; len_q 200 != len_k 517; one query token; head dim
@@ -32,7 +33,8 @@ that reads the LSE too: last_backward must name the fused Gluon backward, and dq
 must hold attncc/semantics/tolerance.py's rule against the float64 reference, on the
 awkward shapes above (GQA, len_q != len_k, one query token, a chunk at q_offset 317,
 head dim 64, fp16), every variant the fused kernel takes; each further fused config on
-a few, through the launcher. Then speed at the ANCHORS shape (head dim --dim; --variants,
+a few, through the launcher (--sweep: only these examples). Then (fused-speed: only)
+speed at the ANCHORS shape (head dim --dim; --variants,
 default full, causal, causal_gqa 32/8, sliding_window 1024, causal + softcap 30): the
 whole backward as each schedule launches it, the fused Gluon one (delta pass, the
 kernel, dQ's cast) per config, the split Gluon kernels (dQ computing delta, then dK/dV)
@@ -587,10 +589,11 @@ def fused_speed(args, dog):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", default="all", choices=["correctness", "speed", "fused", "all"])
+    ap.add_argument("--part", default="all",
+                    choices=["correctness", "speed", "fused", "fused-speed", "all"])
     ap.add_argument("--variants", default=None,
-                    help="speed: ANCHORS variants (default full,causal; fused: "
-                         "full,causal,causal_gqa,sliding_window,softcap)")
+                    help="speed: ANCHORS variants (default full,causal; fused and "
+                         "fused-speed: full,causal,causal_gqa,sliding_window,softcap)")
     ap.add_argument("--dim", type=int, default=128, help="speed: q·k's head dim")
     ap.add_argument("--dim-v", type=int, default=0, help="speed: v's head dim (--dim's if 0)")
     ap.add_argument("--sweep", default="", help="correctness: only these examples")
@@ -602,15 +605,16 @@ def main():
     RESULTS["versions"] = dict(torch=torch.__version__, triton=__import__("triton").__version__,
                                gpu=torch.cuda.get_device_name())
     if args.variants is None:
-        args.variants = ("full,causal,causal_gqa,sliding_window,softcap" if args.part == "fused"
-                         else "full,causal")
+        args.variants = ("full,causal,causal_gqa,sliding_window,softcap"
+                         if args.part.startswith("fused") else "full,causal")
     dog = Watchdog()
     failures, rows = 0, []
-    if args.part == "fused":
+    if args.part.startswith("fused"):
         RESULTS["fused_dq_add"] = fused_dq_add()
         print(f"fused backward's dQ add: {RESULTS['fused_dq_add']}", flush=True)
         os.environ["ATTNCC_TUNE"] = "0"  # the first candidate, as an untuned call takes it
-        failures = fused_correctness(args, dog)
+        if args.part == "fused":
+            failures = fused_correctness(args, dog)
         fused_speed(args, dog)
         dog.start("done", math.inf)
         _write()
