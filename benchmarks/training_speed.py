@@ -61,6 +61,13 @@ def backends(name: str, variant, q, k, v, inputs) -> tuple:
     kernel = attncc.compile(variant)
     found = {"attncc": lambda q, k, v: kernel(q, k, v, **inputs)}
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    # Each variant, length and kernel_options compiles flex_attention again; past Dynamo's
+    # recompile limit it would run eager flex_attention (unfused math, 40x slower, both
+    # backends alike): start each variant afresh, and fail rather than time that.
+    torch._dynamo.reset()
+    torch._dynamo.config.cache_size_limit = 64
+    if hasattr(torch._dynamo.config, "fail_on_cache_limit_hit"):
+        torch._dynamo.config.fail_on_cache_limit_hit = True
     flex = torch.compile(flex_attention, dynamic=False)
     mask_mod, score_mod = flex_mods(name, variant, inputs, q.shape[1])
     L = q.shape[2]
