@@ -22,6 +22,7 @@ import math
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -133,7 +134,27 @@ def check(name: str, dim: int) -> dict:
     return rows
 
 
-def time_variant(name: str, L: int, dim: int, rounds: int) -> dict:
+def host_and_kernels(call, calls: int = 20) -> dict:
+    """What a do_bench median holds besides the kernels: the host time to issue one call
+    (calls issued back to back, the GPU kept busy) and the GPU time of its kernels alone
+    (torch.profiler). do_bench flushes the L2 before each call; host time beyond that
+    flush shows as idle GPU time inside the measured window."""
+    call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    kernels_us = sum(e.self_device_time_total for e in prof.key_averages()) / calls
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    host_us = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return {"host_us": host_us, "kernels_ms": kernels_us / 1e3}
+
+
+def time_variant(name: str, L: int, dim: int, rounds: int, kernel_times: bool) -> dict:
     import triton
     variant, q, k, v, inputs, dout = problem(name, L, dim, seed=0)
     found, kernel = backends(name, variant, q, k, v, inputs)
@@ -167,6 +188,10 @@ def time_variant(name: str, L: int, dim: int, rounds: int) -> dict:
         row["cells"][label] = {"fwd_ms": fwd, "bwd_ms": bwd, "rounds": times[label],
                                "fwd_tflops": 4 * dim * pairs / fwd / 1e9 if pairs else None,
                                "bwd_tflops": 10 * dim * pairs / bwd / 1e9 if pairs else None}
+        if kernel_times:
+            row["cells"][label]["fwd_parts"] = host_and_kernels(lambda: fn(q, k, v))
+            row["cells"][label]["fwd_bwd_parts"] = host_and_kernels(
+                lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout))
     del q, k, v, dout
     torch.cuda.empty_cache()
     return row
@@ -200,6 +225,8 @@ def main() -> int:
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-check", action="store_true", help="skip the 1024-token checks")
+    ap.add_argument("--kernel-times", action="store_true",
+                    help="also each backend's host time per call and its kernels' GPU time")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("training_speed.py times GPU kernels: it needs a CUDA GPU", file=sys.stderr)
@@ -213,7 +240,7 @@ def main() -> int:
     for name in names:
         if not args.no_check:
             checks[name] = check(name, args.dim)
-        rows.append(time_variant(name, args.len, args.dim, args.rounds))
+        rows.append(time_variant(name, args.len, args.dim, args.rounds, args.kernel_times))
         print(json.dumps({"variant": name, "check": checks.get(name),
                           "cells": {k: {x: y for x, y in c.items() if x != "rounds"}
                                     for k, c in rows[-1]["cells"].items()}}), flush=True)
@@ -225,6 +252,13 @@ def main() -> int:
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}, bf16, D={args.dim}, {args.len} tokens a row")
     print(table(rows, checks))
+    if args.kernel_times:
+        print("\nper call: host µs to issue / kernels' GPU ms, forward | forward + backward")
+        for r in rows:
+            parts = [f"{label} {c['fwd_parts']['host_us']:.0f}/{c['fwd_parts']['kernels_ms']:.3f} | "
+                     f"{c['fwd_bwd_parts']['host_us']:.0f}/{c['fwd_bwd_parts']['kernels_ms']:.3f}"
+                     for label, c in r["cells"].items() if "fwd_parts" in c]
+            print(f"{r['variant']:16s} " + "; ".join(parts))
     return 0
 
 
