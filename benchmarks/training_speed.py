@@ -3,6 +3,7 @@
 FlashAttention-4 itself (`flash_attn.cute`, where it takes the variant) and cuDNN.
 
     ATTNCC_TUNE=1 python benchmarks/training_speed.py [--variants causal,full] [--len 16384]
+        [--dim 64 --heads 32 --len 4096] [--kernel-times]
 
 The ANCHORS variants of gpu_suite.py at bf16, 16 heads (GQA 32/8), head dim 128, batch x
 len = 16384 tokens. Every backend first runs one small call (1024 tokens) of the same
@@ -42,9 +43,9 @@ FA4_TAKES = {"full": dict(causal=False), "causal": dict(causal=True),
 CHECK_LEN = 1024
 
 
-def problem(name: str, L: int, dim: int, seed: int, batch: int | None = None):
+def problem(name: str, L: int, dim: int, seed: int, batch: int | None = None, heads: int = 16):
     variant = attncc.parse(VARIANTS[name])
-    hq, hkv = (variant.heads.q, variant.heads.kv) if variant.heads else (16, 16)
+    hq, hkv = (variant.heads.q, variant.heads.kv) if variant.heads else (heads, heads)
     B = batch or max(1, 16384 // L)
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, h, L, dim, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
@@ -154,9 +155,9 @@ def host_and_kernels(call, calls: int = 20) -> dict:
     return {"host_us": host_us, "kernels_ms": kernels_us / 1e3}
 
 
-def time_variant(name: str, L: int, dim: int, rounds: int, kernel_times: bool) -> dict:
+def time_variant(name: str, L: int, dim: int, rounds: int, kernel_times: bool, heads: int) -> dict:
     import triton
-    variant, q, k, v, inputs, dout = problem(name, L, dim, seed=0)
+    variant, q, k, v, inputs, dout = problem(name, L, dim, seed=0, heads=heads)
     found, kernel = backends(name, variant, q, k, v, inputs)
     runnable = {label: fn for label, fn in found.items() if not isinstance(fn, str)}
     times = {label: {"fwd": [], "fwd_bwd": []} for label in runnable}
@@ -223,6 +224,8 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     ap.add_argument("--len", type=int, default=16384)
     ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=16,
+                    help="query heads of the variants without GQA (issue 32's D=64 case: 32 at 4096)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-check", action="store_true", help="skip the 1024-token checks")
     ap.add_argument("--kernel-times", action="store_true",
@@ -240,7 +243,8 @@ def main() -> int:
     for name in names:
         if not args.no_check:
             checks[name] = check(name, args.dim)
-        rows.append(time_variant(name, args.len, args.dim, args.rounds, args.kernel_times))
+        rows.append(time_variant(name, args.len, args.dim, args.rounds, args.kernel_times,
+                                 args.heads))
         print(json.dumps({"variant": name, "check": checks.get(name),
                           "cells": {k: {x: y for x, y in c.items() if x != "rounds"}
                                     for k, c in rows[-1]["cells"].items()}}), flush=True)
@@ -250,7 +254,8 @@ def main() -> int:
         json.dump({"torch": torch.__version__, "triton": __import__("triton").__version__,
                    "gpu": torch.cuda.get_device_name(), "checks": checks, "rows": rows}, f, indent=1)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"triton {__import__('triton').__version__}, bf16, D={args.dim}, {args.len} tokens a row")
+          f"triton {__import__('triton').__version__}, bf16, D={args.dim}, {args.heads} heads, "
+          f"{args.len} tokens a row, {max(1, 16384 // args.len)} rows")
     print(table(rows, checks))
     if args.kernel_times:
         print("\nper call: host µs to issue / kernels' GPU ms, forward | forward + backward")
