@@ -146,13 +146,16 @@ def host_and_kernels(call, calls: int = 20) -> dict:
         for _ in range(calls):
             call()
         torch.cuda.synchronize()
-    kernels_us = sum(e.self_device_time_total for e in prof.key_averages()) / calls
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels_us = sum(e.self_device_time_total for e in events) / calls
     start = time.perf_counter()
     for _ in range(calls):
         call()
     host_us = (time.perf_counter() - start) / calls * 1e6
     torch.cuda.synchronize()
-    return {"host_us": host_us, "kernels_ms": kernels_us / 1e3}
+    return {"host_us": host_us, "kernels_ms": kernels_us / 1e3,
+            "kernels": sorted(((e.key[:80], e.self_device_time_total / calls, e.count / calls)
+                               for e in events), key=lambda x: -x[1])}
 
 
 def time_variant(name: str, L: int, dim: int, rounds: int, kernel_times: bool, heads: int) -> dict:
@@ -264,6 +267,8 @@ def main() -> int:
                      f"{c['fwd_bwd_parts']['host_us']:.0f}/{c['fwd_bwd_parts']['kernels_ms']:.3f}"
                      for label, c in r["cells"].items() if "fwd_parts" in c]
             print(f"{r['variant']:16s} " + "; ".join(parts))
+            for name, us, count in r["cells"]["attncc"].get("fwd_bwd_parts", {}).get("kernels", []):
+                print(f"    attncc fwd+bwd kernel {us:9.1f} µs x{count:g}  {name}")
     return 0
 
 
