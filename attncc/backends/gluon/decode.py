@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ... import ir
 
+BACKEND = "gluon"  # the backend whose module holds the kernel; a config's "backend" names it
 # (q·k, v) head dims: MLA's latent cache (DeepSeek-V2/V3: 512 latent + 64 rope columns).
 DIMS = (576, 512)
 DTYPES = ("float16", "bfloat16")
@@ -76,7 +77,7 @@ def candidates(p, n_sm: int, num_splits: int | None) -> list:
     base = num_splits or max(1, min(n_sm // programs, tiles // 4, 256))
     splits = [base] if num_splits else list(dict.fromkeys([base, max(1, base // 2), min(256, base * 2)]))
     return [dict(BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, num_stages=NUM_STAGES, num_splits=s,
-                 backend="gluon") for s in splits]
+                 backend=BACKEND) for s in splits]
 
 
 def config_refusal(config: dict) -> str | None:
