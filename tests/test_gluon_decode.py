@@ -181,3 +181,32 @@ def test_a_decode_plan_says_which_backend_runs_it_and_why():
     (plan,) = kernel._decode_plans.values()
     assert plan.backend == PORTABLE.name and plan.reason == f"backend='{PORTABLE.name}' was asked for"
     assert "backend" not in plan.config
+
+
+@pytest.mark.parametrize("paged, splits", [(False, 3), (True, 1)])
+def test_the_gluon_plan_launches_its_kernel_with_every_argument_and_the_portable_merge(paged, splits):
+    # The host side without a GPU: a launcher that records each launch. decode_mla_split
+    # gets one argument per parameter (its constexprs as options), on one program per
+    # 64 rows and split; the splits are merged by the portable module's decode_merge.
+    kernel = attncc.compile(MLA)
+    gluon = kernel.module_of("gluon")
+    k, v = latent(batch=2, capacity=256, paged=paged)
+    q = torch.randn(2, 128, 2, 576, dtype=torch.bfloat16)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4) if paged else None
+    lens = torch.tensor([5, 200], dtype=torch.int32)
+    launches = []
+
+    def launcher(fn, grid, options):
+        return lambda *args: launches.append((fn, grid, options, args))
+
+    cfg = dict(BLOCK_N=64, num_warps=8, num_stages=2, num_splits=splits, backend="gluon")
+    run = gluon.decode_mla_plan(q, k, lens, table, portable=kernel.module, config=cfg,
+                                v_cache=v, launcher=launcher)
+    out, lse = run(q, k, v, lens, {}, None, None, table)
+    assert out.shape == (2, 128, 2, 512) and lse.shape == (2, 128, 2)
+    fn, grid, options, args = launches[0]
+    assert fn is gluon.decode_mla_split and grid == (2 * 4, splits)  # 256 rows: 4 row tiles
+    assert len(args) + len(options) - 1 == len(fn.arg_names)  # num_warps is no parameter
+    assert options["PAGED"] == paged and options["ONE_SPLIT"] == (splits == 1)
+    assert options["HEAD_DIM"] == 512 and options["HEAD_DIM_TAIL"] == 64
+    assert [f for f, *_ in launches[1:]] == ([kernel.module.decode_merge] if splits > 1 else [])
