@@ -52,8 +52,8 @@ def fake_kernel(requested="auto", spec=MLA, able=(GLUON, PORTABLE)):
 def test_the_gluon_module_holds_the_mla_decode_only_for_variants_it_takes():
     source = gluon_codegen.generate(attncc.parse(MLA)).source
     assert "def decode_mla_split(" in source and "def decode_mla_plan(" in source
-    # The values are the K tile's first columns: one ring of key tiles, no V descriptor.
-    assert "v_desc" not in source[source.index("def decode_mla_split("):]
+    # One kernel for both pairs: the values are the K tile's first columns, or V's tiles.
+    assert "if V_IS_K:\n        v_smem = k_smem" in source
     alibi = attncc.load("examples/alibi.attn")  # reads `slopes`, an input tensor
     assert not gluon_codegen.template_context(alibi)["gluon_decode"]  # what the template tests
     assert "slopes" in gluon_decode.variant_refusal(alibi)
@@ -70,57 +70,66 @@ def test_variants_the_gluon_decode_refuses_are_named(spec, words):
 
 def test_mla_calls_it_takes_and_the_reason_for_each_it_refuses():
     k, v = latent()
-    assert gluon_decode.call_refusal(problem(k, v), k.dtype, k, True) is None
+    assert gluon_decode.call_refusal(problem(k, v), k.dtype, k, v, True) is None
     k, v = latent(paged=True)
-    assert gluon_decode.call_refusal(problem(k, v, paged=True), k.dtype, k, True) is None
+    assert gluon_decode.call_refusal(problem(k, v, paged=True), k.dtype, k, v, True) is None
     k, v = latent(paged=True, page=32)  # a page holds half a key tile
-    why = gluon_decode.call_refusal(problem(k, v, paged=True), k.dtype, k, True)
+    why = gluon_decode.call_refusal(problem(k, v, paged=True), k.dtype, k, v, True)
     assert "pages hold 32 positions" in why and "multiple of 64" in why
     k = torch.randn(2, 1, 128, 576, dtype=torch.bfloat16)
     v = torch.randn(2, 1, 128, 512, dtype=torch.bfloat16)  # a separate v
-    assert "not a view of k_cache" in gluon_decode.call_refusal(problem(k, v), k.dtype, k, False)
+    assert "not a view of k_cache" in gluon_decode.call_refusal(problem(k, v), k.dtype, k, v, False)
     k, v = latent(dim=192)
-    assert "(576, 512) only" in gluon_decode.call_refusal(problem(k, v), k.dtype, k, False)
+    assert "(576, 512) and (64, 512) only" in gluon_decode.call_refusal(problem(k, v), k.dtype, k,
+                                                                        v, False)
+    # (64, 512): keys 64 wide beside a v cache of its own, contiguous or paged.
+    k = torch.randn(2, 1, 128, 64, dtype=torch.float16)
+    v = torch.randn(2, 1, 128, 512, dtype=torch.float16)
+    assert gluon_decode.call_refusal(problem(k, v), k.dtype, k, v, False) is None
+    v = torch.randn(2, 1, 128, 256, dtype=torch.float16)
+    assert "q·k is 64 wide and v 256" in gluon_decode.call_refusal(problem(k, v), k.dtype, k, v,
+                                                                   False)
     k, v = latent(dtype=torch.float32)
-    assert "float16 and bfloat16" in gluon_decode.call_refusal(problem(k, v), k.dtype, k, True)
+    assert "float16 and bfloat16" in gluon_decode.call_refusal(problem(k, v), k.dtype, k, v, True)
     # A cache whose rows are not 16-byte aligned cannot be read by TMA.
     odd = torch.randn(2, 1, 128, 577, dtype=torch.bfloat16)[..., :576]
     assert "16-byte aligned rows" in gluon_decode.call_refusal(problem(odd, odd[..., :512]),
-                                                               odd.dtype, odd, True)
+                                                               odd.dtype, odd, odd[..., :512], True)
 
 
 def test_the_decode_role_goes_to_both_backends_under_auto_and_to_the_one_asked_for():
     k, v = latent()
     p = problem(k, v)
-    assert decoding.decode_backends(fake_kernel(), p, k.dtype, k, None) == ("both", None)
-    gluon, why = decoding.decode_backends(fake_kernel("gluon", able=(GLUON,)), p, k.dtype, k, None)
+    assert decoding.decode_backends(fake_kernel(), p, k.dtype, k, v, None) == ("both", None)
+    gluon, why = decoding.decode_backends(fake_kernel("gluon", able=(GLUON,)), p, k.dtype, k, v, None)
     assert gluon == "only" and "backend='gluon' was asked for" in why
     gluon, why = decoding.decode_backends(fake_kernel(PORTABLE.name, able=(PORTABLE,)), p,
-                                          k.dtype, k, None)
+                                          k.dtype, k, v, None)
     assert gluon == "" and why == f"backend='{PORTABLE.name}' was asked for"
     # Auto on a call the Gluon decode refuses: the portable decode, and why.
     k2 = torch.randn(2, 1, 128, 576, dtype=torch.bfloat16)
     v2 = torch.randn(2, 1, 128, 512, dtype=torch.bfloat16)
-    gluon, why = decoding.decode_backends(fake_kernel(), problem(k2, v2), k2.dtype, k2, None)
+    gluon, why = decoding.decode_backends(fake_kernel(), problem(k2, v2), k2.dtype, k2, v2, None)
     assert gluon == "" and "the portable decode runs it" in why and "not a view" in why
     # A pinned config is the portable decode's under auto; the Gluon one's when asked for.
     pin = dict(BLOCK_N=64, num_warps=8, num_stages=2, num_splits=4)
-    assert decoding.decode_backends(fake_kernel(), p, k.dtype, k, pin)[0] == ""
-    assert decoding.decode_backends(fake_kernel("gluon", able=(GLUON,)), p, k.dtype, k, pin)[0] == "only"
+    assert decoding.decode_backends(fake_kernel(), p, k.dtype, k, v, pin)[0] == ""
+    assert decoding.decode_backends(fake_kernel("gluon", able=(GLUON,)), p, k.dtype, k, v, pin)[0] == "only"
 
 
 def test_backend_gluon_on_a_call_its_decode_refuses_raises_the_reason():
     k = torch.randn(2, 1, 128, 576, dtype=torch.bfloat16)
     v = torch.randn(2, 1, 128, 512, dtype=torch.bfloat16)
     with pytest.raises(BackendError, match="not a view of k_cache.*backend='auto'"):
-        decoding.decode_backends(fake_kernel("gluon", able=(GLUON,)), problem(k, v), k.dtype, k, None)
+        decoding.decode_backends(fake_kernel("gluon", able=(GLUON,)), problem(k, v), k.dtype, k, v,
+                                 None)
     k, v = latent()
     with pytest.raises(BackendError, match="BLOCK_N 32.*runs BLOCK_N 64"):
-        decoding.decode_backends(fake_kernel("gluon", able=(GLUON,)), problem(k, v), k.dtype, k,
+        decoding.decode_backends(fake_kernel("gluon", able=(GLUON,)), problem(k, v), k.dtype, k, v,
                                  dict(BLOCK_N=32, num_warps=8, num_stages=2, num_splits=1))
     with pytest.raises(BackendError, match="reads input tensors"):
         decoding.decode_backends(fake_kernel("gluon", "attention a { input w: f32[h] score s + w[h] }",
-                                             able=(GLUON,)), problem(k, v), k.dtype, k, None)
+                                             able=(GLUON,)), problem(k, v), k.dtype, k, v, None)
 
 
 def _untuned_config(monkeypatch, kernel, p, dtype, gluon, **pins):
@@ -183,15 +192,18 @@ def test_a_decode_plan_says_which_backend_runs_it_and_why():
     assert "backend" not in plan.config
 
 
-@pytest.mark.parametrize("paged, splits", [(False, 3), (True, 1)])
-def test_the_gluon_plan_launches_its_kernel_with_every_argument_and_the_portable_merge(paged, splits):
+@pytest.mark.parametrize("paged, splits, dim", [(False, 3, 576), (True, 1, 576), (True, 2, 64)])
+def test_the_gluon_plan_launches_its_kernel_with_every_argument_and_the_portable_merge(paged, splits,
+                                                                                       dim):
     # The host side without a GPU: a launcher that records each launch. decode_mla_split
     # gets one argument per parameter (its constexprs as options), on one program per
     # 64 rows and split; the splits are merged by the portable module's decode_merge.
     kernel = attncc.compile(MLA)
     gluon = kernel.module_of("gluon")
-    k, v = latent(batch=2, capacity=256, paged=paged)
-    q = torch.randn(2, 128, 2, 576, dtype=torch.bfloat16)
+    k, v = latent(batch=2, capacity=256, paged=paged, dim=dim)
+    if dim == 64:  # (64, 512): a v cache of its own
+        v = torch.randn(*k.shape[:3], 512, dtype=k.dtype)
+    q = torch.randn(2, 128, 2, dim, dtype=torch.bfloat16)
     table = torch.arange(8, dtype=torch.int32).view(2, 4) if paged else None
     lens = torch.tensor([5, 200], dtype=torch.int32)
     launches = []
@@ -200,13 +212,14 @@ def test_the_gluon_plan_launches_its_kernel_with_every_argument_and_the_portable
         return lambda *args: launches.append((fn, grid, options, args))
 
     cfg = dict(BLOCK_N=64, num_warps=8, num_stages=2, num_splits=splits, backend="gluon")
-    run = gluon.decode_mla_plan(q, k, lens, table, portable=kernel.module, config=cfg,
-                                v_cache=v, launcher=launcher)
+    run = gluon.decode_mla_plan(q, k, v, lens, table, portable=kernel.module, config=cfg,
+                                v_is_k=dim == 576, launcher=launcher)
     out, lse = run(q, k, v, lens, {}, None, None, table)
     assert out.shape == (2, 128, 2, 512) and lse.shape == (2, 128, 2)
     fn, grid, options, args = launches[0]
     assert fn is gluon.decode_mla_split and grid == (2 * 4, splits)  # 256 rows: 4 row tiles
     assert len(args) + len(options) - 1 == len(fn.arg_names)  # num_warps is no parameter
     assert options["PAGED"] == paged and options["ONE_SPLIT"] == (splits == 1)
-    assert options["HEAD_DIM"] == 512 and options["HEAD_DIM_TAIL"] == 64
+    assert (options["HEAD_DIM"], options["HEAD_DIM_TAIL"]) == ((512, 64) if dim == 576 else (64, 0))
+    assert options["HEAD_DIM_V"] == 512 and options["V_IS_K"] == (dim == 576)
     assert [f for f, *_ in launches[1:]] == ([kernel.module.decode_merge] if splits > 1 else [])

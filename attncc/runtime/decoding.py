@@ -402,7 +402,7 @@ def check_pins(num_splits, config) -> dict | None:
     return None
 
 
-def decode_backends(kernel, p: DecodeProblem, dtype, k_cache, pinned: dict | None) -> tuple:
+def decode_backends(kernel, p: DecodeProblem, dtype, k_cache, v_cache, pinned: dict | None) -> tuple:
     """(gluon, reason): whether the Gluon MLA decode may run this call, "only" (asked for
     by name), "both" (auto: the tuner times its configs beside the portable decode's) or
     "" (not), and why the backend that runs it does where that is decided here (None:
@@ -413,7 +413,7 @@ def decode_backends(kernel, p: DecodeProblem, dtype, k_cache, pinned: dict | Non
     backend = backends.named(gluon_decode.BACKEND)
     forced = kernel.requested_backend == backend.name
     why = (gluon_decode.variant_refusal(kernel.variant)
-           or gluon_decode.call_refusal(p, dtype, k_cache, p.v_is_k))
+           or gluon_decode.call_refusal(p, dtype, k_cache, v_cache, p.v_is_k))
     if why is None and pinned is not None:
         why = (gluon_decode.config_refusal(pinned) if forced else
                "a pinned config (config=) is the portable decode's under backend='auto'; pass "
@@ -650,13 +650,15 @@ def make_plan(kernel, q, k_cache, v_cache, seqlens, k_new, v_new, block_table, v
     module = kernel.module
     _check_latent_append(k_cache, v_cache, k_new, v_new)
     p = decode_problem(q, k_cache, v_cache, k_new, block_table, module.v_is_k(k_cache, v_cache))
-    gluon, reason = decode_backends(kernel, p, q.dtype, k_cache, check_pins(num_splits, config))
+    gluon, reason = decode_backends(kernel, p, q.dtype, k_cache, v_cache,
+                                    check_pins(num_splits, config))
 
     def plan_of(cfg):
         if cfg.get("backend") == gluon_decode.BACKEND:
             return kernel.module_of(gluon_decode.BACKEND).decode_mla_plan(
-                q, k_cache, seqlens, block_table, portable=module, config=cfg, k_new=k_new,
-                v_new=v_new, v_cache=v_cache, rows_before_start=rows_before_start, launcher=Launch)
+                q, k_cache, v_cache, seqlens, block_table, portable=module, config=cfg,
+                v_is_k=p.v_is_k, k_new=k_new, v_new=v_new, rows_before_start=rows_before_start,
+                launcher=Launch)
         return module.decode_plan(q, k_cache, v_cache, seqlens, values, k_new=k_new, v_new=v_new,
                                   block_table=block_table, config=cfg,
                                   rows_before_start=rows_before_start, launcher=Launch)
