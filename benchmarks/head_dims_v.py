@@ -11,9 +11,10 @@ held to attncc/semantics/tolerance.py's rule; then decoding with a v cache 128 w
 beside 192-wide keys, contiguous and paged, against decode_reference; then MLA decoding
 (v = k[..., :512], 128 heads, n_q 1 and 4, ragged rows to 4000 keys, contiguous and
 paged) at each wide-accumulator tile the tuner may pick (decoding.WIDE_SHAPES, pinned)
-and tuned; then the Gluon MLA decode (backend="gluon", sm_90), in fp16 and bf16, at one
-split, three and its untuned first config, with the cache past each row's keys filled
-with NaN (which no kernel may read into a result).
+and tuned; then the Gluon MLA decode (backend="gluon", sm_90) at (576, 512) and at (64,
+512) with a v cache of its own, in fp16 and bf16, at one split, three and its untuned
+first config, with the cache past each row's keys filled with NaN (which no kernel may
+read into a result).
 speed: forward, backward (timed alone, on a kept graph) and forward + backward of causal
 (192, 128) attention in bf16, batch 1, 16 heads: attncc as given (auto), with backend="gluon" and with backend="triton"; attncc
 with q, k padded to 256 and v to 256 (what the padding workaround and a padded head dim
@@ -108,36 +109,41 @@ def check_decode(dtype, paged: bool) -> list:
 
 
 def check_mla_decode(n_q: int, paged: bool, config, dt=torch.bfloat16, backend="auto",
-                     num_splits=None) -> list:
-    """MLA decoding, v = k[..., :512] (one latent cache), 128 heads, ragged rows (one of 1
-    key, the others off the 64-key tile), at `config` or `num_splits` (None: tuned) on
-    `backend`, against decode_reference in float64. The cache past each row's keys holds
-    NaN: a kernel that reads it into a result fails."""
-    torch.manual_seed(576 + n_q)
-    B, H, E, Ev = 4, 128, 576, 512
+                     num_splits=None, E=576) -> list:
+    """MLA decoding, v = k[..., :512] (one latent cache; or E=64: keys 64 wide beside a v
+    cache 512 wide), 128 heads, ragged rows (one of 1 key, the others off the 64-key
+    tile), at `config` or `num_splits` (None: tuned) on `backend`, against
+    decode_reference in float64. The cache past each row's keys holds NaN: a kernel that
+    reads it into a result fails."""
+    torch.manual_seed(576 + n_q + E)
+    B, H, Ev = 4, 128, 512
     kernel = attncc.compile(CAUSAL, backend=backend)
     q = torch.randn(B, H, n_q, E, device="cuda", dtype=dt)
     seqlens = torch.tensor([1, 700, 1500, 4000], device="cuda", dtype=torch.int32)
     table = None
+    width = E + (Ev if E == 64 else 0)  # the values beside the keys, or within them
     if paged:
         page, pages = 64, 4 * 64
-        latent = torch.randn(pages, page, 1, E, device="cuda", dtype=dt)
+        cache = torch.randn(pages, page, 1, width, device="cuda", dtype=dt)
         table = torch.randperm(pages, device="cuda")[:B * 64].reshape(B, 64).int()
         for b, length in enumerate(seqlens.tolist()):
             pos = torch.arange(length, 64 * page, device="cuda")
-            latent[table[b].long()[pos // page], pos % page] = float("nan")
+            cache[table[b].long()[pos // page], pos % page] = float("nan")
     else:
-        latent = torch.randn(B, 1, 4096, E, device="cuda", dtype=dt)
+        cache = torch.randn(B, 1, 4096, width, device="cuda", dtype=dt)
         for b, length in enumerate(seqlens.tolist()):
-            latent[b, :, length:] = float("nan")
-    out = kernel.decode(q, latent, latent[..., :Ev], cache_seqlens=seqlens, block_table=table,
+            cache[b, :, length:] = float("nan")
+    if E == 64:  # two caches of their own (contiguous copies of the halves)
+        k_cache, v_cache = cache[..., :E].contiguous(), cache[..., E:].contiguous()
+    else:
+        k_cache, v_cache = cache, cache[..., :Ev]
+    out = kernel.decode(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
                         config=config, num_splits=num_splits)
-    plan = kernel._decode_plans[decoding.plan_key(q, latent, latent[..., :Ev], seqlens, None, None,
+    plan = kernel._decode_plans[decoding.plan_key(q, k_cache, v_cache, seqlens, None, None,
                                                   table, num_splits, config, False, {})]
-    ref = attncc.decode_reference(kernel.variant, q.double(), latent.double(),
-                                  latent[..., :Ev].double(), cache_seqlens=seqlens,
-                                  block_table=table)
-    eager = attncc.decode_reference(kernel.variant, q, latent, latent[..., :Ev],
+    ref = attncc.decode_reference(kernel.variant, q.double(), k_cache.double(),
+                                  v_cache.double(), cache_seqlens=seqlens, block_table=table)
+    eager = attncc.decode_reference(kernel.variant, q, k_cache, v_cache,
                                     cache_seqlens=seqlens, block_table=table)
     err, eerr = max_abs_error(out, ref), max_abs_error(eager, ref)
     ran = backend in ("auto", plan.backend)  # a backend asked for ran the call
@@ -161,11 +167,12 @@ def correctness(match: str) -> list:
                + (decoding.label(c) if c else "tuned"),
                lambda n_q=n_q, p=p, c=c: check_mla_decode(n_q, p, c))
               for n_q in (1, 4) for p in (False, True) for c in wide]
-    cases += [(f"MLA decode gluon n_q {n_q} {'paged' if p else 'contiguous'} {str(dt)[6:]} "
-               + (f"{sp} splits" if sp else "untuned"),
-               lambda n_q=n_q, p=p, dt=dt, sp=sp: check_mla_decode(n_q, p, None, dt, "gluon", sp))
-              for n_q in (1, 4) for p in (False, True) for dt in (torch.float16, torch.bfloat16)
-              for sp in (None, 1, 3)]
+    cases += [(f"MLA decode gluon {E}/512 n_q {n_q} {'paged' if p else 'contiguous'} "
+               f"{str(dt)[6:]} " + (f"{sp} splits" if sp else "untuned"),
+               lambda n_q=n_q, p=p, dt=dt, sp=sp, E=E: check_mla_decode(n_q, p, None, dt, "gluon",
+                                                                        sp, E))
+              for E in (576, 64) for n_q in (1, 4) for p in (False, True)
+              for dt in (torch.float16, torch.bfloat16) for sp in (None, 1, 3)]
     for label, fn in cases:
         if match not in label:
             continue
