@@ -223,3 +223,11 @@ def test_the_gluon_plan_launches_its_kernel_with_every_argument_and_the_portable
     assert (options["HEAD_DIM"], options["HEAD_DIM_TAIL"]) == ((512, 64) if dim == 576 else (64, 0))
     assert options["HEAD_DIM_V"] == 512 and options["V_IS_K"] == (dim == 576)
     assert [f for f, *_ in launches[1:]] == ([kernel.module.decode_merge] if splits > 1 else [])
+
+
+def test_untuned_64_512_decode_runs_the_portable_kernel_first(monkeypatch):
+    # No prediction at (64, 512): the portable configs first, the Gluon ones after them.
+    kernel = attncc.compile(MLA)
+    p = decoding.DecodeProblem(32, 128, 1, 1, 0, 64, 4096, 0, 512, False)
+    cfg = _untuned_config(monkeypatch, kernel, p, torch.bfloat16, "both")
+    assert "backend" not in cfg

@@ -8,9 +8,9 @@ query token i sits at position L - n_q + i, keys at 0 .. L - 1, and the variant'
 `q + len_k - len_q >= k` are both causal, and a decode call gives what
 kernel(q_full, k, v) gives for those rows. The kernels are the split-KV kernels of
 backends/portable/templates/decode.py.jinja, in the variant's generated module, and on
-an sm_90 GPU, for MLA's latent cache (576-wide keys, v = k[..., :512]), the Gluon MLA
-decode of backends/gluon/templates/decode_mla.jinja (which backend runs a call:
-decode_backends; the tuner times both).
+an sm_90 GPU, for MLA's shapes (576-wide keys with v = k[..., :512], or 64-wide keys
+beside a 512-wide v), the Gluon MLA decode of backends/gluon/templates/decode_mla.jinja
+(which backend runs a call: decode_backends; the tuner times both).
 """
 from __future__ import annotations
 
@@ -450,12 +450,15 @@ def decode_config(kernel, p: DecodeProblem, dtype, run, *, num_splits=None, conf
     reach = lambda bn: kernel.module.decode_reach_tiles(p.capacity, p.n_q, bn)
     kept = candidates(kernel.variant, p, elem, n_sm, reach, num_splits)
     if gluon:
-        # The Gluon MLA decode first: it computes S once per tile where Triton's layout
-        # of the portable kernel computes it on both warpgroups (~1.5x the tensor work of
-        # a problem that sits at the H200's ridge), so it is predicted the faster at
-        # every n_q (the prediction's arithmetic: docs/design.md, section 8).
+        # At MLA's latent shape the Gluon decode first: it computes S once per tile where
+        # Triton's layout of the portable kernel computes it on both warpgroups (~1.5x
+        # the tensor work of a problem at the H200's ridge), so it is predicted the
+        # faster at every n_q (the arithmetic: docs/design.md, section 8). At (64, 512)
+        # the duplicated S is a ninth of the work and the problem memory-bound at n_q 1:
+        # no prediction, so the portable configs first and the tuner decides.
         ours = gluon_decode.candidates(p, n_sm, num_splits)
-        kept = ours if gluon == "only" else ours + kept[:TUNE_AT_MOST - len(ours)]
+        theirs = kept[:TUNE_AT_MOST - len(ours)]
+        kept = ours if gluon == "only" else ours + theirs if p.v_is_k else theirs + ours
     if untuned:
         tuning._MEMORY[mem_key] = kept[0]
         return kept[0]
