@@ -375,3 +375,98 @@ def test_gluon_dq_sums_relative_tables_within_shared_memory_and_registers(tmp_pa
     for r in results:
         assert not isinstance(r["ptxas"], str) and max(r["ptxas"][1:]) <= 64, \
             f"{Path(r['example']).name}: {r['kernel']} at {r['dim']}: {r['ptxas']}"
+
+
+# The Gluon MLA decode (backends/gluon/templates/decode_mla.jinja) at its one config, at
+# both (q·k, v) pairs (576 / 512 with v k's view, 64 / 512 with a v of its own), for each
+# of its compile-time cases: contiguous or paged, one split or several, rows before
+# position 0 (attncc.flash's) and 64-bit positions.
+COMPILE_MLA_DECODE = r'''
+import importlib.util, itertools, json, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+import attncc
+from attncc.backends.gluon import codegen as gluon, decode
+sys.path.insert(0, "benchmarks")
+from gluon_compile import ptxas_resources
+
+CASES = {"contiguous": {}, "paged_one_split": {"PAGED": True, "PAGE_SIZE": 64, "ONE_SPLIT": True},
+         "before_start_wide": {"ROWS_BEFORE_START": True, "WIDE": True}}
+for i, spec in enumerate(sys.argv[1].split("|")):
+    variant = attncc.parse(spec)
+    path = f"{sys.argv[2]}/mla{i}.py"
+    open(path, "w").write(gluon.generate(variant).source)
+    loader = importlib.util.spec_from_file_location(f"mla{i}", path)
+    module = importlib.util.module_from_spec(loader)
+    sys.modules[f"mla{i}"] = module
+    loader.loader.exec_module(module)
+    fn = module.decode_mla_split
+    for (dim, dim_v), (case, extra) in itertools.product(decode.PAIRS, CASES.items()):
+        first, tail = module._segments(dim)
+        v_is_k = (dim, dim_v) == decode.LATENT
+        consts = dict(BLOCK_M=decode.ROWS, BLOCK_N=decode.BLOCK_N, HEAD_DIM=first, HEAD_DIM_TAIL=tail,
+                      HEAD_DIM_V=dim_v, V_IS_K=v_is_k, NUM_STAGES=decode.NUM_STAGES, PAGED=False,
+                      PAGE_SIZE=1, ONE_SPLIT=False, ROWS_BEFORE_START=False, WIDE=False)
+        consts.update(extra)
+        # Without a tail segment the first's descriptors stand in; v k's where v_is_k.
+        boxes = dict(q_desc=(decode.ROWS, first), qt_desc=(decode.ROWS, tail or first),
+                     k_desc=(decode.BLOCK_N, first), kt_desc=(decode.BLOCK_N, tail or first),
+                     v_desc=(decode.BLOCK_N, first if v_is_k else dim_v))
+        pointers = dict(BT="*i32", SEQLENS="*i32", Out="*bf16", LSE="*fp32", PartOut="*fp32",
+                        PartLSE="*fp32")
+        sig = {}
+        for n in fn.arg_names:
+            if n in consts:
+                sig[n] = "constexpr"
+            elif n in boxes:
+                block, layout = module._shared_layout(*boxes[n], torch.bfloat16)
+                sig[n] = f"tensordesc<bf16[{','.join(map(str, block))}],{layout!r}>"
+            else:
+                sig[n] = pointers.get(n, "fp32" if n in ("sm_scale", "qk_scale") else "i32")
+        compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=decode.NUM_WARPS, num_stages=decode.NUM_STAGES))
+        ttgir = compiled.asm["ttgir"]
+        print(json.dumps({"variant": variant.name, "case": case, "dims": [dim, dim_v],
+                          "tiles": decode.shared_bytes(dim, dim_v, v_is_k),
+                          "shared": compiled.metadata.shared,
+                          "tma": "ttng.async_tma_copy_global_to_local" in ttgir,
+                          "wgmma": ttgir.count("ttng.warp_group_dot "),
+                          "ptxas": ptxas_resources(compiled.asm["ptx"])}), flush=True)
+'''
+
+
+@pytest.mark.slow
+def test_gluon_mla_decode_compiles_within_registers_and_shared_memory(tmp_path):
+    # MLA's decode: Q (64 x 576) and two key tiles (64 x 576) in shared memory, 221184 B
+    # of the 232448 an SM has, plus the scratch of P's layout change and of the row
+    # reductions, and the barriers: 225304 B on Triton 3.6 and 3.9; at (64, 512) Q (64 x
+    # 64) and two stages of K (64 x 64) and V (64 x 512): 159768 B. O's 64 x 512 fp32
+    # accumulator, split over two warpgroups, is 128 registers a thread. Causal fits 255
+    # registers without spilling on both versions (254-255 at 576); a score of the head
+    # and the positions (an ALiBi-like slope, softcapped) spills nothing on 3.9 and 8
+    # bytes each way on 3.6 at 576 with 64-bit positions (WIDE: positions or inputs past
+    # 2**31): at most 8 asserted. Run it on Triton 3.6 too (tests/README.md). About 30 s.
+    from attncc.backends.gluon import decode
+    from attncc.backends.gluon.tiles import SMEM_LIMIT
+    pytest.importorskip("triton.experimental.gluon")
+    specs = ["attention mla { scale 1.0 / sqrt(192.0) mask q >= k }",
+             "attention mla_slopes { scale 1.0 / sqrt(192.0) param cap: float = 50.0 mask q >= k "
+             "score cap * tanh(s / cap) - 0.01 * h * (q - k) }"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    result = subprocess.run([sys.executable, "-c", COMPILE_MLA_DECODE, "|".join(specs), str(tmp_path)],
+                            capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 2 * 2 * 3, result.stdout
+    assert decode.shared_bytes(*decode.LATENT, True) == 221184
+    for r in results:
+        assert r["tiles"] < r["shared"] <= SMEM_LIMIT, r
+        # Q·K^T (in two segments at 576 = 512 + 64) and P·V, each issued once a tile.
+        assert r["tma"] and r["wgmma"] == (3 if r["dims"] == [576, 512] else 2), r
+        regs, spill_stores, spill_loads = r["ptxas"]
+        assert regs <= 255 and max(spill_stores, spill_loads) <= 8, r
+        if r["variant"] == "mla":
+            assert spill_stores == spill_loads == 0, r

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ... import ir
-from . import OWNED_KINDS, gluon_kind
+from . import OWNED_KINDS, decode, gluon_kind
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
@@ -76,4 +76,4 @@ def template_context(variant: ir.Variant, code=None) -> dict:
     uniform = code.diagonal.uniform.text if code.diagonal is not None else None
     return dict(context, input_grads=grads, gluon_owns=OWNED_KINDS, gluon_slopes=slopes,
                 gluon_owned_reads=any(g["gluon_kind"] in owned for g in grads),
-                uniform_score=uniform)
+                uniform_score=uniform, gluon_decode=decode.variant_refusal(variant) is None)
