@@ -218,7 +218,9 @@ def test_the_gluon_plan_launches_its_kernel_with_every_argument_and_the_portable
     assert out.shape == (2, 128, 2, 512) and lse.shape == (2, 128, 2)
     fn, grid, options, args = launches[0]
     assert fn is gluon.decode_mla_split and grid == (2 * 4, splits)  # 256 rows: 4 row tiles
-    assert len(args) + len(options) - 1 == len(fn.arg_names)  # num_warps is no parameter
+    # num_warps and the compile options every launch states are no parameters.
+    assert options["enable_fp_fusion"] is True
+    assert len(args) + len(options) - 2 == len(fn.arg_names)
     assert options["PAGED"] == paged and options["ONE_SPLIT"] == (splits == 1)
     assert (options["HEAD_DIM"], options["HEAD_DIM_TAIL"]) == ((512, 64) if dim == 576 else (64, 0))
     assert options["HEAD_DIM_V"] == 512 and options["V_IS_K"] == (dim == 576)
