@@ -180,12 +180,13 @@ def test_gluon_candidates_fill_one_wave_with_at_least_four_tiles_a_split():
 
 
 def test_a_decode_plan_says_which_backend_runs_it_and_why():
-    # Under the interpreter only the portable kernels run; the plan says so (benchmarks
-    # print plan.backend and plan.reason beside the config).
+    # Asked for the portable kernels, the plan says so (benchmarks print plan.backend and
+    # plan.reason beside the config); on a GPU too, where the call's tensors live there.
     kernel = attncc.compile("attention small { mask q >= k }", backend=PORTABLE.name)
     gen = torch.Generator().manual_seed(3)
-    q = torch.randn(1, 2, 1, 16, generator=gen)
-    cache = torch.randn(1, 2, 20, 16, generator=gen)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q = torch.randn(1, 2, 1, 16, generator=gen).to(device)
+    cache = torch.randn(1, 2, 20, 16, generator=gen).to(device)
     kernel.decode(q, cache, cache.clone(), cache_seqlens=7)
     (plan,) = kernel._decode_plans.values()
     assert plan.backend == PORTABLE.name and plan.reason == f"backend='{PORTABLE.name}' was asked for"
