@@ -253,38 +253,42 @@ def speed(length: int) -> list:
     return results
 
 
-def mla(hbm_tbs: float, tflops: float, n_qs: list) -> list:
+def mla(hbm_tbs: float, tflops: float, n_qs: list, E: int = 576) -> list:
+    """E=576: one latent cache, v = k[..., :512]; E=64: keys 64 wide beside a v cache 512
+    wide of its own (the same bytes per position, 1152, and fewer q·k FLOPs)."""
     from triton.testing import do_bench
     torch.manual_seed(0)
-    B, H, E, Ev, dt = 32, 128, 576, 512, torch.bfloat16
+    B, H, Ev, dt = 32, 128, 512, torch.bfloat16
     spec = "attention mla { scale 1.0 / sqrt(192.0)  mask q >= k }"
     kernels = {b: attncc.compile(spec, backend=b) for b in ("auto", "gluon", "triton")}
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     results, checked = [], set()
     for length in (4096, 8192, 16384, 32768):
         latent = torch.randn(B, 1, length, E, device="cuda", dtype=dt)
+        values = latent[..., :Ev] if E > Ev else torch.randn(B, 1, length, Ev, device="cuda", dtype=dt)
         for n_q, (asked, kernel) in itertools.product(n_qs, kernels.items()):
             q = torch.randn(B, H, n_q, E, device="cuda", dtype=dt)
-            step = lambda: kernel.decode(q, latent, latent[..., :Ev], cache_seqlens=length)
+            step = lambda: kernel.decode(q, latent, values, cache_seqlens=length)
             row = dict(len=length, n_q=n_q, asked=asked)
             if asked not in checked:
                 checked.add(asked)
                 got = step()
                 ref = attncc.decode_reference(kernel.variant, q[:2].double(), latent[:2].double(),
-                                              latent[:2, ..., :Ev].double(), cache_seqlens=length)
+                                              values[:2].double(), cache_seqlens=length)
                 eager = attncc.decode_reference(kernel.variant, q[:2], latent[:2],
-                                                latent[:2, ..., :Ev], cache_seqlens=length)
+                                                values[:2], cache_seqlens=length)
                 err, eerr = max_abs_error(got[:2], ref), max_abs_error(eager, ref)
                 row.update(err=err, eager_err=eerr,
                            ok=bool(within_tolerance(err, eerr, dt, ref, 1.0)))
             ms = do_bench(step)
             plan = kernel._decode_plans[decoding.plan_key(
-                q, latent, latent[..., :Ev], length, None, None, None, None, None, False, {})]
+                q, latent, values, length, None, None, None, None, None, False, {})]
             p, cfg = plan.problem, plan.config
             # The Gluon MLA decode's programs own 64 rows each (the portable's rows_block).
             tiles = -(-p.group * p.n_q // 64) if plan.backend == "gluon" else p.row_tiles
             programs = p.batch * p.heads_kv * tiles * cfg["num_splits"]
-            nbytes = latent.numel() * latent.element_size()
+            nbytes = latent.numel() * latent.element_size() + (
+                0 if E > Ev else values.numel() * values.element_size())
             flops = 2 * B * H * n_q * length * (E + Ev)
             tbs, tf = nbytes / ms / 1e9, flops / ms / 1e9
             bound = max(nbytes / hbm_tbs / 1e9, flops / tflops / 1e9)  # ms
@@ -292,7 +296,8 @@ def mla(hbm_tbs: float, tflops: float, n_qs: list) -> list:
                        backend=plan.backend, reason=plan.reason, config=cfg, programs=programs,
                        sms=n_sm)
             results.append(row)
-            print(f"MLA decode cache {length:6d} n_q {n_q} {asked:6s} -> {plan.backend:6s}: "
+            row["dims"] = (E, Ev)
+            print(f"MLA decode {E}/{Ev} cache {length:6d} n_q {n_q} {asked:6s} -> {plan.backend:6s}: "
                   f"{ms:7.3f} ms (bound {bound:6.3f}), "
                   f"cache read {tbs:5.2f} TB/s ({100 * tbs / hbm_tbs:4.1f}% of {hbm_tbs}), "
                   f"{tf:4.0f} TFLOP/s; {decoding.label(cfg)}, {tiles} row tiles, "
@@ -309,6 +314,9 @@ def main():
     ap.add_argument("--hbm-tbs", type=float, default=4.8)
     ap.add_argument("--tflops", type=float, default=989.0, help="dense bf16 tensor peak")
     ap.add_argument("--nq", default="1,4", help="MLA new tokens per row, comma-separated")
+    ap.add_argument("--mla-dim", type=int, default=576, choices=(576, 64),
+                    help="mla: keys 576 wide with v their first 512 columns, or 64 wide beside "
+                         "a v cache of its own")
     ap.add_argument("--match", default="", help="correctness: only the cases whose label has this")
     args = ap.parse_args()
     if args.part == "correctness":
@@ -316,7 +324,7 @@ def main():
     elif args.part == "speed":
         results = speed(args.len)
     else:
-        results = mla(args.hbm_tbs, args.tflops, [int(n) for n in args.nq.split(",")])
+        results = mla(args.hbm_tbs, args.tflops, [int(n) for n in args.nq.split(",")], args.mla_dim)
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "head_dims_v.json"), "w") as f:
         json.dump(dict(part=args.part, results=results), f, indent=1)
