@@ -1,6 +1,7 @@
 """Issue 32's table in one call: attncc's forward and backward against FlexAttention
 (its Triton kernels and, with kernel_options={"BACKEND": "FLASH"}, FlashAttention-4's),
-FlashAttention-4 itself (`flash_attn.cute`, where it takes the variant) and cuDNN.
+FlashAttention-4 itself (`flash_attn.cute`, where it takes the variant; also with
+deterministic=True, the peer of attncc's deterministic backward) and cuDNN.
 
     ATTNCC_TUNE=1 python benchmarks/training_speed.py [--variants causal,full] [--len 16384]
         [--dim 64 --heads 32 --len 4096] [--kernel-times]
@@ -88,17 +89,21 @@ def backends(name: str, variant, q, k, v, inputs) -> tuple:
         try:
             from flash_attn.cute import flash_attn_func
 
-            def fa4(q, k, v):
-                # FA4 takes (B, L, H, D); the transposes are views, so the timed call
-                # copies nothing FA4 would not (its own contiguity handling).
-                out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                      **FA4_TAKES[name])
-                return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
-            found["FA4"] = fa4
+            def fa4_with(**options):
+                def fa4(q, k, v):
+                    # FA4 takes (B, L, H, D); the transposes are views, so the timed call
+                    # copies nothing FA4 would not (its own contiguity handling).
+                    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2),
+                                          v.transpose(1, 2), **FA4_TAKES[name], **options)
+                    return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+                return fa4
+            found["FA4"] = fa4_with()
+            # attncc's backward is deterministic: FA4's deterministic mode is its peer there.
+            found["FA4 det."] = fa4_with(deterministic=True)
         except ImportError as err:
-            found["FA4"] = f"FlashAttention-4 not installed ({err})"
+            found["FA4"] = found["FA4 det."] = f"FlashAttention-4 not installed ({err})"
     else:
-        found["FA4"] = "takes no such mask or score"
+        found["FA4"] = found["FA4 det."] = "takes no such mask or score"
     if name in CUDNN_TAKES:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -202,7 +207,7 @@ def time_variant(name: str, L: int, dim: int, rounds: int, kernel_times: bool, h
 
 
 def table(rows: list, checks: dict) -> str:
-    peers = ("Flex (Triton)", "Flex FLASH", "FA4", "cuDNN")
+    peers = ("Flex (Triton)", "Flex FLASH", "FA4", "FA4 det.", "cuDNN")
     lines = [f"{'variant':16s} {'attncc fwd/bwd ms':>18s} | " + " | ".join(f"÷ {p:>13s}" for p in peers)
              + " | checks (1024 tokens vs float64)"]
     for r in rows:
