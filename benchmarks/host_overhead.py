@@ -63,13 +63,13 @@ GPT_OSS_SLIDING = """attention gpt_oss_sliding {
 }"""
 
 
-def training_shapes(seq: int) -> dict:
+def training_shapes(seq: int, device="cuda", dtype=torch.bfloat16) -> dict:
     """{name: (kernel, forward(), the tensors taking gradients, dO)} of the two training
     shapes, on the default path."""
-    bf16 = dict(device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    bf16 = dict(device=device, dtype=dtype, requires_grad=True)
     q = torch.randn(1, seq, 64, 64, **bf16)
     k, v = (torch.randn(1, seq, 8, 64, **bf16) for _ in range(2))
-    sinks = torch.randn(64, device="cuda", requires_grad=True)
+    sinks = torch.randn(64, device=device, requires_grad=True)
     sliding = attncc.compile(GPT_OSS_SLIDING)
     q2, k2, v2 = (torch.randn(1, 16, 1024, 128, **bf16) for _ in range(3))
     causal = attncc.compile(CAUSAL)
@@ -98,12 +98,117 @@ def gpu_us(fn, iters=10) -> float:
     return sum(e.self_device_time_total for e in prof.key_averages()) / iters
 
 
+class _StubCompiled:
+    """Stands in for Triton's CompiledKernel: launching it does nothing."""
+    function = 0
+    packed_metadata = None
+
+    @staticmethod
+    def run(*args):
+        return None
+
+
+class _StubKernel:
+    """Stands in for a kernel of the generated module: `kernel[grid](...)` returns the stub
+    compiled kernel, as Triton's JIT returns the CompiledKernel it launched, so a launch
+    plan keeps it and relaunches it directly (runtime/launch.py) as on a GPU."""
+
+    def __init__(self, real):
+        self.arg_names = real.arg_names
+
+    def __getitem__(self, grid):
+        return lambda *args, **options: _StubCompiled()
+
+
+def _stub_launches(kernel) -> None:
+    """Replace every kernel of the generated module (and the launcher's stream lookup) by
+    stubs: what is timed is attncc's and PyTorch's host work, not the interpreter."""
+    from attncc.runtime import launch
+    module = kernel.module
+    for name, value in list(vars(module).items()):
+        if type(value).__name__ in ("JITFunction", "InterpretedFunction"):
+            setattr(module, name, _StubKernel(value))
+    launch.current_stream = lambda device: 0
+    launch.current_device = lambda: 0
+
+
+def _best_us(fn, calls: int) -> float:
+    """µs per call, the best of five runs of `calls` calls: other processes share this CPU."""
+    for _ in range(20):
+        fn()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def _torch_ops_per_call(fn, calls: int = 20) -> tuple:
+    """(ATen ops, of which allocations) a call dispatches, by torch.profiler: on a GPU each
+    op that is not a view or an allocation is a kernel launch of its own."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+    # Top-level ops only (an op's own children, as_strided under transpose, are its cost).
+    events = [e for e in prof.events() if e.name.startswith("aten::") and
+              (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+    allocations = sum(e.name in ("aten::empty", "aten::empty_like", "aten::empty_strided")
+                      for e in events)
+    return len(events) / calls, allocations / calls
+
+
+def cpu_mode(seq: int, calls: int, profile: bool) -> None:
+    """The two training shapes' host time on this CPU, launches stubbed (module docstring)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    # One thread, denormals flushed: the few element-wise passes the host runs (a sink's
+    # gradient) then cost what they would cost a GPU launch, roughly, and not what a
+    # thread pool fighting other processes for two cores costs.
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    # float16: the interpreter refuses bfloat16, and the host path does not read the dtype.
+    for name, (kernel, fn, grads, do) in training_shapes(seq, "cpu", torch.float16).items():
+        _stub_launches(kernel)
+
+        def training_step():
+            # A backward needs a fresh graph: time forward + backward, and the backward as
+            # the difference from a forward that records autograd.
+            return torch.autograd.grad(fn(), grads, do)
+
+        with torch.no_grad():
+            inference = _best_us(fn, calls)
+        forward = _best_us(fn, calls)
+        both = _best_us(training_step, calls)
+        ops_fwd, allocs_fwd = _torch_ops_per_call(fn)
+        ops_both, allocs_both = _torch_ops_per_call(training_step)
+        print(f"{name:22s} fwd {inference:6.1f} us (recording autograd {forward:6.1f})  "
+              f"fwd+bwd {both:7.1f} us (bwd {both - forward:6.1f}); ATen ops per call "
+              f"fwd {ops_fwd:.0f} ({allocs_fwd:.0f} allocations), fwd+bwd {ops_both:.0f} "
+              f"({allocs_both:.0f}); {relaunches_directly(kernel)}", flush=True)
+        if profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(calls):
+                training_step()
+            prof.disable()
+            stats = pstats.Stats(prof)
+            stats.sort_stats("tottime").print_stats(25)
+            stats.sort_stats("cumulative").print_stats(35)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--gpt-oss-seq", type=int, default=4096)
+    ap.add_argument("--cpu", action="store_true", help="the training shapes' host time on the "
+                    "CPU, launches stubbed (no GPU needed)")
+    ap.add_argument("--calls", type=int, default=500, help="--cpu: calls per timed run")
     args = ap.parse_args()
+    if args.cpu:
+        return cpu_mode(args.gpt_oss_seq, args.calls, args.profile)
     training = []
     for name, (kernel, fn, grads, do) in training_shapes(args.gpt_oss_seq).items():
         fwd_bwd = lambda: torch.autograd.grad(fn(), grads, do)
