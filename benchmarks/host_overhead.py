@@ -99,13 +99,28 @@ def gpu_us(fn, iters=10) -> float:
 
 
 class _StubCompiled:
-    """Stands in for Triton's CompiledKernel: launching it does nothing."""
+    """Stands in for Triton's CompiledKernel: launching it computes nothing. A forward's
+    stand-in (`fills`) zeroes the LSE it would write (its float32 [B, H, L] tensor, no
+    input), as the kernel leaves it finite: a sink's gradient runs exp(σ - LSE) on the
+    CPU here, and the exp of garbage (NaN, 1e30) costs the CPU 3-30x the exp of real
+    values. The zeroing (~3 us at 64 heads x 1K) is counted: the harness errs slow."""
     function = 0
     packed_metadata = None
+    counting = False  # set while ATen ops are counted: the zeroing is the harness's op
 
-    @staticmethod
-    def run(*args):
-        return None
+    def __init__(self, fills: bool):
+        self.fills = fills
+        self.floats = None  # the positions of the float32 tensors among a launch's arguments
+
+    def run(self, *args):
+        if not self.fills or _StubCompiled.counting:
+            return
+        if self.floats is None:  # a plan relaunches with the same argument kinds
+            self.floats = [i for i, a in enumerate(args)  # the LSE, not a float32 input
+                           if isinstance(a, torch.Tensor) and a.dtype == torch.float32
+                           and a.dim() == 3]
+        for i in self.floats:
+            args[i].zero_()
 
 
 class _StubKernel:
@@ -113,11 +128,12 @@ class _StubKernel:
     compiled kernel, as Triton's JIT returns the CompiledKernel it launched, so a launch
     plan keeps it and relaunches it directly (runtime/launch.py) as on a GPU."""
 
-    def __init__(self, real):
+    def __init__(self, name, real):
         self.arg_names = real.arg_names
+        self.fills = name.startswith("attn_fwd")
 
     def __getitem__(self, grid):
-        return lambda *args, **options: _StubCompiled()
+        return lambda *args, **options: _StubCompiled(self.fills)
 
 
 def _stub_launches(kernel) -> None:
@@ -127,21 +143,23 @@ def _stub_launches(kernel) -> None:
     module = kernel.module
     for name, value in list(vars(module).items()):
         if type(value).__name__ in ("JITFunction", "InterpretedFunction"):
-            setattr(module, name, _StubKernel(value))
+            setattr(module, name, _StubKernel(name, value))
     launch.current_stream = lambda device: 0
     launch.current_device = lambda: 0
 
 
 def _best_us(fn, calls: int) -> float:
-    """µs per call, the best of five runs of `calls` calls: other processes share this CPU."""
+    """CPU µs per call, the best of five runs of `calls` calls. Other processes share this
+    CPU: the process's CPU time (not the wall time, which counts the time they take) and
+    the best run keep their share out."""
     for _ in range(20):
         fn()
     best = float("inf")
     for _ in range(5):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for _ in range(calls):
             fn()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        best = min(best, (time.process_time() - t0) / calls * 1e6)
     return best
 
 
@@ -149,9 +167,11 @@ def _torch_ops_per_call(fn, calls: int = 20) -> tuple:
     """(ATen ops, of which allocations) a call dispatches, by torch.profiler: on a GPU each
     op that is not a view or an allocation is a kernel launch of its own."""
     from torch.profiler import ProfilerActivity, profile
+    _StubCompiled.counting = True
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(calls):
             fn()
+    _StubCompiled.counting = False
     # Top-level ops only (an op's own children, as_strided under transpose, are its cost).
     events = [e for e in prof.events() if e.name.startswith("aten::") and
               (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
@@ -160,9 +180,34 @@ def _torch_ops_per_call(fn, calls: int = 20) -> tuple:
     return len(events) / calls, allocations / calls
 
 
+def _sink_passes_us(batch: int, heads: int, length: int) -> float:
+    """CPU µs of the passes runtime/sinks.py makes over a call's rows for a sink's gradient
+    (e^(σ - L)·delta, summed): the kernels' work on a GPU, run on the CPU in this harness."""
+    sigma = torch.randn(1, heads, 1)
+    lse, delta = torch.randn(batch, heads, length), torch.randn(batch, heads, length)
+    return _best_us(lambda: torch.sub(sigma, lse).exp_().mul_(delta).sum(dim=[0, 2]), 200)
+
+
+def _cache_large_blocks() -> None:
+    """Let glibc's malloc keep freed large blocks for reuse, as PyTorch's CUDA allocator
+    caches its blocks: by default it maps each block of 128 KB or more afresh and unmaps
+    it when freed, so every output a call allocates (dq, the LSE, a sink's [B, H, L]
+    rows) costs page faults on first touch, tens of µs a call that a GPU never pays."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt's parameters (malloc.h)
+        libc.mallopt(m_mmap_threshold, 1 << 30)
+        libc.mallopt(m_trim_threshold, 1 << 30)
+    except (OSError, AttributeError):
+        pass  # not glibc: the times then include the page faults
+
+
 def cpu_mode(seq: int, calls: int, profile: bool) -> None:
     """The two training shapes' host time on this CPU, launches stubbed (module docstring)."""
     os.environ["TRITON_INTERPRET"] = "1"
+    _cache_large_blocks()
     # One thread, denormals flushed: the few element-wise passes the host runs (a sink's
     # gradient) then cost what they would cost a GPU launch, roughly, and not what a
     # thread pool fighting other processes for two cores costs.
@@ -187,6 +232,11 @@ def cpu_mode(seq: int, calls: int, profile: bool) -> None:
               f"fwd+bwd {both:7.1f} us (bwd {both - forward:6.1f}); ATen ops per call "
               f"fwd {ops_fwd:.0f} ({allocs_fwd:.0f} allocations), fwd+bwd {ops_both:.0f} "
               f"({allocs_both:.0f}); {relaunches_directly(kernel)}", flush=True)
+        if kernel.variant.sink is not None:
+            batch, length, heads = grads[0].shape[:3]  # (batch, seq, heads, dim)
+            print(f"{'':22s} of which a sink gradient's element-wise passes over the "
+                  f"[B, H, L] rows (a GPU's, on this CPU): ~{_sink_passes_us(batch, heads, length):.0f} us",
+                  flush=True)
         if profile:
             prof = cProfile.Profile()
             prof.enable()

@@ -72,14 +72,18 @@ class Launches:
 
 
 class Step:
-    """One kernel role of a plan: the backend that runs it (and why), its tile config."""
-    __slots__ = ("backend", "config", "ran")
+    """One kernel role of a plan: the backend that runs it (and why), its tile config, and
+    what a relaunch calls: the backend's entry point of the role and the config as the
+    generated modules take it (a dict, built once rather than per call)."""
+    __slots__ = ("backend", "config", "ran", "entry", "arguments")
 
     def __init__(self, kernel, direction: str, config):
         ran = kernel.last_backend if direction == "fwd" else kernel.last_backward[direction]
         self.backend = backends.named(ran[0])
         self.config = config
         self.ran = ran
+        self.entry = self.backend.entry(kernel.module_of(self.backend.name), direction)
+        self.arguments = config.as_dict()
 
 
 class Plan:
@@ -106,22 +110,22 @@ def forward(kernel, plan: Plan, q, k, v, values: dict, common: dict):
     """(out, lse) of a call through its forward plan."""
     step = plan.steps["fwd"]
     kernel.record_choice("fwd", step.ran)
-    run = kernel.forward_run(step.backend, q, k, v, values, dict(common, launcher=plan.launches))
-    return run(step.config)
+    return step.entry(q, k, v, values, config=step.arguments, launcher=plan.launches, **common)
 
 
 def backward(kernel, plan: Plan, q, k, v, out, lse, dout, dlse, values: dict, common: dict):
     """(dq, dk, dv, dinputs, delta) of a call through its backward plan: dQ (computing
     delta), then dK/dV, as runtime/scheduling.py's _dq_then_dkdv launches them."""
     delta = kernel.module.new_delta(q)
-    common = dict(common, launcher=plan.launches)
     dq_step, dkdv_step = plan.steps["dq"], plan.steps["dkdv"]
     kernel.record_choice("dq", dq_step.ran)
     kernel.record_choice("dkdv", dkdv_step.ran)
-    dq, dinputs = kernel.backward_run(dq_step.backend, "dq", q, k, v, lse, delta, dout, values,
-                                      common, out=out, dlse=dlse)(dq_step.config)
-    dk, dv, *by_keys = kernel.backward_run(dkdv_step.backend, "dkdv", q, k, v, lse, delta, dout,
-                                           values, common)(dkdv_step.config)
+    # The entry points as Kernel.backward_run calls them, with the plan's launcher.
+    dq, dinputs = dq_step.entry(q, k, v, lse, delta, dout, values, config=dq_step.arguments,
+                                launcher=plan.launches, out=out, dlse=dlse, **common)
+    dk, dv, *by_keys = dkdv_step.entry(q, k, v, lse, delta, dout, values,
+                                       config=dkdv_step.arguments, launcher=plan.launches,
+                                       **common)
     if by_keys:  # learnable reads of keys alone, whose gradients the dK/dV programs own
         dinputs = {name: g + by_keys[0][name] for name, g in dinputs.items()}
     return dq, dk, dv, dinputs, delta

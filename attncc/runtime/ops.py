@@ -36,7 +36,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import precompile, scheduling, sinks
+from . import precompile, scheduling, settings, sinks
 from ..arguments import Problem
 from .call_options import NO_TABLES, CallOptions
 from .decoding import DecodeOptions, run_decode
@@ -189,8 +189,11 @@ def _define(name: str, learnable: list, record, forward_impl, backward_impl) -> 
 
         @staticmethod
         def forward(ctx, kernel, q, k, v, call, *values):
-            with torch._C._AutoDispatchBelowAutograd():
-                out, lse = forward(kernel, q, k, v, list(values), *call.op_arguments())
+            if _eager(q):  # the implementation itself: one dispatcher trip fewer
+                out, lse = forward_impl(kernel, q, k, v, values, *call.op_arguments())
+            else:  # traced (AOTAutograd): the op, a node of the graph
+                with torch._C._AutoDispatchBelowAutograd():
+                    out, lse = forward(kernel, q, k, v, list(values), *call.op_arguments())
             ctx.save_for_backward(q, k, v, out, lse, *values)
             # The LSE is differentiable, as the reference's: a gradient that does not flow
             # comes as None (not a tensor of zeros), so a call whose LSE no loss reads
@@ -213,8 +216,10 @@ def _define(name: str, learnable: list, record, forward_impl, backward_impl) -> 
                 dout = torch.zeros_like(out)
             if dlse is not None:
                 dlse = dlse.contiguous()  # the kernels read it as [B * H, len_q] rows
-            dq, dk, dv, dlearnable = backward(kernel, q, k, v, out, lse, dout, dlse, values,
-                                              *call.op_arguments())
+            # Eager: the implementation itself, as the forward; traced: the op.
+            run = backward_impl if _eager(q) else backward
+            dq, dk, dv, dlearnable = run(kernel, q, k, v, out, lse, dout, dlse, values,
+                                         *call.op_arguments())
             dinputs = [None] * len(values)
             for i, g in zip(learnable, dlearnable):
                 dinputs[i] = g
@@ -230,14 +235,23 @@ def _define(name: str, learnable: list, record, forward_impl, backward_impl) -> 
     return Operators(forward, backward, autograd_kernel)
 
 
+def _eager(q) -> bool:
+    """Whether the autograd formula runs on real tensors outside any tracing: then it calls
+    the ops' implementations directly, skipping a trip through the dispatcher (its
+    argument parsing and boxing, ~10-20 us a direction on a slow CPU). Anything else
+    (FakeTensors and the proxy mode of AOTAutograd's tracing, a TorchDispatchMode, a
+    tensor subclass) goes through the ops, so that a graph holds them as nodes."""
+    return (type(q) is torch.Tensor and not torch._C._len_torch_dispatch_stack()
+            and not torch.compiler.is_compiling())
+
+
 def _table_store(tables):
     """Where a launch finds its tile tables: kept tables' store; else None, the generated
     module's cache of recent calls; or, with ATTNCC_TABLE_CACHE=0, a store of this launch's
     own (built once, shared by its tuning runs)."""
-    from .settings import TABLE_CACHE
     if tables is not None:
         return tables.store
-    return None if TABLE_CACHE == "1" else {}
+    return None if settings.TABLE_CACHE == "1" else {}
 
 
 class _Received(NamedTuple):

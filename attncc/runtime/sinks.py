@@ -183,15 +183,22 @@ def _add_direct_gradient(variant, values, lse, delta, dinputs, direct) -> dict:
     table = values[name]
     # σ broadcast over lse's [B, H, Lq]: the table's axes in row order, size 1 elsewhere.
     in_row_order = sorted(axes, key=_ROW_AXES.get)
-    sigma = table.detach().float().permute(*(axes.index(a) for a in in_row_order))
+    reordered = tuple(in_row_order) != axes  # s[h, b]; sinks[h] and s[b, h] are in order
+    sigma = table.detach().float()
+    if reordered:
+        sigma = sigma.permute(*(axes.index(a) for a in in_row_order))
     shape = [1, 1, 1]
     for a in in_row_order:
         shape[_ROW_AXES[a]] = sigma.shape[in_row_order.index(a)]
-    d_sink = -torch.exp(sigma.reshape(shape) - lse) * delta  # [B, H, Lq]
-    # torch's sum reduces in a fixed order (no atomics): the same bits on every call.
+    # -dσ = e^(σ-L)·delta [B, H, Lq], in one buffer: three passes over the rows and no more
+    # (each a launch on a GPU; at short lengths the host time of launches is the cost).
+    minus_d_sink = torch.sub(sigma.reshape(shape), lse).exp_().mul_(delta)
+    # torch's sum reduces in a fixed order (no atomics): the same bits on every call; the
+    # sign flips after it, exactly (a sum of negated terms is the negated sum).
     summed = [d for d in range(3) if d not in {_ROW_AXES[a] for a in axes}]
-    grad = d_sink.sum(dim=summed)  # the remaining axes, in row order
-    grad = grad.permute(*(in_row_order.index(a) for a in axes))
+    grad = minus_d_sink.sum(dim=summed).neg_()  # the remaining axes, in row order
+    if reordered:
+        grad = grad.permute(*(in_row_order.index(a) for a in axes))
     out = dict(dinputs)
     earlier = out.get(name)
     out[name] = (grad if earlier is None else earlier.float() + grad).to(table.dtype)
