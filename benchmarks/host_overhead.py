@@ -88,6 +88,23 @@ def relaunches_directly(kernel) -> str:
     return f"{len(kernel._call_plans)} plans, {direct}/{len(launches)} launches relaunched directly"
 
 
+def _profile_to_out(fn, file_name: str) -> None:
+    """cProfile of 200 calls of fn: the full listing (cumulative and own time) to $OUT's
+    `file_name`, the top own-time entries here."""
+    per_call_us(fn, 20)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    with open(os.path.join(os.environ.get("OUT", "."), file_name), "w") as f:
+        stats = pstats.Stats(prof, stream=f)
+        stats.sort_stats("cumulative").print_stats(80)
+        stats.sort_stats("tottime").print_stats(60)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+
+
 def gpu_us(fn, iters=10) -> float:
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
@@ -234,9 +251,9 @@ def cpu_mode(seq: int, calls: int, profile: bool) -> None:
               f"({allocs_both:.0f}); {relaunches_directly(kernel)}", flush=True)
         if kernel.variant.sink is not None:
             batch, length, heads = grads[0].shape[:3]  # (batch, seq, heads, dim)
+            passes = _sink_passes_us(batch, heads, length)
             print(f"{'':22s} of which a sink gradient's element-wise passes over the "
-                  f"[B, H, L] rows (a GPU's, on this CPU): ~{_sink_passes_us(batch, heads, length):.0f} us",
-                  flush=True)
+                  f"[B, H, L] rows (a GPU's, on this CPU): ~{passes:.0f} us", flush=True)
         if profile:
             prof = cProfile.Profile()
             prof.enable()
@@ -260,7 +277,9 @@ def main():
     if args.cpu:
         return cpu_mode(args.gpt_oss_seq, args.calls, args.profile)
     training = []
-    for name, (kernel, fn, grads, do) in training_shapes(args.gpt_oss_seq).items():
+    shapes = training_shapes(args.gpt_oss_seq)
+    first_training = next(iter(shapes.values()))
+    for name, (kernel, fn, grads, do) in shapes.items():
         fwd_bwd = lambda: torch.autograd.grad(fn(), grads, do)
         with torch.no_grad():
             fwd = issue_and_wall_us(fn)
@@ -296,20 +315,11 @@ def main():
               flush=True)
     if args.profile:
         fn = lambda: torch.autograd.grad(layout(q, k, v, blocks=blocks, tables=kept), (q, k, v), do)
-        per_call_us(fn, 20)
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(200):
-            fn()
-        torch.cuda.synchronize()
-        prof.disable()
-        # Full listing to $OUT (cumulative and own time); the top entries here.
-        out = os.path.join(os.environ.get("OUT", "."), "host_profile.txt")
-        with open(out, "w") as f:
-            stats = pstats.Stats(prof, stream=f)
-            stats.sort_stats("cumulative").print_stats(80)
-            stats.sort_stats("tottime").print_stats(60)
-        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+        _profile_to_out(fn, "host_profile.txt")
+        # The first training shape's step too (gpt-oss): its backward is the issue's.
+        _, gpt_oss, gpt_oss_grads, gpt_oss_do = first_training
+        _profile_to_out(lambda: torch.autograd.grad(gpt_oss(), gpt_oss_grads, gpt_oss_do),
+                        "host_profile_gpt_oss.txt")
     print(f"\nS={S} H={H} D={D} bf16, {torch.cuda.get_device_name()}: wall time per call "
           "(N calls, one sync) and the kernels' GPU time per call, microseconds")
     print("case             fwd wall   GPU   fwd+bwd wall   GPU")
