@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import attncc
 from attncc.backends.tile_config import TileConfig
-from attncc.runtime import call_plans, launch, tuning
+from attncc.runtime import call_plans, launch, ops, tuning
 from attncc.runtime.kernel import Kernel
 
 SLIDING_SINK = """attention sliding_sink {
@@ -398,3 +399,35 @@ def test_attncc_check_runs_its_second_call_through_the_plans_in_a_fresh_process(
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert done.stdout.count("OK: every tensor within tolerance") == 1
     assert done.stdout.count("len_q 11, len_k 11") == 2
+
+
+class _SeesOps(TorchDispatchMode):
+    """Runs every op as it is and keeps the names of attncc's (as a tracer sees them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "attncc":
+            self.names.append(func._opname)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.slow  # ~1.4 s: six interpreted launches
+def test_eager_autograd_and_a_tracer_get_the_same_bits_and_the_tracer_sees_the_ops():
+    """An eager training call's autograd formula enters the ops' implementations itself
+    (one trip through the dispatcher fewer each way: host time, which
+    benchmarks/host_overhead.py --cpu measures); anything that traces (here a dispatch
+    mode, as AOTAutograd's tracing installs) gets both ops as nodes. The two paths give
+    the same bits, forward and backward, the sink's gradient included."""
+    kernel = attncc.compile(SLIDING_SINK)
+    call = lambda *t: kernel(*t[:3], sinks=t[3], return_lse=True)
+    eager = _grads(call, *tensors(20), seed=20)
+    tracer = _SeesOps()
+    with tracer:
+        traced = _grads(call, *tensors(20), seed=20)
+    name = ops.op_name(kernel.variant)
+    assert tracer.names == [name, name + "_bwd"]
+    for what, a, b in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), eager, traced):
+        assert torch.equal(a, b), what
