@@ -2,6 +2,7 @@
 backward), where the GPU work is too small to hide it.
 
     python benchmarks/host_overhead.py [--seq 256] [--profile]
+    python benchmarks/host_overhead.py --cpu [--gpt-oss-seq 1024] [--profile]   # no GPU
 
 At low tile density a call's kernels can finish before the host has issued the next
 call (RESULTS.md: the density curve's d = 0.03 row). This times N calls back to back
@@ -10,7 +11,8 @@ and a runtime layout), FlexAttention (torch.compile'd) and SDPA, and prints the
 per-call microseconds beside the kernels' own GPU time per call (torch.profiler): where
 the wall time is well above the GPU time, the host is the bound. --profile adds
 cProfile's top entries (cumulative) for attncc's layout forward + backward on kept
-tables (`attncc kept`).
+tables (`attncc kept`), and for the first training shape's step below (gpt-oss), both
+listings written to $OUT.
 No kernel is tuned here: configs are pinned, so only the steady-state path is timed.
 Then two training shapes on the default path (auto backend, shipped or tuned configs,
 tuned in the warm-up calls): gpt-oss's sliding layers (B=1, 64/8 heads, D=64, a window
@@ -18,6 +20,19 @@ of 128 and learnable sinks, (batch, seq, heads, dim) tensors, `--gpt-oss-seq`) a
 16-head D=128 causal call of 1K tokens. For these the host time to issue a call (the
 loop before its one synchronisation) is printed beside the wall time, and whether every
 launch plan (attncc/runtime/call_plans.py) relaunches its compiled kernels directly.
+
+--cpu (no GPU needed): the two training shapes' host time on this CPU, in float16 (the
+interpreter refuses bfloat16; the host path does not read the dtype), the generated
+modules' kernels replaced by stubs whose launch computes nothing (as
+benchmarks/decode_host.py stubs decoding's), so what is timed is attncc's and PyTorch's
+own per-call work: the call checks, the plan lookups, the autograd formula and engine,
+the generated module's argument building, allocations and the launch through the kept
+compiled kernel. Per shape: the forward without and with autograd recording, forward +
+backward (the backward as the difference), the ATen ops a call dispatches (on a GPU
+each one that is not a view or an allocation is a launch), and for a sink the share of
+its gradient's passes over the rows, which a GPU computes and this CPU does. CPU time
+of the process, the best of five runs; one intra-op thread; glibc keeps freed large
+blocks as a GPU's caching allocator does. --profile adds cProfile's entries.
 """
 from __future__ import annotations
 

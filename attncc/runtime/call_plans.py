@@ -73,17 +73,24 @@ class Launches:
 
 class Step:
     """One kernel role of a plan: the backend that runs it (and why), its tile config, and
-    what a relaunch calls: the backend's entry point of the role and the config as the
-    generated modules take it (a dict, built once rather than per call)."""
-    __slots__ = ("backend", "config", "ran", "entry", "arguments")
+    what a relaunch calls: the backend's module, whose entry point of the role it looks
+    up at each call (as the first call did: a module function replaced since is the one
+    called), and the config as the generated modules take it (a dict, built once)."""
+    __slots__ = ("backend", "config", "ran", "module", "direction", "arguments")
 
     def __init__(self, kernel, direction: str, config):
         ran = kernel.last_backend if direction == "fwd" else kernel.last_backward[direction]
         self.backend = backends.named(ran[0])
         self.config = config
         self.ran = ran
-        self.entry = self.backend.entry(kernel.module_of(self.backend.name), direction)
+        self.module = kernel.module_of(self.backend.name)
+        self.direction = direction
         self.arguments = config.as_dict()
+
+    def entry(self, *args, **kwargs):
+        """The role's entry point, called with the plan's config."""
+        return self.backend.entry(self.module, self.direction)(*args, config=self.arguments,
+                                                               **kwargs)
 
 
 class Plan:
@@ -110,7 +117,7 @@ def forward(kernel, plan: Plan, q, k, v, values: dict, common: dict):
     """(out, lse) of a call through its forward plan."""
     step = plan.steps["fwd"]
     kernel.record_choice("fwd", step.ran)
-    return step.entry(q, k, v, values, config=step.arguments, launcher=plan.launches, **common)
+    return step.entry(q, k, v, values, launcher=plan.launches, **common)
 
 
 def backward(kernel, plan: Plan, q, k, v, out, lse, dout, dlse, values: dict, common: dict):
@@ -121,11 +128,10 @@ def backward(kernel, plan: Plan, q, k, v, out, lse, dout, dlse, values: dict, co
     kernel.record_choice("dq", dq_step.ran)
     kernel.record_choice("dkdv", dkdv_step.ran)
     # The entry points as Kernel.backward_run calls them, with the plan's launcher.
-    dq, dinputs = dq_step.entry(q, k, v, lse, delta, dout, values, config=dq_step.arguments,
-                                launcher=plan.launches, out=out, dlse=dlse, **common)
+    dq, dinputs = dq_step.entry(q, k, v, lse, delta, dout, values, launcher=plan.launches,
+                                out=out, dlse=dlse, **common)
     dk, dv, *by_keys = dkdv_step.entry(q, k, v, lse, delta, dout, values,
-                                       config=dkdv_step.arguments, launcher=plan.launches,
-                                       **common)
+                                       launcher=plan.launches, **common)
     if by_keys:  # learnable reads of keys alone, whose gradients the dK/dV programs own
         dinputs = {name: g + by_keys[0][name] for name, g in dinputs.items()}
     return dq, dk, dv, dinputs, delta
