@@ -71,15 +71,14 @@ class Counting:
 
     def __init__(self, monkeypatch):
         self.roles = 0
-        forward_role, backward_role = Kernel.forward_role, Kernel.backward_role
 
         def counted(original):
             def role(*args, **kwargs):
                 self.roles += 1
                 return original(*args, **kwargs)
             return role
-        monkeypatch.setattr(Kernel, "forward_role", counted(forward_role))
-        monkeypatch.setattr(Kernel, "backward_role", counted(backward_role))
+        for name in ("forward_role", "backward_role", "one_launch_role"):
+            monkeypatch.setattr(Kernel, name, counted(getattr(Kernel, name)))
 
 
 def test_a_repeated_call_runs_its_plan_on_its_own_tensors(monkeypatch):
@@ -151,6 +150,37 @@ def test_a_planned_backward_under_normalize_none_gives_the_gradients_without_del
         kernel.variant, q.double(), k.double(), v.double(), bias=bias.double()), 13)
     assert counting.roles == 0 and read_o == [False, False]
     for name, g, r in zip(("out", "dq", "dk", "dv", "dbias"), got, ref):
+        assert not torch.isnan(g).any(), name
+        error = (g.double() - r.double()).abs().max()
+        assert torch.allclose(g.double(), r.double(), atol=2e-4, rtol=1e-4), (name, error)
+
+
+def test_a_repeated_table_driven_call_runs_its_one_launch_plan_on_new_tables(monkeypatch):
+    """A layout variant's backward (delta pass, then dK/dV and dQ in one launch) runs its
+    plan on the next call like it, whose layout is another: the tables are the call's
+    own (built from its layout), the gradients the float64 reference's."""
+    kernel = attncc.compile("attention lay { input blocks: bool[h, qb, kb] "
+                            "layout blocks[h, qb, kb] block 16 }")
+
+    def grads(fn, seed):
+        gen = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(1, 1, 40, 16, generator=gen).to(DEVICE).requires_grad_()
+                   for _ in range(3))
+        blocks = (torch.rand(1, 3, 3, generator=gen) < 0.5) | torch.eye(3, dtype=torch.bool)
+        out = fn(q, k, v, blocks.to(DEVICE))
+        w = torch.randn(out.shape, generator=gen).to(out.device, out.dtype)
+        (out * w).sum().backward()
+        return out, q.grad, k.grad, v.grad
+
+    ours = lambda q, k, v, blocks: kernel(q, k, v, blocks=blocks)
+    grads(ours, 30)
+    assert {"bwd"} == set(kernel.last_backward) and len(kernel._call_plans) == 2
+    counting = Counting(monkeypatch)
+    got = grads(ours, 31)
+    ref = grads(lambda q, k, v, blocks: attncc.reference(
+        kernel.variant, q.double(), k.double(), v.double(), blocks=blocks), 31)
+    assert counting.roles == 0 and len(kernel._call_plans) == 2
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
         assert not torch.isnan(g).any(), name
         error = (g.double() - r.double()).abs().max()
         assert torch.allclose(g.double(), r.double(), atol=2e-4, rtol=1e-4), (name, error)

@@ -94,8 +94,9 @@ class Step:
 
 
 class Plan:
-    """The steps of one call of a kind (forward: "fwd"; backward: "dq", "dkdv"), their
-    launches, and the tuner's memory entries their choices came from."""
+    """The steps of one call of a kind (forward: "fwd"; backward: "dq", "dkdv", or "bwd",
+    a table-driven variant's one launch), their launches, and the tuner's memory entries
+    their choices came from."""
     __slots__ = ("steps", "launches", "needs")
 
     def __init__(self, kernel, steps: dict):
@@ -137,6 +138,23 @@ def backward(kernel, plan: Plan, q, k, v, out, lse, dout, dlse, values: dict, co
     return dq, dk, dv, dinputs, delta
 
 
+def one_launch_backward(kernel, plan: Plan, q, k, v, out, lse, dout, dlse, values: dict,
+                        common: dict):
+    """(dq, dk, dv, dinputs, delta) of a table-driven call through its one-launch plan:
+    the delta pass (from `out`, the forward's output; None where the variant reads no
+    delta), then dK/dV and dQ in one launch, as runtime/scheduling.py's first call."""
+    module = kernel.module
+    step = plan.steps["bwd"]
+    kernel.record_choice("bwd", step.ran)
+    if out is not None:
+        delta = module.backward_delta(out, dout, lse=lse, dlse=dlse, launcher=plan.launches)
+    else:
+        delta = module.new_delta(q)
+    dq, dk, dv, dinputs = step.entry(q, k, v, lse, delta, dout, values,
+                                     launcher=plan.launches, **common)
+    return dq, dk, dv, dinputs, delta
+
+
 # ---------------------------------------------------------------------------- keys
 def _tensor_key(t) -> tuple:
     """A tensor's part of a plan key; TypeError for anything that is not a tensor."""
@@ -170,10 +188,12 @@ def forward_key(q, k, v, values: dict, common: dict, kept_tables) -> tuple | Non
 
 
 def backward_key(q, k, v, out, lse, dout, dlse, values: dict, common: dict,
-                 kept_tables) -> tuple | None:
-    """A backward call's plan key; None where the call holds a non-tensor (no plan)."""
+                 kept_tables, directions: tuple) -> tuple | None:
+    """A backward call's plan key; None where the call holds a non-tensor (no plan).
+    `directions`: the roles the backward runs (settings.backward_directions), which a
+    test or a tool may switch in-process."""
     try:
-        return ("bwd", *(_tensor_key(t) for t in (q, k, v, out, lse, dout)),
+        return ("bwd", directions, *(_tensor_key(t) for t in (q, k, v, out, lse, dout)),
                 None if dlse is None else _tensor_key(dlse),
                 _call_key(q, values, common, kept_tables))
     except (TypeError, AttributeError):
