@@ -225,6 +225,35 @@ def time_variant(name: str, L: int, dim: int, rounds: int, kernel_times: bool, h
     return row
 
 
+# Issue 32's targets: (what, peer, the variants it names, the ratio to reach), a ratio
+# being the peer's time / attncc's. attncc's backward is deterministic: against FA4's
+# default (unordered) backward and, separately, its deterministic one.
+TARGETS = (
+    ("fwd", "FA4", ("full", "causal", "causal_gqa", "sliding_window", "softcap"), 1.0),
+    ("fwd", "Flex FLASH", ("document", "bigbird", "alibi"), 1.05),
+    ("bwd", "FA4", ("full", "causal", "causal_gqa", "sliding_window", "softcap"), 1.0),
+    ("bwd", "FA4 det.", ("full", "causal", "causal_gqa", "sliding_window", "softcap"), 1.0),
+    ("bwd", "Flex FLASH", ("document", "bigbird", "alibi"), 1.05),
+)
+
+
+def targets(rows: list) -> str:
+    """One line per target: each named variant's ratio, and whether it is met."""
+    by_name = {r["variant"]: r["cells"] for r in rows}
+    lines = []
+    for part, peer, names, want in TARGETS:
+        cells = []
+        for name in names:
+            a, c = by_name.get(name, {}).get("attncc", {}), by_name.get(name, {}).get(peer, {})
+            if f"{part}_ms" not in a or f"{part}_ms" not in c:
+                continue
+            ratio = c[f"{part}_ms"] / a[f"{part}_ms"]
+            cells.append(f"{name} {ratio:.2f}{'' if ratio >= want else ' (missed)'}")
+        if cells:
+            lines.append(f"{part} ≥ {want:.2f}× {peer}: " + ", ".join(cells))
+    return "\n".join(lines)
+
+
 def table(rows: list, checks: dict) -> str:
     peers = ("Flex (Triton)", "Flex FLASH", "FA4", "FA4 det.", "cuDNN")
     lines = [f"{'variant':16s} {'attncc fwd/bwd ms':>18s} | " + " | ".join(f"÷ {p:>13s}" for p in peers)
@@ -284,6 +313,7 @@ def main() -> int:
           f"triton {__import__('triton').__version__}, bf16, D={args.dim}, {args.heads} heads, "
           f"{args.len} tokens a row, {max(1, 16384 // args.len)} rows")
     print(table(rows, checks))
+    print("\nissue 32's targets (the peer's time / attncc's):\n" + targets(rows))
     if args.kernel_times:
         print("\nper call: host µs to issue / kernels' GPU ms (forward replayed from a CUDA graph, "
               "do_bench ms), forward | forward + backward")
