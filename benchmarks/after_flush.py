@@ -1,0 +1,122 @@
+"""Why a forward runs slower after do_bench's L2 flush than back to back: one call timed
+alone (CUDA events around it, nothing else in the window) after each of several kinds
+of preceding GPU work, for attncc and its peers on the same inputs.
+
+    ATTNCC_TUNE=1 python benchmarks/after_flush.py [--variant causal] [--len 16384]
+
+RESULTS.md run 179: attncc's causal Gluon forward takes 1.768 ms back to back and ~2.0
+ms under do_bench (which zeroes a 256 MB buffer before each call), replayed from a CUDA
+graph too, so not host time; FA4's takes 1.693 and 1.714. What precedes the call:
+  itself     the same forward (the profiler's back-to-back figure)
+  zero       a 256 MB buffer zeroed (do_bench's flush: the L2 left full of dirty lines)
+  read       a 256 MB buffer summed (the L2 full of clean lines of other data)
+  idle       the GPU spinning ~0.3 ms in one tiny kernel (clocks after a light load)
+  matmul     a bf16 8192^3 matrix product (~1 ms at full power)
+If `read` is as fast as `itself` and `zero` is slow, the kernel pays for the dirty lines'
+write-back; if `read` is slow too, for cold data (its tile order, its first wave's
+loads); if `idle` or `matmul` is slow, for the clock. Medians of `--calls` timed calls;
+the full numbers go to $OUT/after_flush.json, the table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import attncc  # noqa: E402
+
+FLUSH_BYTES = 256 * 2 ** 20  # do_bench's cache-clearing buffer
+VARIANTS = {"causal": "attention causal { mask q >= k }", "full": "attention full { }"}
+
+
+def preceding_work(device) -> dict:
+    """{name: fn} of what runs just before the timed call."""
+    buffer = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    return {"itself": None, "zero": buffer.zero_, "read": lambda: buffer.sum(),
+            # ~0.3 ms at the ~2 GHz an H100's or H200's SMs run at
+            "idle": lambda: torch.cuda._sleep(600_000), "matmul": lambda: a @ b}
+
+
+def time_after(call, before, calls: int) -> list:
+    """Milliseconds of `call` alone, each right after `before` (None: after `call`)."""
+    times = []
+    for _ in range(calls + 3):  # three warm-up rounds
+        (before or call)()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times[3:]
+
+
+def backends(variant_name: str, q, k, v) -> dict:
+    found = {}
+    auto = attncc.compile(VARIANTS[variant_name])
+    found["attncc (auto)"] = lambda: auto(q, k, v)
+    gluon = attncc.compile(VARIANTS[variant_name], backend="gluon")
+    found["attncc (Gluon)"] = lambda: gluon(q, k, v)
+    portable = attncc.compile(VARIANTS[variant_name], backend="triton")
+    found["attncc (portable)"] = lambda: portable(q, k, v)
+    try:
+        from flash_attn.cute import flash_attn_func
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        found["FA4"] = lambda: flash_attn_func(qt, kt, vt, causal=variant_name == "causal")
+    except ImportError as err:
+        print(f"FA4 not on the path ({err}): its row is left out", file=sys.stderr)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=variant_name == "causal")
+    found["cuDNN"] = cudnn
+    return found
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variant", default="causal", choices=sorted(VARIANTS))
+    ap.add_argument("--len", type=int, default=16384)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--calls", type=int, default=30)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("after_flush.py times GPU kernels: it needs a CUDA GPU", file=sys.stderr)
+        return 2
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, args.heads, args.len, args.dim, generator=gen)
+               .to("cuda", torch.bfloat16) for _ in range(3))
+    work = preceding_work("cuda")
+    rows = {}
+    with torch.no_grad():
+        found = backends(args.variant, q, k, v)
+        for label, call in found.items():
+            call()  # tune, compile, plan
+            torch.cuda.synchronize()
+        for label, call in found.items():
+            rows[label] = {name: time_after(call, before, args.calls) for name, before in work.items()}
+    out = os.environ.get("OUT", "out")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "after_flush.json"), "w") as f:
+        json.dump({"args": vars(args), "gpu": torch.cuda.get_device_name(),
+                   "triton": __import__("triton").__version__, "ms": rows}, f, indent=1)
+    print(f"\n{torch.cuda.get_device_name()}, {args.variant}, {args.heads} heads x {args.len}, "
+          f"D={args.dim}, bf16: median ms of one forward after ...")
+    print(f"{'':18s}" + "".join(f"{name:>10s}" for name in work))
+    for label, by in rows.items():
+        print(f"{label:18s}" + "".join(f"{statistics.median(t):10.3f}" for t in by.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
