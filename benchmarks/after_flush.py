@@ -1,12 +1,14 @@
-"""Why a forward runs slower after do_bench's L2 flush than back to back: one call timed
-alone (CUDA events around it, nothing else in the window) after each of several kinds
-of preceding GPU work, for attncc and its peers on the same inputs.
+"""What a forward's time depends on besides its kernel: one call timed alone (CUDA
+events around it, nothing else in the window) after each of several kinds of preceding
+GPU work, or under sustained load, for attncc and its peers on the same inputs.
 
     ATTNCC_TUNE=1 python benchmarks/after_flush.py [--variant causal] [--len 16384]
+    ATTNCC_TUNE=1 python benchmarks/after_flush.py --sustained 4
 
-RESULTS.md run 179: attncc's causal Gluon forward takes 1.768 ms back to back and ~2.0
-ms under do_bench (which zeroes a 256 MB buffer before each call), replayed from a CUDA
-graph too, so not host time; FA4's takes 1.693 and 1.714. What precedes the call:
+Written for RESULTS.md run 179's question (attncc's causal forward ~2.0 ms under
+do_bench, 1.77 back to back); runs 180-181 answered it: what precedes a call changes
+nothing, and do_bench's figures are every kernel's at the 700 W power cap. What
+precedes the call:
   itself     the same forward (the profiler's back-to-back figure)
   other      the same kernel on other inputs of the same shape (its data not in L2)
   zero       a 256 MB buffer zeroed (do_bench's flush: the L2 left full of dirty lines)

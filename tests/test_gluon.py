@@ -847,7 +847,7 @@ def test_the_scale_is_proven_positive_only_where_it_is(scale, positive):
 ])
 def test_the_gluon_kernels_fold_the_scale_into_the_exponent_where_it_is_positive(spec, folded):
     # exp2(qk * qk_scale - m) compiles to one FFMA an element where scaling, then
-    # subtracting, take two (Nsight Compute counted the two on the H200: RESULTS run 180).
+    # subtracting, take two (Nsight Compute counted the two on the H200: RESULTS run 181).
     source = GLUON.render(attncc.parse(spec)).source
     for line in ("p = gl.exp2(qk * qk_scale - m_use[:, None])",  # the forward
                  "p = gl.exp2(qk * qk_scale - lse2[:, None])",  # dQ

@@ -285,7 +285,7 @@ def test_gluon_backward_keeps_no_mask_live_across_its_products(tmp_path):
 def test_gluon_kernels_take_each_exponent_from_one_multiply_add(tmp_path):
     # The forward, dQ and dK/dV compute exp2(qk * qk_scale - m) where the scale is
     # positive: one FFMA an element where scaling, then subtracting, take an FMUL and an
-    # FADD (Nsight Compute on the H200, RESULTS run 180: 4.1 non-fused FP32 instructions
+    # FADD (Nsight Compute on the H200, RESULTS run 181: 4.1 non-fused FP32 instructions
     # an element before, FlashAttention-4's one FFMA and two others). A negative scale
     # keeps the two: against it, the folded kernels hold at least an FFMA more for each
     # score element a thread owns in each copy of the loop body.
