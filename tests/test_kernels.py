@@ -133,6 +133,15 @@ def test_examples_in_float16(name):
             dtype=torch.float16)
 
 
+@pytest.mark.parametrize("scale", ["8.0", "-8.0"])
+def test_a_scale_of_either_sign_matches_the_reference(scale):
+    # A positive scale is folded into each weight's exponent, exp2(qk * qk_scale - m),
+    # the row max taken over q·k and scaled once; a negative one flips which q·k gives
+    # the max and keeps scaling first (analysis/signs.scale_is_positive). At |scale| 8
+    # the scores span hundreds: a max taken on the wrong side overflows exp2.
+    compare(attncc.parse(f"attention a {{ mask q >= k\n scale {scale} }}"), Lq=21, Lk=29, D=16)
+
+
 # ------------------------------------------------------------------- shape sweep
 CAUSAL = "attention causal { mask q >= k }"
 WINDOW_SINKS = "attention ws { mask q >= k and (q - k < 9 or k < 3) }"

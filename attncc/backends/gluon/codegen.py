@@ -14,7 +14,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from ... import ir
-from ...analysis.signs import scale_is_positive
 from . import OWNED_KINDS, decode, gluon_kind
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -75,11 +74,7 @@ def template_context(variant: ir.Variant, code=None) -> dict:
     # The score of a tile whose relative reads each read one element (scores.jinja's
     # log2_scores, branch=True).
     uniform = code.diagonal.uniform.text if code.diagonal is not None else None
-    # The forward's softmax folds the scale into its exponent's multiply-add (forward.jinja's
-    # softmax) where nothing but the scale acts on q·k and the scale is positive.
-    fold_scale = (not context["score"] and variant.normalize == "softmax"
-                  and scale_is_positive(variant))
     return dict(context, input_grads=grads, gluon_owns=OWNED_KINDS, gluon_slopes=slopes,
-                fold_scale=fold_scale,
+
                 gluon_owned_reads=any(g["gluon_kind"] in owned for g in grads),
                 uniform_score=uniform, gluon_decode=decode.variant_refusal(variant) is None)

@@ -21,6 +21,7 @@ import jinja2
 
 from ... import dropout, ir
 from ...analysis import bounds, intervals, ranges
+from ...analysis.signs import scale_is_positive
 from ...analysis.gradient_owners import GradientOwner, gradient_owners
 from ...codegen.derivative import score_gradients
 from ...ir import print_variant
@@ -427,6 +428,11 @@ def template_context(variant: ir.Variant, code: VariantCode | None = None) -> di
             "s" in ir.free_vars(pair.score) or {"q", "k"} <= ir.free_vars(pair.score)),
         # softmax, or `sum`/`none` of the weight (the `score` slot then holds it).
         normalize=variant.normalize,
+        # Nothing but the scale acts on q·k, and the scale is positive: the forwards take
+        # the row max over q·k and scale it once, and every kernel computes a weight as
+        # exp2(qk * qk_scale - m), one multiply-add, where scaling first takes two.
+        fold_scale=(code.score is None and variant.normalize == "softmax"
+                    and scale_is_positive(variant)),
         d_score=code.d_score.text,
         # d score / d s at a masked pair may be inf or NaN (`s * sqrt(q - k)` past a
         # causal mask) and multiplies a dS of 0 there: the backward zeroes those pairs.
