@@ -403,6 +403,10 @@ def template_context(variant: ir.Variant, code: VariantCode | None = None) -> di
         input_codes={i.name: input_code(i.name) for i in variant.inputs},
         int32_extent=code.int32_extent,
         learnable_names=[i.name for i in variant.learnable_inputs],
+        # Those whose gradient the kernels write (the score or weight reads them); one only
+        # the sink reads takes its gradient from runtime/sinks.py alone.
+        kernel_grad_names=[i.name for i in variant.learnable_inputs
+                           if any(g.name == i.name for g in code.input_grads)],
         dropout=bool(variant.dropout),
         dropout_p=repr(float(variant.dropout or 0.0)),
         dropout_threshold=dropout.threshold(variant.dropout or 0.0),
