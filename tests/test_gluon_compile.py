@@ -56,6 +56,7 @@ DTYPES = {"f32": "*fp32", "i32": "*i32", "bool": "*i1"}
 # the query tile's rows (the warp-specialized forward's CONSUMERS take a share each).
 KERNELS = {"attn_fwd": ("attn_fwd", 128, 128, 8, 2, {}),
            "attn_fwd_ws": ("attn_fwd_ws", 128, 128, 4, 2, {"CONSUMERS": 2}),
+           "attn_fwd_ws_s3": ("attn_fwd_ws", 128, 128, 4, 3, {"CONSUMERS": 2}),
            "attn_fwd_ws3": ("attn_fwd_ws", 192, 128, 4, 2, {"CONSUMERS": 3}),
            "attn_fwd_ws3_n64": ("attn_fwd_ws", 192, 64, 4, 2, {"CONSUMERS": 3}),
            "attn_bwd_dq": ("attn_bwd_dq", 64, 64, 4, 2, {"DELTA_FROM_O": True, "HAS_DLSE": True}),
@@ -93,21 +94,42 @@ def signature(variant, module, fn, consts, widths, rows):
     return sig
 
 
-def opcodes(cubin: bytes) -> dict:
-    """How often each SASS opcode (FFMA, P2R, ...: the name before its first dot) occurs."""
+def sass(cubin: bytes) -> str:
+    """The cubin's machine code, by Triton's bundled nvdisasm."""
     import pathlib, subprocess, tempfile
     nvdisasm = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True,
+        return subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True,
                               check=True).stdout
+
+
+def opcodes(sass: str) -> dict:
+    """How often each SASS opcode (FFMA, P2R, ...: the name before its first dot) occurs."""
     found = {}
     for line in sass.splitlines():
         m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]\s+)?([A-Z][A-Z0-9_]*)", line)
         if m:
             found[m.group(1)] = found.get(m.group(1), 0) + 1
     return found
+
+
+def exp2_between_waits(sass: str) -> list:
+    """For each wait for S (the first of two wgmma groups, DEPBAR gsb0 0x1) in program
+    order, the exponentials (MUFU.EX2) before the next wait for P V (gsb0 0x0): those
+    run under the warpgroup's own P V product."""
+    counts, inside = [], None
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            inside = 0
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
+            if inside is not None:
+                counts.append(inside)
+            inside = None
+        elif inside is not None and "MUFU.EX2" in line:
+            inside += 1
+    return counts
 
 
 def report(example, name, dims, compiled):
@@ -120,7 +142,8 @@ def report(example, name, dims, compiled):
                       "tanh_approx": "tanh.approx.f32" in compiled.asm["ptx"],
                       # P2R: predicates packed into a register (a tile of mask bits kept
                       # live across a kernel's products takes about one per pair).
-                      "opcodes": opcodes(compiled.asm["cubin"]) if SASS else None,
+                      "opcodes": opcodes(sass(compiled.asm["cubin"])) if SASS else None,
+                      "exp2_between_waits": exp2_between_waits(sass(compiled.asm["cubin"])) if SASS else None,
                       "ptxas": ptxas_resources(compiled.asm["ptx"]) if with_spills else None}),
           flush=True)
 
@@ -304,6 +327,22 @@ def test_gluon_kernels_take_each_exponent_from_one_multiply_add(tmp_path):
         plain = counts[("causal_flipped.attn", kernel)]
         assert folded.get("FFMA", 0) >= plain.get("FFMA", 0) + elements, (kernel, folded, plain)
         assert folded.get("FMUL", 0) < plain.get("FMUL", 0), (kernel, folded, plain)
+
+
+@pytest.mark.slow
+def test_the_three_stage_forward_runs_the_softmax_under_its_own_product(tmp_path):
+    # Issue 32, item 1. The consumer loop waits for S, computes the softmax, then waits
+    # for the last tile's P V; at two stages (V released right after that wait) ptxas
+    # places the wait above every exponential, at three (tile i - 2's V released between
+    # the softmax and the wait) some exponentials stay between the waits: of the two
+    # consumers' 66 a step, 64 and 23 on Triton 3.9, 27 and 30 on 3.6 (its ptxas), none
+    # at two stages (sm_90 SASS).
+    examples = ["causal.attn"]
+    kernels = ("attn_fwd_ws", "attn_fwd_ws_s3")
+    results = {r["kernel"]: r["exp2_between_waits"]
+               for r in _compile(examples, [128], tmp_path, kernels, sass=True)}
+    assert max(results["attn_fwd_ws"]) == 0, results
+    assert min(results["attn_fwd_ws_s3"]) >= 20, results
 
 
 # Learnable score inputs whose gradients the Gluon dQ and dK/dV kernels own

@@ -105,7 +105,14 @@ def candidates(head_dim: int) -> list:
     shapes = {64: [(128, 128, WS_WARPS, 2), (192, 128, WS3_WARPS, 2), (192, 64, WS3_WARPS, 2),
                    (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3),
                    (64, 128, 4, 3)],
-              128: [(128, 128, WS_WARPS, 2), (128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3),
+              # (128, 128, WS_WARPS, 3): three stages, V released two tiles back between
+              # the softmax and the wait for P V, so the softmax runs under the
+              # warpgroup's own product (forward.jinja); 224 KB of shared memory.
+              # Compiled for sm_90 (no spills; of the two consumers' 66 exp2s a step, 64
+              # and 23 between the waits on Triton 3.9, 27 and 30 on 3.6, none at two
+              # stages): not yet run on a GPU.
+              128: [(128, 128, WS_WARPS, 2), (128, 128, WS_WARPS, 3), (128, 128, 8, 2),
+                    (64, 64, 4, 2), (64, 64, 4, 3),
                     (128, 64, 8, 3), (128, 64, 8, 2), (64, 128, 4, 2)],
               # (192, 128): as at 128 (the same registers: O and S are 128 wide), with the
               # tiles whose K and V slots fit beside a 192-wide Q. Passed on an H200 (run 151).
