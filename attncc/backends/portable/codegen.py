@@ -27,8 +27,8 @@ from ...codegen.derivative import score_gradients
 from ...ir import print_variant
 from ...codegen import helpers, interface, parameters, templating
 from ...codegen.decode import decode_context, decode_layout
-from ...codegen.elementwise import (TritonEmitter, WeightEmitter, grad_arg_name, input_arg_names,
-                                     input_code)
+from ...codegen.elementwise import (ScoreEmitter, TritonEmitter, WeightEmitter, grad_arg_name,
+                                     input_arg_names, input_code)
 from ...codegen.generated import Generated, module_name
 from ...codegen.plan_code import (ClassificationCode, bound_code, classification_code,
                                   segment_code)
@@ -257,7 +257,7 @@ def variant_code(variant: ir.Variant) -> VariantCode:
     widths = {decl: integer_width(getattr(variant, decl), variant)
               for decl in ("mask", "score", "layout", "sink")}
     # The score and its derivatives (under `sum` or `none`, the pair weights').
-    emitter = TritonEmitter if variant.normalize == ir.SOFTMAX else WeightEmitter
+    emitter = ScoreEmitter if variant.normalize == ir.SOFTMAX else WeightEmitter
     emit = emitter(variant, wide=widths["score"][0])
     # Under `sum` or `none` the backward holds the pair weights w, the score's value,
     # where it applies the derivatives: σ(1 − σ) of `weight sigmoid(..)` reads it.
