@@ -414,7 +414,7 @@ def speed(args, dog):
             entry["dim_v"] = Dv
         t_p = _median_ms(lambda: portable(q, k, v, **inputs))
         entry["times"]["portable"] = t_p
-        for config in forward_candidates(D, Dv):
+        for config in forward_candidates(D, Dv)[:args.first or None]:
             if config["num_warps"] in tiles.WS_CONSUMERS and os.environ.get("GLUON_SKIP_WS") == "1":
                 continue  # it hung in the correctness part
             label = f"gluon {config['BLOCK_M']}x{config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']}"
@@ -517,6 +517,8 @@ def main():
                     help="d64: the batch (4 x 4096 = 16384 tokens, the other parts' count)")
     ap.add_argument("--quick", action="store_true", help="bf16 head dim 128 correctness only")
     ap.add_argument("--variants", default="full,causal", help="speed: ANCHORS variants at D=128")
+    ap.add_argument("--first", type=int, default=0,
+                    help="speed: time only the first N Gluon configs of each head dim (0: all)")
     ap.add_argument("--full-dims", default="", help="speed: full attention at these head dims too")
     ap.add_argument("--dim-pairs", default="192:128",
                     help="speed: full and causal at these q·k:v head dims too ('' for none)")

@@ -11,7 +11,10 @@ held to attncc/semantics/tolerance.py's rule; then decoding with a v cache 128 w
 beside 192-wide keys, contiguous and paged, against decode_reference; then MLA decoding
 (v = k[..., :512], 128 heads, n_q 1 and 4, ragged rows to 4000 keys, contiguous and
 paged) at each wide-accumulator tile the tuner may pick (decoding.WIDE_SHAPES, pinned)
-and tuned.
+and tuned; then the Gluon MLA decode (backend="gluon", sm_90) at (576, 512) and at (64,
+512) with a v cache of its own, in fp16 and bf16, at one split, three and its untuned
+first config, with the cache past each row's keys filled with NaN (which no kernel may
+read into a result).
 speed: forward, backward (timed alone, on a kept graph) and forward + backward of causal
 (192, 128) attention in bf16, batch 1, 16 heads: attncc as given (auto), with backend="gluon" and with backend="triton"; attncc
 with q, k padded to 256 and v to 256 (what the padding workaround and a padded head dim
@@ -20,8 +23,9 @@ cost: the scale fixed to 1/sqrt(192)); cuDNN through SDPA (which takes d_qk 192 
 mla: MLA decoding, one latent cache 576 wide with v = k[..., :512] (the kernel
 takes the values from the K tile), batch 32, 128 query heads on one kv head, n_q 1 and
 4 (--nq), caches of 4K to 32K tokens in bf16: correctness against decode_reference on
-the first case, then per case the config the tuner chose (tile, warps, stages, splits,
-programs against the SMs), the time, the cache bytes read per second against the HBM
+the first case, then per case and backend (auto, backend="gluon" and backend="triton": a
+row each) the backend and config the call ran (tile, warps, stages, splits, programs
+against the SMs), the time, the cache bytes read per second against the HBM
 peak (--hbm-tbs, 4.8 TB/s for an H200) and the tensor FLOP/s against --tflops (989 for
 dense bf16): at 128 heads MLA decoding does 2 x 128 x n_q x (576 + 512) FLOPs per
 1152-byte cache row, about the H200's ridge at n_q 1 and compute-bound beyond, so
@@ -30,6 +34,7 @@ dense bf16): at 128 heads MLA decoding does 2 x 128 x n_q x (576 + 512) FLOPs pe
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -103,31 +108,49 @@ def check_decode(dtype, paged: bool) -> list:
                  ok=bool(out.shape == ref.shape and within_tolerance(err, eerr, dtype, ref, 1.0)))]
 
 
-def check_mla_decode(n_q: int, paged: bool, config) -> list:
-    """MLA decoding, v = k[..., :512] (one latent cache), 128 heads, ragged rows, bf16,
-    at `config` (None: tuned), against decode_reference in float64."""
-    torch.manual_seed(576 + n_q)
-    B, H, E, Ev, dt = 4, 128, 576, 512, torch.bfloat16
-    kernel = attncc.compile(CAUSAL)
+def check_mla_decode(n_q: int, paged: bool, config, dt=torch.bfloat16, backend="auto",
+                     num_splits=None, E=576) -> list:
+    """MLA decoding, v = k[..., :512] (one latent cache; or E=64: keys 64 wide beside a v
+    cache 512 wide), 128 heads, ragged rows (one of 1 key, the others off the 64-key
+    tile), at `config` or `num_splits` (None: tuned) on `backend`, against
+    decode_reference in float64. The cache past each row's keys holds NaN: a kernel that
+    reads it into a result fails."""
+    torch.manual_seed(576 + n_q + E)
+    B, H, Ev = 4, 128, 512
+    kernel = attncc.compile(CAUSAL, backend=backend)
     q = torch.randn(B, H, n_q, E, device="cuda", dtype=dt)
     seqlens = torch.tensor([1, 700, 1500, 4000], device="cuda", dtype=torch.int32)
     table = None
+    width = E + (Ev if E == 64 else 0)  # the values beside the keys, or within them
     if paged:
         page, pages = 64, 4 * 64
-        latent = torch.randn(pages, page, 1, E, device="cuda", dtype=dt)
+        cache = torch.randn(pages, page, 1, width, device="cuda", dtype=dt)
         table = torch.randperm(pages, device="cuda")[:B * 64].reshape(B, 64).int()
+        for b, length in enumerate(seqlens.tolist()):
+            pos = torch.arange(length, 64 * page, device="cuda")
+            cache[table[b].long()[pos // page], pos % page] = float("nan")
     else:
-        latent = torch.randn(B, 1, 4096, E, device="cuda", dtype=dt)
-    out = kernel.decode(q, latent, latent[..., :Ev], cache_seqlens=seqlens, block_table=table,
-                        config=config)
-    ref = attncc.decode_reference(kernel.variant, q.double(), latent.double(),
-                                  latent[..., :Ev].double(), cache_seqlens=seqlens,
-                                  block_table=table)
-    eager = attncc.decode_reference(kernel.variant, q, latent, latent[..., :Ev],
+        cache = torch.randn(B, 1, 4096, width, device="cuda", dtype=dt)
+        for b, length in enumerate(seqlens.tolist()):
+            cache[b, :, length:] = float("nan")
+    if E == 64:  # two caches of their own (contiguous copies of the halves)
+        k_cache, v_cache = cache[..., :E].contiguous(), cache[..., E:].contiguous()
+    else:
+        k_cache, v_cache = cache, cache[..., :Ev]
+    out = kernel.decode(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
+                        config=config, num_splits=num_splits)
+    plan = kernel._decode_plans[decoding.plan_key(q, k_cache, v_cache, seqlens, None, None,
+                                                  table, num_splits, config, False, {})]
+    ref = attncc.decode_reference(kernel.variant, q.double(), k_cache.double(),
+                                  v_cache.double(), cache_seqlens=seqlens, block_table=table)
+    eager = attncc.decode_reference(kernel.variant, q, k_cache, v_cache,
                                     cache_seqlens=seqlens, block_table=table)
     err, eerr = max_abs_error(out, ref), max_abs_error(eager, ref)
-    return [dict(tensor="out", err=err, eager_err=eerr,
-                 ok=bool(out.shape == ref.shape and within_tolerance(err, eerr, dt, ref, 1.0)))]
+    ran = backend in ("auto", plan.backend)  # a backend asked for ran the call
+    return [dict(tensor="out", err=err, eager_err=eerr, backend=plan.backend,
+                 config=plan.config, reason=plan.reason,
+                 ok=bool(ran and out.shape == ref.shape and not torch.isnan(out).any()
+                         and within_tolerance(err, eerr, dt, ref, 1.0)))]
 
 
 def correctness(match: str) -> list:
@@ -144,6 +167,12 @@ def correctness(match: str) -> list:
                + (decoding.label(c) if c else "tuned"),
                lambda n_q=n_q, p=p, c=c: check_mla_decode(n_q, p, c))
               for n_q in (1, 4) for p in (False, True) for c in wide]
+    cases += [(f"MLA decode gluon {E}/512 n_q {n_q} {'paged' if p else 'contiguous'} "
+               f"{str(dt)[6:]} " + (f"{sp} splits" if sp else "untuned"),
+               lambda n_q=n_q, p=p, dt=dt, sp=sp, E=E: check_mla_decode(n_q, p, None, dt, "gluon",
+                                                                        sp, E))
+              for E in (576, 64) for n_q in (1, 4) for p in (False, True)
+              for dt in (torch.float16, torch.bfloat16) for sp in (None, 1, 3)]
     for label, fn in cases:
         if match not in label:
             continue
@@ -224,43 +253,54 @@ def speed(length: int) -> list:
     return results
 
 
-def mla(hbm_tbs: float, tflops: float, n_qs: list) -> list:
+def mla(hbm_tbs: float, tflops: float, n_qs: list, E: int = 576) -> list:
+    """E=576: one latent cache, v = k[..., :512]; E=64: keys 64 wide beside a v cache 512
+    wide of its own (the same bytes per position, 1152, and fewer q·k FLOPs)."""
     from triton.testing import do_bench
     torch.manual_seed(0)
-    B, H, E, Ev, dt = 32, 128, 576, 512, torch.bfloat16
-    kernel = attncc.compile("attention mla { scale 1.0 / sqrt(192.0)  mask q >= k }")
+    B, H, Ev, dt = 32, 128, 512, torch.bfloat16
+    spec = "attention mla { scale 1.0 / sqrt(192.0)  mask q >= k }"
+    kernels = {b: attncc.compile(spec, backend=b) for b in ("auto", "gluon", "triton")}
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-    results = []
+    results, checked = [], set()
     for length in (4096, 8192, 16384, 32768):
         latent = torch.randn(B, 1, length, E, device="cuda", dtype=dt)
-        for n_q in n_qs:
+        values = latent[..., :Ev] if E > Ev else torch.randn(B, 1, length, Ev, device="cuda", dtype=dt)
+        for n_q, (asked, kernel) in itertools.product(n_qs, kernels.items()):
             q = torch.randn(B, H, n_q, E, device="cuda", dtype=dt)
-            step = lambda: kernel.decode(q, latent, latent[..., :Ev], cache_seqlens=length)
-            row = dict(len=length, n_q=n_q)
-            if not results:
+            step = lambda: kernel.decode(q, latent, values, cache_seqlens=length)
+            row = dict(len=length, n_q=n_q, asked=asked)
+            if asked not in checked:
+                checked.add(asked)
                 got = step()
                 ref = attncc.decode_reference(kernel.variant, q[:2].double(), latent[:2].double(),
-                                              latent[:2, ..., :Ev].double(), cache_seqlens=length)
+                                              values[:2].double(), cache_seqlens=length)
                 eager = attncc.decode_reference(kernel.variant, q[:2], latent[:2],
-                                                latent[:2, ..., :Ev], cache_seqlens=length)
+                                                values[:2], cache_seqlens=length)
                 err, eerr = max_abs_error(got[:2], ref), max_abs_error(eager, ref)
                 row.update(err=err, eager_err=eerr,
                            ok=bool(within_tolerance(err, eerr, dt, ref, 1.0)))
             ms = do_bench(step)
             plan = kernel._decode_plans[decoding.plan_key(
-                q, latent, latent[..., :Ev], length, None, None, None, None, None, False, {})]
+                q, latent, values, length, None, None, None, None, None, False, {})]
             p, cfg = plan.problem, plan.config
-            programs = p.batch * p.heads_kv * p.row_tiles * cfg["num_splits"]
-            nbytes = latent.numel() * latent.element_size()
+            # The Gluon MLA decode's programs own 64 rows each (the portable's rows_block).
+            tiles = -(-p.group * p.n_q // 64) if plan.backend == "gluon" else p.row_tiles
+            programs = p.batch * p.heads_kv * tiles * cfg["num_splits"]
+            nbytes = latent.numel() * latent.element_size() + (
+                0 if E > Ev else values.numel() * values.element_size())
             flops = 2 * B * H * n_q * length * (E + Ev)
             tbs, tf = nbytes / ms / 1e9, flops / ms / 1e9
             bound = max(nbytes / hbm_tbs / 1e9, flops / tflops / 1e9)  # ms
             row.update(ms=ms, cache_tbs=tbs, of_peak=tbs / hbm_tbs, tflops=tf, bound_ms=bound,
-                       config=cfg, programs=programs, sms=n_sm)
+                       backend=plan.backend, reason=plan.reason, config=cfg, programs=programs,
+                       sms=n_sm)
             results.append(row)
-            print(f"MLA decode cache {length:6d} n_q {n_q}: {ms:7.3f} ms (bound {bound:6.3f}), "
+            row["dims"] = (E, Ev)
+            print(f"MLA decode {E}/{Ev} cache {length:6d} n_q {n_q} {asked:6s} -> {plan.backend:6s}: "
+                  f"{ms:7.3f} ms (bound {bound:6.3f}), "
                   f"cache read {tbs:5.2f} TB/s ({100 * tbs / hbm_tbs:4.1f}% of {hbm_tbs}), "
-                  f"{tf:4.0f} TFLOP/s; {decoding.label(cfg)}, {p.row_tiles} row tiles, "
+                  f"{tf:4.0f} TFLOP/s; {decoding.label(cfg)}, {tiles} row tiles, "
                   f"{programs} programs on {n_sm} SMs"
                   + (f", error {row['err']:.3g} ({'ok' if row['ok'] else 'FAIL'})"
                      if "err" in row else ""), flush=True)
@@ -274,6 +314,9 @@ def main():
     ap.add_argument("--hbm-tbs", type=float, default=4.8)
     ap.add_argument("--tflops", type=float, default=989.0, help="dense bf16 tensor peak")
     ap.add_argument("--nq", default="1,4", help="MLA new tokens per row, comma-separated")
+    ap.add_argument("--mla-dim", type=int, default=576, choices=(576, 64),
+                    help="mla: keys 576 wide with v their first 512 columns, or 64 wide beside "
+                         "a v cache of its own")
     ap.add_argument("--match", default="", help="correctness: only the cases whose label has this")
     args = ap.parse_args()
     if args.part == "correctness":
@@ -281,7 +324,7 @@ def main():
     elif args.part == "speed":
         results = speed(args.len)
     else:
-        results = mla(args.hbm_tbs, args.tflops, [int(n) for n in args.nq.split(",")])
+        results = mla(args.hbm_tbs, args.tflops, [int(n) for n in args.nq.split(",")], args.mla_dim)
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "head_dims_v.json"), "w") as f:
         json.dump(dict(part=args.part, results=results), f, indent=1)

@@ -22,18 +22,23 @@ in its graph.
                                                   # interpreter, losses against the
                                                   # same model with attncc.reference
     python examples/train_gpt.py --bench          # GPU: tokens/s for attncc,
-                                                  # FlexAttention and SDPA; JSON to $OUT
+                                                  # FlexAttention (its Triton kernels and
+                                                  # FlashAttention-4's) and SDPA; JSON to $OUT
 
 On the GPU, --bench first checks one attention call of each backend against the
 float64 reference (the tests' tolerance rule), then trains the same model from the same
 initial weights with each backend (bf16 autocast, AdamW) and times the steps after a
 warm-up that compiles and tunes. SDPA runs the mask only: it cannot softcap scores, so
-its row is the same model without softcap, and its loss differs.
+its row is the same model without softcap, and its loss differs. The `flex_flash` row is
+FlexAttention with kernel_options={"BACKEND": "FLASH"}: the same mask_mod and score_mod
+on FlashAttention-4's CuTe kernels, which must be installed (flash-attn-4); without them
+the row says so.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import inspect
 import json
 import math
@@ -52,7 +57,8 @@ import attncc  # noqa: E402
 from attncc.semantics.tolerance import max_abs_error, within_tolerance
 
 BOS = 0
-BACKENDS = ("attncc", "reference", "flex", "sdpa")
+BACKENDS = ("attncc", "reference", "flex", "flex_flash", "sdpa")
+BENCHED = ("attncc", "flex", "flex_flash", "sdpa")  # --bench's rows, in this order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +142,10 @@ class FlexAttention:
 
     def __init__(self, config: Config):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        self.config, self.flex_attention = config, flex_attention
+        # Compiled on a GPU, also where --bench checks one call outside the model: eager
+        # flex_attention runs its unfused math (for either backend), not the kernels timed.
+        self.config = config
+        self.flex_attention = torch.compile(flex_attention) if torch.cuda.is_available() else flex_attention
         self.doc = None  # one buffer, copied into per batch: mask_mod stays one function
         window, cap = config.window, config.softcap
 
@@ -163,6 +172,22 @@ class FlexAttention:
         return self.flex_attention(q, k, v, score_mod=self.score_mod, block_mask=block_mask)
 
 
+class FlexFlashAttention(FlexAttention):
+    """FlexAttention's FLASH backend: the same mask_mod, score_mod and block mask, run by
+    FlashAttention-4's CuTe kernels (a CUDA GPU and the flash-attn-4 package)."""
+    name = "flex_flash"
+
+    def __init__(self, config: Config):
+        if importlib.util.find_spec("flash_attn") is None:
+            raise RuntimeError("FlexAttention's FLASH backend runs FlashAttention-4's kernels: "
+                               "install flash-attn-4 (flash_attn.cute) to time this row")
+        super().__init__(config)
+
+    def __call__(self, q, k, v, block_mask):
+        return self.flex_attention(q, k, v, score_mod=self.score_mod, block_mask=block_mask,
+                                   kernel_options={"BACKEND": "FLASH"})
+
+
 class SdpaAttention:
     """scaled_dot_product_attention with the dense boolean mask [B, 1, L, L] of the same
     variant. It cannot softcap scores: this is the model without softcap."""
@@ -182,7 +207,7 @@ class SdpaAttention:
 
 def make_attention(backend: str, config: Config):
     return {"attncc": AttnccAttention, "reference": ReferenceAttention, "flex": FlexAttention,
-            "sdpa": SdpaAttention}[backend](config)
+            "flex_flash": FlexFlashAttention, "sdpa": SdpaAttention}[backend](config)
 
 
 # ------------------------------------------------------------------ the model
@@ -266,19 +291,26 @@ def _sync(device):
 
 
 # ------------------------------------------------------------------ GPU benchmark
-def check_attention(config: Config, device, dtype=torch.bfloat16, L: int = 1000) -> list:
+def check_attention(config: Config, device, dtype=torch.bfloat16, L: int = 1000,
+                    backends=BENCHED) -> list:
     """One attention call of each backend against the float64 reference (the tests'
     rule: error within twice the same-dtype eager error plus slack). SDPA is held to
-    the variant without softcap, which is what it runs."""
+    the variant without softcap, which is what it runs. A backend that cannot run here
+    (FLASH without FlashAttention-4) gives a row with its error."""
     gen = torch.Generator().manual_seed(7)
     B, H, D = 2, 4, config.dim // config.heads
     q, k, v = (torch.randn(B, H, L, D, generator=gen).to(device) for _ in range(3))
     doc = torch.sort(torch.randint(0, 6, (B, L), generator=gen), dim=1).values.to(torch.int32).to(device)
     rows = []
-    for backend in ("attncc", "flex", "sdpa"):
+    for backend in backends:
         variant = attncc.parse(variant_spec(config.window, None if backend == "sdpa" else config.softcap))
-        attention = make_attention(backend, config)
-        got = attention(q.to(dtype), k.to(dtype), v.to(dtype), attention.prepare(doc))
+        try:
+            attention = make_attention(backend, config)
+            got = attention(q.to(dtype), k.to(dtype), v.to(dtype), attention.prepare(doc))
+        except Exception as e:  # report it and go on with the other backends
+            rows.append({"backend": backend, "len": L, "ok": False,
+                         "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            continue
         ref = attncc.reference(variant, q.double(), k.double(), v.double(), doc=doc)
         eager = attncc.reference(variant, q.to(dtype), k.to(dtype), v.to(dtype), doc=doc)
         err, eager_err = max_abs_error(got, ref), max_abs_error(eager, ref)
@@ -291,7 +323,7 @@ def bench(config: Config, steps: int, warmup: int, out_dir: str | None) -> dict:
     device = "cuda"
     checks = check_attention(config, device)
     runs = []
-    for backend in ("attncc", "flex", "sdpa"):
+    for backend in BENCHED:
         torch._dynamo.reset()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
@@ -316,14 +348,20 @@ def bench(config: Config, steps: int, warmup: int, out_dir: str | None) -> dict:
     return result
 
 
+def _check_cell(row: dict) -> str:
+    if "error" in row:
+        return f"{row['backend']} did not run ({row['error']})"
+    return (f"{row['backend']} {'ok' if row['ok'] else 'FAIL'} ({row['max_abs_error']:.2g} "
+            f"vs eager {row['eager_error']:.2g})")
+
+
 def format_table(result: dict) -> str:
     c = result["config"]
     lines = [f"{result['gpu']}, torch {result['torch']}, triton {result['triton']}: "
              f"{c['layers']} layers, dim {c['dim']}, {c['heads']} heads, batch {c['batch']} x "
              f"{c['seq']} tokens, window {c['window']}, softcap {c['softcap']}, bf16 autocast",
              f"attention vs float64 reference (one call, L={result['checks'][0]['len']}): "
-             + ", ".join(f"{r['backend']} {'ok' if r['ok'] else 'FAIL'} ({r['max_abs_error']:.2g} "
-                         f"vs eager {r['eager_error']:.2g})" for r in result["checks"]),
+             + ", ".join(_check_cell(r) for r in result["checks"]),
              f"{'backend':10s} {'tokens/s':>10s} {'step ms':>9s} {'peak GiB':>9s} "
              f"{'warm-up s':>9s} {'last loss':>9s}  note"]
     for r in result["runs"]:
@@ -341,7 +379,8 @@ def format_table(result: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bench", action="store_true", help="GPU: tokens/s of attncc, flex, SDPA")
+    ap.add_argument("--bench", action="store_true",
+                    help="GPU: tokens/s of attncc, flex, flex_flash (FlashAttention-4), SDPA")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seq", type=int, default=None, help="tokens per row (--bench: 4096)")

@@ -105,21 +105,27 @@ def _cached_module(cache: Path) -> Path:
     return path
 
 
-def test_a_damaged_module_file_is_rewritten_not_imported(tmp_path):
+DAMAGES = {
+    "truncated": lambda whole: whole[: len(whole) // 2],  # a SyntaxError if imported
+    # Valid Python that would import cleanly and then do the wrong thing.
+    "garbage_python": lambda whole: "def forward(*a, **k):\n    raise SystemExit('imported a damaged module')\n",
+    "empty": lambda whole: "",
+    "stale_text": lambda whole: whole.replace("BLOCK", "BL0CK", 3),
+}
+
+
+# Each damage costs two fresh processes; the two that fail differently (a SyntaxError, a
+# module that imports and misbehaves) run by default, the others behind `slow`.
+@pytest.mark.parametrize("damages", [("truncated", "garbage_python"),
+                                     pytest.param(("empty", "stale_text"), marks=pytest.mark.slow)])
+def test_a_damaged_module_file_is_rewritten_not_imported(tmp_path, damages):
     """Each damage in turn, each followed by a fresh process compiling the variant.
     (Bytes that are not UTF-8: see test_regressions.py.)"""
     cache = tmp_path / "cache"
     path = _cached_module(cache)
     whole = path.read_text()
-    damages = {
-        "truncated": whole[: len(whole) // 2],  # cut mid-definition: a SyntaxError if imported
-        "empty": "",
-        # Valid Python that would import cleanly and then do the wrong thing.
-        "garbage_python": "def forward(*a, **k):\n    raise SystemExit('imported a damaged module')\n",
-        "stale_text": whole.replace("BLOCK", "BL0CK", 3),
-    }
-    for damage, text in damages.items():
-        path.write_text(text)
+    for damage in damages:
+        path.write_text(DAMAGES[damage](whole))
         result = python(CALL_AND_CHECK.format(spec=SPEC), cache)
         assert result.returncode == 0, (damage, result.stderr[-2000:])
         assert Path(result.stdout.strip()) == path, damage

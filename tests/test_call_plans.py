@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import attncc
 from attncc.backends.tile_config import TileConfig
-from attncc.runtime import call_plans, launch, tuning
+from attncc.runtime import call_plans, launch, ops, tuning
 from attncc.runtime.kernel import Kernel
 
 SLIDING_SINK = """attention sliding_sink {
@@ -70,15 +71,14 @@ class Counting:
 
     def __init__(self, monkeypatch):
         self.roles = 0
-        forward_role, backward_role = Kernel.forward_role, Kernel.backward_role
 
         def counted(original):
             def role(*args, **kwargs):
                 self.roles += 1
                 return original(*args, **kwargs)
             return role
-        monkeypatch.setattr(Kernel, "forward_role", counted(forward_role))
-        monkeypatch.setattr(Kernel, "backward_role", counted(backward_role))
+        for name in ("forward_role", "backward_role", "one_launch_role"):
+            monkeypatch.setattr(Kernel, name, counted(getattr(Kernel, name)))
 
 
 def test_a_repeated_call_runs_its_plan_on_its_own_tensors(monkeypatch):
@@ -140,15 +140,47 @@ def test_a_planned_backward_under_normalize_none_gives_the_gradients_without_del
     ours = lambda q, k, v, bias: kernel(q, k, v, bias=bias)
     grads(ours, 12)
     counting = Counting(monkeypatch)
-    read_o = []
-    backward_run = Kernel.backward_run
-    monkeypatch.setattr(Kernel, "backward_run", lambda self, *a, **kw: read_o.append(
-        kw.get("out") is not None) or backward_run(self, *a, **kw))
+    read_o = []  # per backward launch, whether it was given O
+    for name in ("backward_dq", "backward_dkdv"):
+        entry = getattr(kernel.module, name)
+        monkeypatch.setattr(kernel.module, name, lambda *a, entry=entry, **kw: read_o.append(
+            kw.get("out") is not None) or entry(*a, **kw))
     got = grads(ours, 13)
     ref = grads(lambda q, k, v, bias: attncc.reference(
         kernel.variant, q.double(), k.double(), v.double(), bias=bias.double()), 13)
     assert counting.roles == 0 and read_o == [False, False]
     for name, g, r in zip(("out", "dq", "dk", "dv", "dbias"), got, ref):
+        assert not torch.isnan(g).any(), name
+        error = (g.double() - r.double()).abs().max()
+        assert torch.allclose(g.double(), r.double(), atol=2e-4, rtol=1e-4), (name, error)
+
+
+def test_a_repeated_table_driven_call_runs_its_one_launch_plan_on_new_tables(monkeypatch):
+    """A layout variant's backward (delta pass, then dK/dV and dQ in one launch) runs its
+    plan on the next call like it, whose layout is another: the tables are the call's
+    own (built from its layout), the gradients the float64 reference's."""
+    kernel = attncc.compile("attention lay { input blocks: bool[h, qb, kb] "
+                            "layout blocks[h, qb, kb] block 16 }")
+
+    def grads(fn, seed):
+        gen = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(1, 1, 40, 16, generator=gen).to(DEVICE).requires_grad_()
+                   for _ in range(3))
+        blocks = (torch.rand(1, 3, 3, generator=gen) < 0.5) | torch.eye(3, dtype=torch.bool)
+        out = fn(q, k, v, blocks.to(DEVICE))
+        w = torch.randn(out.shape, generator=gen).to(out.device, out.dtype)
+        (out * w).sum().backward()
+        return out, q.grad, k.grad, v.grad
+
+    ours = lambda q, k, v, blocks: kernel(q, k, v, blocks=blocks)
+    grads(ours, 30)
+    assert {"bwd"} == set(kernel.last_backward) and len(kernel._call_plans) == 2
+    counting = Counting(monkeypatch)
+    got = grads(ours, 31)
+    ref = grads(lambda q, k, v, blocks: attncc.reference(
+        kernel.variant, q.double(), k.double(), v.double(), blocks=blocks), 31)
+    assert counting.roles == 0 and len(kernel._call_plans) == 2
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
         assert not torch.isnan(g).any(), name
         error = (g.double() - r.double()).abs().max()
         assert torch.allclose(g.double(), r.double(), atol=2e-4, rtol=1e-4), (name, error)
@@ -396,3 +428,35 @@ def test_attncc_check_runs_its_second_call_through_the_plans_in_a_fresh_process(
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert done.stdout.count("OK: every tensor within tolerance") == 1
     assert done.stdout.count("len_q 11, len_k 11") == 2
+
+
+class _SeesOps(TorchDispatchMode):
+    """Runs every op as it is and keeps the names of attncc's (as a tracer sees them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "attncc":
+            self.names.append(func._opname)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.slow  # ~1.4 s: six interpreted launches
+def test_eager_autograd_and_a_tracer_get_the_same_bits_and_the_tracer_sees_the_ops():
+    """An eager training call's autograd formula enters the ops' implementations itself
+    (one trip through the dispatcher fewer each way: host time, which
+    benchmarks/host_overhead.py --cpu measures); anything that traces (here a dispatch
+    mode, as AOTAutograd's tracing installs) gets both ops as nodes. The two paths give
+    the same bits, forward and backward, the sink's gradient included."""
+    kernel = attncc.compile(SLIDING_SINK)
+    call = lambda *t: kernel(*t[:3], sinks=t[3], return_lse=True)
+    eager = _grads(call, *tensors(20), seed=20)
+    tracer = _SeesOps()
+    with tracer:
+        traced = _grads(call, *tensors(20), seed=20)
+    name = ops.op_name(kernel.variant)
+    assert tracer.names == [name, name + "_bwd"]
+    for what, a, b in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), eager, traced):
+        assert torch.equal(a, b), what

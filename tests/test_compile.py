@@ -10,6 +10,7 @@ interpreter behind the operator; the backends are aot_eager and inductor. The GP
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import re
 import sys
@@ -430,7 +431,12 @@ def test_train_gpt_bench_backends_compute_the_variant():
     with warnings.catch_warnings():  # eager flex_attention warns that it is slow
         warnings.simplefilter("ignore")
         rows = tg.check_attention(tg.TINY, DEVICE, torch.float32, L=40)
-    assert [r["backend"] for r in rows] == ["attncc", "flex", "sdpa"]
+    assert [r["backend"] for r in rows] == ["attncc", "flex", "flex_flash", "sdpa"]
+    flash = rows.pop(2)  # FlashAttention-4's kernels: a CUDA GPU with flash-attn-4 installed
+    if importlib.util.find_spec("flash_attn") is None:
+        assert "install flash-attn-4" in flash["error"] and not flash["ok"]
+    else:
+        rows.append(flash)
     assert all(r["ok"] for r in rows), rows
     # The SDPA mask differs from the variant only by the softcap it cannot apply.
     doc = torch.tensor([[0] * 20 + [1] * 20], dtype=torch.int32)
@@ -447,9 +453,12 @@ def test_train_gpt_bench_table_and_gpu_requirement(monkeypatch, capsys):
               "checks": [{"backend": "attncc", "len": 1000, "max_abs_error": 1e-3, "eager_error": 2e-3, "ok": True}],
               "runs": [run("attncc"), run("sdpa", softcap=False),
                        {"backend": "flex", "error": "boom", "wall_s": 1.0}]}
+    result["checks"].append({"backend": "flex_flash", "len": 1000, "ok": False,
+                             "error": "RuntimeError: install flash-attn-4"})
     table = tg.format_table(result)
     assert "attncc ok" in table and "mask only: SDPA cannot softcap" in table
     assert "flex       failed: boom" in table and "100000" in table
+    assert "flex_flash did not run (RuntimeError: install flash-attn-4)" in table
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert tg.main(["--bench"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err

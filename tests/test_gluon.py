@@ -978,3 +978,30 @@ def test_a_gluon_launch_in_a_fresh_thread_finds_a_context():
     thread.join()
     assert not failure, failure
     assert torch.equal(got[0], want)
+
+
+@pytest.mark.parametrize("scale, positive", [(None, True), ("1.0 / sqrt(dim)", True),
+                                             ("0.5 / dim_v", True), ("-0.125", False),
+                                             ("dim - 1", False), ("c", False)])
+def test_the_scale_is_proven_positive_only_where_it_is(scale, positive):
+    from attncc.analysis.signs import scale_is_positive
+    # `dim - 1` is 0 at head dim 1; the param c is -2.0.
+    spec = "attention a {\n  param c: float = -2.0\n  mask q >= k\n" + (
+        f"  scale {scale}\n" if scale else "") + "}"
+    assert scale_is_positive(attncc.parse(spec)) is positive
+
+
+@pytest.mark.parametrize("spec, folded", [
+    ("attention a { mask q >= k }", True),
+    ("attention a { mask q >= k\n scale -0.125 }", False),  # the row max of q·k flips sign
+    ("attention a { mask q >= k\n score 30.0 * tanh(s / 30.0) }", False),  # a score acts on s
+])
+def test_the_gluon_kernels_fold_the_scale_into_the_exponent_where_it_is_positive(spec, folded):
+    # exp2(qk * qk_scale - m) compiles to one FFMA an element where scaling, then
+    # subtracting, take two (Nsight Compute counted the two on the H200: RESULTS run 181).
+    source = GLUON.render(attncc.parse(spec)).source
+    for line in ("p = gl.exp2(qk * qk_scale - m_use[:, None])",  # the forward
+                 "p = gl.exp2(qk * qk_scale - lse2[:, None])",  # dQ
+                 "p = gl.exp2(qk * qk_scale - lse2[None, :])"):  # dK/dV (P transposed)
+        assert (line in source) is folded, line
+    assert ("gl.max(qk, 1) * qk_scale" in source) is folded

@@ -1,5 +1,6 @@
 """The generated modules' contract (attncc/codegen/interface.py): every module keeps it, and
 attncc uses no name of a generated module that the contract does not list."""
+import ast
 import re
 from pathlib import Path
 
@@ -35,6 +36,37 @@ def test_the_gluon_module_keeps_the_contract():
         gen, module = load_generated(attncc.load(EXAMPLES / f"{name}.attn"), "gluon")
         assert interface.missing(module, False, backend="gluon") == []
         assert not hasattr(module, "backward_fused") and "attn_bwd_fused" not in gen.source
+
+
+def _jit_kernels(tree) -> set:
+    return {f.name for f in tree.body if isinstance(f, ast.FunctionDef)
+            and any("jit" in ast.unparse(d) for d in f.decorator_list)}
+
+
+@pytest.mark.parametrize("name,backend", [("document", "triton"), ("relative_bias", "triton"),
+                                          ("causal", "gluon")])
+def test_every_launch_states_the_compile_options(name, backend):
+    # Triton 3.9 warns on each program whose launch leaves FP fusion unset, and 3.10 turns
+    # its default off: each kernel launch goes through _via (training kernels) or
+    # _launching (decode), which add the module's COMPILE_OPTIONS. A launch written
+    # `kernel[grid](...)` anywhere else would slip past them.
+    gen, module = load_generated(attncc.load(EXAMPLES / f"{name}.attn"), backend)
+    assert module.COMPILE_OPTIONS == {"enable_fp_fusion": True}
+    tree = ast.parse(gen.source)
+    kernels = _jit_kernels(tree)
+    assert kernels, "no jit kernels found: the test would pass vacuously"
+    launching = {}  # enclosing function -> kernels launched there by subscript or launcher
+    for function in (f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)):
+        for call in (c for c in ast.walk(function) if isinstance(c, ast.Call)):
+            target = call.func.value if isinstance(call.func, ast.Subscript) else None
+            if isinstance(target, ast.Name) and target.id in kernels | {"kernel"}:
+                launching.setdefault(function.name, set()).add(target.id)
+            if isinstance(call.func, ast.Name) and call.func.id == "launcher":
+                launching.setdefault(function.name, set()).add("launcher")
+    assert set(launching) <= {"_via", "_jit_launch", "_launching"}, launching
+    uses_via = sum(isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
+                   and c.func.id == "_via" for c in ast.walk(tree))
+    assert uses_via >= 2
 
 
 def test_attncc_uses_only_the_contracts_names():

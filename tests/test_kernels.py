@@ -112,7 +112,10 @@ def compare(variant, *, B=2, H=None, Hkv=None, Lq=37, Lk=45, D=32, dtype=torch.f
 # ------------------------------------------------------------------- every example
 # gqa_causal declares 32 / 8 heads: 20 s under the interpreter, so only under -m slow
 # (GQA at small head counts runs by default in the shape sweep and the decode tests).
-SLOW_EXAMPLES = {"gqa_causal"}
+# relative_bias's 511-entry table takes 9 s; its reads run by default in
+# test_relative_reads.py (T5, the clipped table and the 511-entry one against the
+# reference and an independent formula, on both paths).
+SLOW_EXAMPLES = {"gqa_causal", "relative_bias"}
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.slow] if p.stem in SLOW_EXAMPLES else [])
@@ -128,6 +131,15 @@ def test_example_matches_reference_fp32(path):
 def test_examples_in_float16(name):
     compare(attncc.parse_file(EXAMPLES[0].parent / f"{name}.attn"), Lq=40, Lk=40, D=16,
             dtype=torch.float16)
+
+
+@pytest.mark.parametrize("scale", ["8.0", "-8.0"])
+def test_a_scale_of_either_sign_matches_the_reference(scale):
+    # A positive scale is folded into each weight's exponent, exp2(qk * qk_scale - m),
+    # the row max taken over q·k and scaled once; a negative one flips which q·k gives
+    # the max and keeps scaling first (analysis/signs.scale_is_positive). At |scale| 8
+    # the scores span hundreds: a max taken on the wrong side overflows exp2.
+    compare(attncc.parse(f"attention a {{ mask q >= k\n scale {scale} }}"), Lq=21, Lk=29, D=16)
 
 
 # ------------------------------------------------------------------- shape sweep

@@ -501,6 +501,27 @@ def test_sigmoid_weights_take_one_mufu_op_on_nvidia_for_16_bit_calls():
     assert "_sigmoid" not in softmax.score.text + softmax.d_score.text
 
 
+def test_a_score_tanh_takes_one_mufu_op_on_nvidia_for_16_bit_calls():
+    # Rendering only (the slow tests below and tests/test_gluon_compile.py compile it for
+    # sm_90): a softcap's tanh, in the score and its derivative, calls _tanh_fast, which
+    # is tanh.approx on an NVIDIA GPU for 16-bit calls and the exact _tanh for fp32 ones;
+    # the Gluon module, whose kernels pass no DOT_PRECISION, defines its own.
+    from attncc.backends.gluon.codegen import generate as generate_gluon
+    from attncc.backends.portable.codegen import generate, variant_code
+    softcap = attncc.load("examples/softcap.attn")
+    code = variant_code(softcap)
+    assert "_tanh_fast(" in code.score.text and "DOT_PRECISION" in code.score.names
+    assert "_tanh_fast(" in code.d_score.text and "_tanh(" not in code.d_score.text
+    for source in (generate(softcap).source, generate_gluon(softcap).source):
+        assert 'if APPROX_TANH and DOT_PRECISION != "ieee":' in source
+        assert 'tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;"' in source
+        assert "        return _tanh(x)" in source  # the fp32 branch
+    assert 'DOT_PRECISION = gl.constexpr("tf32")' in generate_gluon(softcap).source
+    # A variant with no tanh defines neither helper.
+    plain = generate(attncc.load("examples/alibi.attn")).source
+    assert "_tanh_fast" not in plain and "APPROX_TANH" not in plain
+
+
 @pytest.mark.parametrize("spec", [
     "attention sig { param bias: float = -2.0  mask q >= k  normalize none  weight sigmoid(s + bias) }",
     "attention doc_none { input doc: i32[q]  mask doc[q] == doc[k]  normalize none  weight sigmoid(s) }"],
@@ -529,7 +550,7 @@ def test_none_computes_no_delta(spec, monkeypatch):
     assert all(o is None for o in outs) and (len(outs) > 0) == ("doc" not in spec)
 
 
-# Compiles the portable forward for sm_90 on the CPU (benchmarks/gluon_compile.py's
+# Compiles the portable forward of an example (argv[2]) for sm_90 on the CPU (benchmarks/gluon_compile.py's
 # stand-in driver) with the GPU's APPROX_TANH and counts the MUFU ops in its SASS.
 COMPILE_FORWARD = r'''
 import collections, importlib.util, re, subprocess, sys, tempfile
@@ -540,9 +561,9 @@ import attncc
 from attncc.backends.portable.codegen import generate
 from gluon_compile import Sm90Driver, _compile_only
 
-path = Path(sys.argv[1]) / "sigmoid_fwd.py"
-path.write_text(generate(attncc.load("examples/sigmoid_attention.attn")).source)
-spec = importlib.util.spec_from_file_location("sigmoid_fwd", path)
+path = Path(sys.argv[1]) / "probe_fwd.py"
+path.write_text(generate(attncc.load(sys.argv[2])).source)
+spec = importlib.util.spec_from_file_location("probe_fwd", path)
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 module.APPROX_TANH = triton.language.constexpr(True)  # an NVIDIA GPU's; this import saw none
@@ -560,20 +581,37 @@ for dtype in (torch.bfloat16, torch.float32):
 '''
 
 
-@pytest.mark.slow
-def test_sigmoid_forward_takes_one_mufu_op_per_weight_on_sm90(tmp_path):
-    # bf16: one MUFU.TANH per weight and no ex2 (128x128 tiles on 256 threads: 64 weights
-    # a thread, in each of the 3 loops); fp32: tl.sigmoid's ex2 and reciprocal.
+def _forward_mufu_ops(tmp_path, example: str) -> tuple:
+    """(bf16, fp32): the MUFU ops by kind in the SASS of `example`'s portable forward."""
     import subprocess
     import sys
     from pathlib import Path
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     root = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-c", COMPILE_FORWARD, str(tmp_path)], cwd=root,
-                            env=env, capture_output=True, text=True, timeout=900)
+    result = subprocess.run([sys.executable, "-c", COMPILE_FORWARD, str(tmp_path), example],
+                            cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     counts = dict(line.split(" ", 1) for line in result.stdout.splitlines())
-    bf16, fp32 = eval(counts["torch.bfloat16"]), eval(counts["torch.float32"])
+    return eval(counts["torch.bfloat16"]), eval(counts["torch.float32"])
+
+
+@pytest.mark.slow
+def test_sigmoid_forward_takes_one_mufu_op_per_weight_on_sm90(tmp_path):
+    # bf16: one MUFU.TANH per weight and no ex2 (128x128 tiles on 256 threads: 64 weights
+    # a thread, in each of the 3 loops); fp32: tl.sigmoid's ex2 and reciprocal.
+    bf16, fp32 = _forward_mufu_ops(tmp_path, "examples/sigmoid_attention.attn")
     assert bf16.get("TANH") == 3 * 64 and "EX2" not in bf16 and bf16.get("RCP", 0) < 8, bf16
     assert "TANH" not in fp32 and fp32.get("EX2") == 3 * 64 and fp32.get("RCP", 0) >= 3 * 64, fp32
+
+
+@pytest.mark.slow
+def test_a_softcap_score_takes_one_mufu_op_for_its_tanh_on_sm90(tmp_path):
+    # bf16: tanh.approx, one MUFU.TANH beside each weight's ex2 (64 scores a thread in
+    # each of the 3 loops) and no reciprocal; fp32: _tanh's exp and division (an ex2 and
+    # a reciprocal more per score), no MUFU.TANH.
+    bf16, fp32 = _forward_mufu_ops(tmp_path, "examples/softcap.attn")
+    assert bf16.get("TANH") == 3 * 64 and bf16.get("RCP", 0) < 8, bf16
+    assert bf16["EX2"] - bf16["TANH"] < 64, bf16  # the row rescales' ex2s beside one a score
+    assert "TANH" not in fp32 and fp32.get("RCP", 0) >= 64, fp32
+    assert fp32["EX2"] >= 2 * bf16["TANH"], fp32

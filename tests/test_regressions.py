@@ -327,6 +327,13 @@ def test_a_mask_input_past_2_31_elements_gets_64_bit_offsets():
     # A learnable f32[h, q, k] bias of 32 heads at 8K tokens: its gradient too.
     q = meta(1, 32, 8192, 16)
     assert kernel.module._wide(q, q, {}, 0, 0, fresh=(meta(32, 8192, 8192),))
+    # A small view of a storage of 2**31 elements or more: the storage alone does not
+    # decide (the quick test that every storage is smaller fails), its strides do.
+    big = meta(2 ** 31 + 64)
+    small_view = big[:64].view(1, 1, 4, 16)
+    assert not kernel.module._wide(small_view, small_view, {}, 0, 0)
+    far_view = big.as_strided((1, 1, 2, 16), (64, 64, 2 ** 31, 1))  # rows 2**31 apart
+    assert kernel.module._wide(far_view, small_view, {}, 0, 0)
 
 
 @pytest.mark.parametrize("spec,inputs", [

@@ -179,6 +179,26 @@ def test_the_sinks_gradient_is_the_same_bits_on_every_call():
     assert torch.equal(grads[0][4:], torch.zeros(2, device=DEVICE))  # entries 4, 5 are never read
 
 
+def test_an_input_only_the_sink_reads_takes_no_gradient_buffer_in_the_kernels():
+    # The kernels never write its gradient: runtime/sinks.py computes all of it, so the
+    # backward launches allocate and zero no buffer for it (a launch less on a GPU). An
+    # input the score reads too keeps its buffer.
+    assert attncc.compile(GPT_OSS).module.KERNEL_GRADS == []
+    both = attncc.compile("""attention both { learnable input bias: f32[h] mask q >= k
+        score s + bias[h] * 0.1 sink bias[h] }""")
+    assert both.module.KERNEL_GRADS == ["bias"]
+    module = attncc.compile(GPT_OSS).module
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 4, 9, 16, generator=gen), *(torch.randn(1, 2, 9, 16, generator=gen)
+                                                         for _ in range(2))
+    q, k, v, sinks = (t.to(DEVICE) for t in (q, k, v, torch.randn(4, generator=gen)))
+    config = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    out, lse = module.forward(q, k, v, {"sinks": sinks}, config=config)
+    dq, dinputs = module.backward_dq(q, k, v, lse, module.new_delta(q), torch.randn_like(out),
+                                     {"sinks": sinks}, config=config, out=out)
+    assert dinputs == {}
+
+
 @pytest.mark.parametrize("axes", ["h", "b, h", "h, b"])
 def test_a_sink_read_as_is_takes_the_summed_gradient_of_the_general_path(axes):
     """`sink t[h]` (and t[b, h], t[h, b]) skips the vjp through the evaluator: its

@@ -17,7 +17,11 @@ from .. import ir
 
 ANY = (-math.inf, math.inf)
 # Index names and the least value each takes (all are integers with no upper bound).
-LEAST = {"b": 0, "h": 0, "q": 0, "k": 0, "qb": 0, "kb": 0, "dim": 1, "len_q": 1, "len_k": 1}
+LEAST = {"b": 0, "h": 0, "q": 0, "k": 0, "qb": 0, "kb": 0, "dim": 1, "dim_v": 1, "len_q": 1,
+         "len_k": 1}
+# The widest head dim any kernel takes is far below this: bounding the dims above lets
+# 1/sqrt(dim) be proven positive (over all dims its infimum is 0).
+MOST_HEAD_DIM = 65536
 
 
 def _interval(lo: float, hi: float):
@@ -59,8 +63,9 @@ UNARY = {
 class _Bounds(ir.Visitor):
     """(lo, hi) of a number-valued node, over every call."""
 
-    def __init__(self, variant: ir.Variant):
+    def __init__(self, variant: ir.Variant, bounded_dims: bool = False):
         self.params = {p.name: p.value for p in variant.params}
+        self.most = {"dim": MOST_HEAD_DIM, "dim_v": MOST_HEAD_DIM} if bounded_dims else {}
 
     def Const(self, e):
         return (float(e.value), float(e.value)) if e.type != ir.BOOL else ANY
@@ -70,7 +75,9 @@ class _Bounds(ir.Visitor):
         return ANY if isinstance(value, bool) else (float(value), float(value))
 
     def Var(self, e):
-        return (float(LEAST[e.name]), math.inf) if e.name in LEAST else ANY
+        if e.name not in LEAST:
+            return ANY
+        return (float(LEAST[e.name]), float(self.most.get(e.name, math.inf)))
 
     def Load(self, e):
         return ANY
@@ -131,3 +138,12 @@ def why_not_nonnegative(e: ir.Expr, variant: ir.Variant) -> str | None:
     shown = "unbounded below" if lo == -math.inf else f"as low as {lo:g}"
     part = "" if culprit is e else f" (its part `{ir.print_expr(culprit)}` can be negative)"
     return f"`{ir.print_expr(e)}` is {shown}{part}"
+
+
+def scale_is_positive(variant: ir.Variant) -> bool:
+    """Whether the variant's scale is > 0 at every head dim (1/sqrt(dim) when it declares
+    none). Where it is, a kernel may take a row's max of q·k before scaling it, and fold
+    the scale and the max into one multiply-add (the Gluon forward's softmax)."""
+    if variant.scale is None:
+        return True
+    return _Bounds(variant, bounded_dims=True)(variant.scale)[0] > 0

@@ -145,20 +145,37 @@ class TritonEmitter(Printer):
         return spelling.format(*operands, int=self.int_type)
 
 
-class WeightEmitter(TritonEmitter):
+class ScoreEmitter(TritonEmitter):
+    """The emitter of a score and its derivatives: `tanh` calls `_tanh_fast(x,
+    DOT_PRECISION)` (codegen/templates/expressions.py.jinja), whose 16-bit calls on an
+    NVIDIA GPU take tanh.approx, one MUFU op, where _tanh takes some 25 instructions.
+    Its relative error (PTX's bound 2^-11; 1.05e-5 measured on an H200) puts a softcap's
+    score at most cap times that off, below the rounding a bf16 q and k already leave in
+    q·k; fp32 calls (DOT_PRECISION "ieee") keep _tanh. benchmarks/softcap_accuracy.py
+    measures both forms against float64."""
+
+    FAST = {"tanh": "_tanh_fast"}
+
+    def spelling(self, entry):
+        fast = self.FAST.get(entry.name)
+        return f"{fast}({{0}}, DOT_PRECISION)" if fast else entry.triton
+
+    def helpers_of(self, entry, e) -> tuple:
+        fast = self.FAST.get(entry.name)
+        return (fast,) if fast else entry.helpers_of(e)
+
+    def names_of(self, entry) -> tuple:
+        return ("DOT_PRECISION",) if entry.name in self.FAST else ()
+
+
+class WeightEmitter(ScoreEmitter):
     """The emitter of the pair weights of `normalize sum` and `none` and their
-    derivatives: `sigmoid` calls `_sigmoid(x, DOT_PRECISION)`
+    derivatives: besides tanh, `sigmoid` calls `_sigmoid(x, DOT_PRECISION)`
     (codegen/templates/expressions.py.jinja), whose 16-bit calls on an NVIDIA GPU take
     one MUFU op per weight where tl.sigmoid takes two. The weights enter P.V in the
     inputs' dtype, whose rounding is coarser than the fast form's error; fp32 calls
-    (DOT_PRECISION "ieee") keep tl.sigmoid. Under softmax a score's error would go
-    through exp: scores keep the plain emitter."""
+    (DOT_PRECISION "ieee") keep tl.sigmoid. Under softmax a score's sigmoid would put an
+    absolute error of 2^-12 times its factor into the exponent, near the weights' own
+    rounding only where that factor is small: scores keep tl.sigmoid."""
 
-    def spelling(self, entry):
-        return "_sigmoid({0}, DOT_PRECISION)" if entry.name == "sigmoid" else entry.triton
-
-    def helpers_of(self, entry, e) -> tuple:
-        return ("_sigmoid",) if entry.name == "sigmoid" else entry.helpers_of(e)
-
-    def names_of(self, entry) -> tuple:
-        return ("DOT_PRECISION",) if entry.name == "sigmoid" else ()
+    FAST = {"tanh": "_tanh_fast", "sigmoid": "_sigmoid"}

@@ -12,6 +12,7 @@ from __future__ import annotations
 # What the definitions of helpers call of the others.
 CALLS = {
     "_index": ("_int",),
+    "_tanh_fast": ("_tanh",),
     "_chance_start": ("_fmix32",), "_chance_step": ("_fmix32",),
     "_dropout_keep": ("_fmix32",), "_dropout_keep_t": ("_fmix32",),
     "_h_chance": ("_h_fmix32",),

@@ -32,7 +32,8 @@ PORTABLE = {
     # forward and backward (runtime/ops.py, distributed.py)
     "forward": "forward(q, k, v, inputs, *, q_offset, k_offset, seed, config, tables, launcher) "
                "-> (out, lse) (launcher: runtime/call_plans.py, as backward_dq's and _dkdv's)",
-    "backward_delta": "backward_delta(out, dout, *, lse=None, dlse=None) -> delta (minus dlse)",
+    "backward_delta": "backward_delta(out, dout, *, lse=None, dlse=None, launcher=None) -> "
+                      "delta (minus dlse)",
     "new_delta": "new_delta(q) -> the delta tensor backward_dq(..., out=) fills",
     "backward_dq": "backward_dq(q, k, v, lse, delta, dout, inputs, *, ..., out=None, dlse=None) "
                    "-> (dq, dinputs)",
@@ -52,8 +53,8 @@ PORTABLE = {
 }
 # Present only when USES_TABLES: dK/dV and dQ in one launch.
 PORTABLE_WITH_TABLES = {
-    "backward_one_launch": "backward_one_launch(q, k, v, lse, delta, dout, inputs, *, ...) "
-                           "-> (dq, dk, dv, dinputs)",
+    "backward_one_launch": "backward_one_launch(q, k, v, lse, delta, dout, inputs, *, ..., "
+                           "launcher=None) -> (dq, dk, dv, dinputs)",
 }
 # Present only where the variant has learnable inputs (runtime/kernel.py: deterministic=).
 PORTABLE_WITH_LEARNABLE = {

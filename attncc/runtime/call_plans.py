@@ -72,19 +72,31 @@ class Launches:
 
 
 class Step:
-    """One kernel role of a plan: the backend that runs it (and why), its tile config."""
-    __slots__ = ("backend", "config", "ran")
+    """One kernel role of a plan: the backend that runs it (and why), its tile config, and
+    what a relaunch calls: the backend's module, whose entry point of the role it looks
+    up at each call (as the first call did: a module function replaced since is the one
+    called), and the config as the generated modules take it (a dict, built once)."""
+    __slots__ = ("backend", "config", "ran", "module", "direction", "arguments")
 
     def __init__(self, kernel, direction: str, config):
         ran = kernel.last_backend if direction == "fwd" else kernel.last_backward[direction]
         self.backend = backends.named(ran[0])
         self.config = config
         self.ran = ran
+        self.module = kernel.module_of(self.backend.name)
+        self.direction = direction
+        self.arguments = config.as_dict()
+
+    def entry(self, *args, **kwargs):
+        """The role's entry point, called with the plan's config."""
+        return self.backend.entry(self.module, self.direction)(*args, config=self.arguments,
+                                                               **kwargs)
 
 
 class Plan:
-    """The steps of one call of a kind (forward: "fwd"; backward: "dq", "dkdv"), their
-    launches, and the tuner's memory entries their choices came from."""
+    """The steps of one call of a kind (forward: "fwd"; backward: "dq", "dkdv", or "bwd",
+    a table-driven variant's one launch), their launches, and the tuner's memory entries
+    their choices came from."""
     __slots__ = ("steps", "launches", "needs")
 
     def __init__(self, kernel, steps: dict):
@@ -106,24 +118,40 @@ def forward(kernel, plan: Plan, q, k, v, values: dict, common: dict):
     """(out, lse) of a call through its forward plan."""
     step = plan.steps["fwd"]
     kernel.record_choice("fwd", step.ran)
-    run = kernel.forward_run(step.backend, q, k, v, values, dict(common, launcher=plan.launches))
-    return run(step.config)
+    return step.entry(q, k, v, values, launcher=plan.launches, **common)
 
 
 def backward(kernel, plan: Plan, q, k, v, out, lse, dout, dlse, values: dict, common: dict):
     """(dq, dk, dv, dinputs, delta) of a call through its backward plan: dQ (computing
     delta), then dK/dV, as runtime/scheduling.py's _dq_then_dkdv launches them."""
     delta = kernel.module.new_delta(q)
-    common = dict(common, launcher=plan.launches)
     dq_step, dkdv_step = plan.steps["dq"], plan.steps["dkdv"]
     kernel.record_choice("dq", dq_step.ran)
     kernel.record_choice("dkdv", dkdv_step.ran)
-    dq, dinputs = kernel.backward_run(dq_step.backend, "dq", q, k, v, lse, delta, dout, values,
-                                      common, out=out, dlse=dlse)(dq_step.config)
-    dk, dv, *by_keys = kernel.backward_run(dkdv_step.backend, "dkdv", q, k, v, lse, delta, dout,
-                                           values, common)(dkdv_step.config)
+    # The entry points as Kernel.backward_run calls them, with the plan's launcher.
+    dq, dinputs = dq_step.entry(q, k, v, lse, delta, dout, values, launcher=plan.launches,
+                                out=out, dlse=dlse, **common)
+    dk, dv, *by_keys = dkdv_step.entry(q, k, v, lse, delta, dout, values,
+                                       launcher=plan.launches, **common)
     if by_keys:  # learnable reads of keys alone, whose gradients the dK/dV programs own
         dinputs = {name: g + by_keys[0][name] for name, g in dinputs.items()}
+    return dq, dk, dv, dinputs, delta
+
+
+def one_launch_backward(kernel, plan: Plan, q, k, v, out, lse, dout, dlse, values: dict,
+                        common: dict):
+    """(dq, dk, dv, dinputs, delta) of a table-driven call through its one-launch plan:
+    the delta pass (from `out`, the forward's output; None where the variant reads no
+    delta), then dK/dV and dQ in one launch, as runtime/scheduling.py's first call."""
+    module = kernel.module
+    step = plan.steps["bwd"]
+    kernel.record_choice("bwd", step.ran)
+    if out is not None:
+        delta = module.backward_delta(out, dout, lse=lse, dlse=dlse, launcher=plan.launches)
+    else:
+        delta = module.new_delta(q)
+    dq, dk, dv, dinputs = step.entry(q, k, v, lse, delta, dout, values,
+                                     launcher=plan.launches, **common)
     return dq, dk, dv, dinputs, delta
 
 
@@ -160,10 +188,12 @@ def forward_key(q, k, v, values: dict, common: dict, kept_tables) -> tuple | Non
 
 
 def backward_key(q, k, v, out, lse, dout, dlse, values: dict, common: dict,
-                 kept_tables) -> tuple | None:
-    """A backward call's plan key; None where the call holds a non-tensor (no plan)."""
+                 kept_tables, directions: tuple) -> tuple | None:
+    """A backward call's plan key; None where the call holds a non-tensor (no plan).
+    `directions`: the roles the backward runs (settings.backward_directions), which a
+    test or a tool may switch in-process."""
     try:
-        return ("bwd", *(_tensor_key(t) for t in (q, k, v, out, lse, dout)),
+        return ("bwd", directions, *(_tensor_key(t) for t in (q, k, v, out, lse, dout)),
                 None if dlse is None else _tensor_key(dlse),
                 _call_key(q, values, common, kept_tables))
     except (TypeError, AttributeError):

@@ -7,7 +7,10 @@ query token i sits at position L - n_q + i, keys at 0 .. L - 1, and the variant'
 `len_q` and `len_k` are both L. So `q >= k` and the bottom-right spelling
 `q + len_k - len_q >= k` are both causal, and a decode call gives what
 kernel(q_full, k, v) gives for those rows. The kernels are the split-KV kernels of
-backends/portable/templates/decode.py.jinja, in the variant's generated module.
+backends/portable/templates/decode.py.jinja, in the variant's generated module, and on
+an sm_90 GPU, for MLA's shapes (576-wide keys with v = k[..., :512], or 64-wide keys
+beside a 512-wide v), the Gluon MLA decode of backends/gluon/templates/decode_mla.jinja
+(which backend runs a call: decode_backends; the tuner times both).
 """
 from __future__ import annotations
 
@@ -19,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import ir
-from . import precompile, tuning
+from .. import backends, ir
+from ..backends.gluon import decode as gluon_decode
+from . import dispatch, precompile, tuning
 from ..arguments import Problem, check_input_names, check_inputs, check_return_lse
 from .call_options import CallRecord, call_record, option
 from ..errors import CallError
@@ -262,6 +266,7 @@ def _check_int_length(length: int, capacity: int, n_new: int) -> None:
 
 # ---------------------------------------------------------------------------- configs
 def check_decode_config(config: dict, where: str) -> dict:
+    """A pinned config: exactly CONFIG_KEYS, each a positive int."""
     if not isinstance(config, dict) or set(config) != set(CONFIG_KEYS):
         raise ValueError(f"{where} must be a dict with exactly the keys {sorted(CONFIG_KEYS)}, "
                          f"got {config!r}")
@@ -274,6 +279,15 @@ def check_decode_config(config: dict, where: str) -> dict:
     if config["num_splits"] > MAX_SPLITS:
         raise ValueError(f"{where}: num_splits must be at most {MAX_SPLITS}, got {config['num_splits']}")
     return dict(config)
+
+
+def check_tuned_config(config: dict, where: str) -> dict:
+    """A config the tuner stored: a pinned one's keys, and "backend": "gluon" for the
+    Gluon MLA decode's (a portable config has no "backend")."""
+    if isinstance(config, dict) and config.get("backend") == gluon_decode.BACKEND:
+        plain = check_decode_config({k: v for k, v in config.items() if k != "backend"}, where)
+        return dict(plain, backend=gluon_decode.BACKEND)
+    return check_decode_config(config, where)
 
 
 @functools.lru_cache(maxsize=None)
@@ -353,20 +367,24 @@ def candidates(variant: ir.Variant, p: DecodeProblem, elem: int, n_sm: int, reac
 
 
 def label(config: dict) -> str:
-    """A decode config as progress lines write it: BLOCK_N 64 w4 s2 8 splits."""
-    return (f"BLOCK_N {config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']} "
+    """A decode config as progress lines write it: BLOCK_N 64 w4 s2 8 splits (with
+    "Gluon " before it for the Gluon MLA decode's)."""
+    return (("Gluon " if config.get("backend") == gluon_decode.BACKEND else "")
+            + f"BLOCK_N {config['BLOCK_N']} w{config['num_warps']} s{config['num_stages']} "
             f"{config['num_splits']} splits")
 
 
-def tuning_key(p: DecodeProblem, dtype, num_splits: int | None) -> str:
+def tuning_key(p: DecodeProblem, dtype, num_splits: int | None, gluon: str = "") -> str:
     """Configs are tuned per head dim, dtype, GQA group, new tokens, batch x kv heads (power-
-    of-two bucket), cache capacity bucket and cache layout."""
+    of-two bucket), cache capacity bucket and cache layout, and which backends' candidates
+    were timed (`gluon`: "", "only" or "both")."""
     cache = f"page{p.page_size}" if p.page_size else "contiguous"
     bh = 1 << (p.batch * p.heads_kv - 1).bit_length()  # the split count follows it closely
     dims = (f"d{p.dim}" + (f"v{p.dim_v}" if p.dim_v not in (None, p.dim) else "")
             + ("-vk" if p.v_is_k else ""))  # v read from the K tiles: another kernel
     key = (f"decode-{dims}-{str(dtype).replace('torch.', '')}-g{p.group}-nq{p.n_q}"
            f"-bh{bh}-cap{tuning.length_bucket(p.capacity)}-{cache}")
+    key += {"": "", "only": "-gluon", "both": "-gluon-portable"}[gluon]
     return key + (f"-splits{num_splits}" if num_splits else "")
 
 
@@ -384,18 +402,45 @@ def check_pins(num_splits, config) -> dict | None:
     return None
 
 
-def decode_config(kernel, p: DecodeProblem, dtype, run, *, num_splits=None, config=None) -> dict:
+def decode_backends(kernel, p: DecodeProblem, dtype, k_cache, v_cache, pinned: dict | None) -> tuple:
+    """(gluon, reason): whether the Gluon MLA decode may run this call, "only" (asked for
+    by name), "both" (auto: the tuner times its configs beside the portable decode's) or
+    "" (not), and why the backend that runs it does where that is decided here (None:
+    the tuner decides). backend="gluon" on a call the Gluon MLA decode refuses raises
+    BackendError naming why; under auto the portable decode runs it."""
+    if gluon_decode.BACKEND not in [b.name for b in kernel.backends]:
+        return "", kernel.backend_reason  # portable asked for, or no sm_90 GPU here
+    backend = backends.named(gluon_decode.BACKEND)
+    forced = kernel.requested_backend == backend.name
+    why = (gluon_decode.variant_refusal(kernel.variant)
+           or gluon_decode.call_refusal(p, dtype, k_cache, v_cache, p.v_is_k))
+    if why is None and pinned is not None:
+        why = (gluon_decode.config_refusal(pinned) if forced else
+               "a pinned config (config=) is the portable decode's under backend='auto'; pass "
+               f"backend='{backend.name}' to pin the Gluon one")
+    if why is not None:
+        if forced:
+            dispatch.refuse(backend, f"the Gluon MLA decode cannot take this call: {why}")
+        return "", f"the portable decode runs it, as the Gluon MLA decode cannot: {why}"
+    if forced:
+        return "only", f"backend='{backend.name}' was asked for (the Gluon MLA decode)"
+    return "both", None
+
+
+def decode_config(kernel, p: DecodeProblem, dtype, run, *, num_splits=None, config=None,
+                  gluon: str = "") -> dict:
     """The config of this call: pinned, or under the interpreter a fixed one, or tuned on
     the GPU (timing up to TUNE_AT_MOST candidates on the call's own inputs) and cached on
-    disk beside the variant's other configs."""
+    disk beside the variant's other configs. `gluon` (decode_backends): whether the
+    Gluon MLA decode's configs join the candidates ("both"), or are the only ones."""
     from .settings import interpreting
     config = check_pins(num_splits, config)
     if config is not None:
-        return config
+        return dict(config, backend=gluon_decode.BACKEND) if gluon == "only" else config
     if interpreting():
         splits = num_splits or max(1, min(INTERPRETER_SPLITS, -(-p.capacity // 16)))
         return dict(BLOCK_N=16, num_warps=4, num_stages=1, num_splits=splits)
-    key = tuning_key(p, dtype, num_splits)
+    key = tuning_key(p, dtype, num_splits, gluon)
     untuned = tuning.tune_mode() == "0"
     mem_key = (kernel.key, key + ("-untuned" if untuned else ""))
     if mem_key in tuning._MEMORY:  # every call after the first: nothing else to do
@@ -404,14 +449,24 @@ def decode_config(kernel, p: DecodeProblem, dtype, run, *, num_splits=None, conf
     elem = torch.finfo(dtype).bits // 8
     reach = lambda bn: kernel.module.decode_reach_tiles(p.capacity, p.n_q, bn)
     kept = candidates(kernel.variant, p, elem, n_sm, reach, num_splits)
+    if gluon:
+        # At MLA's latent shape the Gluon decode first: it computes S once per tile where
+        # Triton's layout of the portable kernel computes it on both warpgroups (~1.5x
+        # the tensor work of a problem at the H200's ridge), so it is predicted the
+        # faster at every n_q (the arithmetic: docs/design.md, section 8). At (64, 512)
+        # the duplicated S is a ninth of the work and the problem memory-bound at n_q 1:
+        # no prediction, so the portable configs first and the tuner decides.
+        ours = gluon_decode.candidates(p, n_sm, num_splits)
+        theirs = kept[:TUNE_AT_MOST - len(ours)]
+        kept = ours if gluon == "only" else ours + theirs if p.v_is_k else theirs + ours
     if untuned:
         tuning._MEMORY[mem_key] = kept[0]
         return kept[0]
     path = tuning._cache_file(kernel.variant, "-decode")
-    cached = tuning._load(path, check_decode_config).get(key)
+    cached = tuning._load(path, check_tuned_config).get(key)
     if cached is None:
         cached = tuning.tune(kernel.variant.name, key, kept[:TUNE_AT_MOST], run, label=label)
-        tuning._store(path, {key: cached}, check_decode_config)
+        tuning._store(path, {key: cached}, check_tuned_config)
     tuning._MEMORY[mem_key] = cached
     return cached
 
@@ -570,14 +625,15 @@ def keep_plan(kernel, key: tuple, plan) -> None:
 class DecodePlan:
     """The launches of decode calls alike (plan_key): the generated module's plan, run on
     each call's tensors. An int cache_seqlens becomes the (batch,) tensor the kernels read,
-    after the check the checked path makes. `problem` and `config` say what it launches
-    (benchmarks print them)."""
-    __slots__ = ("run", "batch", "capacity", "n_new", "device", "problem", "config")
+    after the check the checked path makes. `problem` and `config` say what it launches,
+    `backend` on which backend and `reason` why (benchmarks print them)."""
+    __slots__ = ("run", "batch", "capacity", "n_new", "device", "problem", "config", "backend",
+                 "reason")
 
-    def __init__(self, run, p: DecodeProblem, device, config: dict):
+    def __init__(self, run, p: DecodeProblem, device, config: dict, backend: str, reason: str):
         self.run = run
         self.batch, self.capacity, self.n_new, self.device = p.batch, p.capacity, p.n_new, device
-        self.problem, self.config = p, config
+        self.problem, self.config, self.backend, self.reason = p, config, backend, reason
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, inputs):
         if type(cache_seqlens) is int:
@@ -597,8 +653,15 @@ def make_plan(kernel, q, k_cache, v_cache, seqlens, k_new, v_new, block_table, v
     module = kernel.module
     _check_latent_append(k_cache, v_cache, k_new, v_new)
     p = decode_problem(q, k_cache, v_cache, k_new, block_table, module.v_is_k(k_cache, v_cache))
+    gluon, reason = decode_backends(kernel, p, q.dtype, k_cache, v_cache,
+                                    check_pins(num_splits, config))
 
     def plan_of(cfg):
+        if cfg.get("backend") == gluon_decode.BACKEND:
+            return kernel.module_of(gluon_decode.BACKEND).decode_mla_plan(
+                q, k_cache, v_cache, seqlens, block_table, portable=module, config=cfg,
+                v_is_k=p.v_is_k, k_new=k_new, v_new=v_new, rows_before_start=rows_before_start,
+                launcher=Launch)
         return module.decode_plan(q, k_cache, v_cache, seqlens, values, k_new=k_new, v_new=v_new,
                                   block_table=block_table, config=cfg,
                                   rows_before_start=rows_before_start, launcher=Launch)
@@ -606,8 +669,14 @@ def make_plan(kernel, q, k_cache, v_cache, seqlens, k_new, v_new, block_table, v
     def run(cfg):  # a tuning candidate: its own plan, run once
         return plan_of(cfg)(q, k_cache, v_cache, seqlens, values, k_new, v_new, block_table)
 
-    cfg = decode_config(kernel, p, q.dtype, run, num_splits=num_splits, config=config)
-    return DecodePlan(plan_of(cfg), p, q.device, cfg)
+    cfg = decode_config(kernel, p, q.dtype, run, num_splits=num_splits, config=config, gluon=gluon)
+    backend = cfg.get("backend", backends.portable().name)
+    if reason is None:  # both could run it: the tuner's candidates decided
+        title = backends.named(backend).title
+        reason = (f"ATTNCC_TUNE=0 runs the first candidate, the {title} decode's"
+                  if tuning.tune_mode() == "0" else
+                  f"the tuner measured the {title} decode faster for this shape")
+    return DecodePlan(plan_of(cfg), p, q.device, cfg, backend, reason)
 
 
 # ---------------------------------------------------------------------------- reference

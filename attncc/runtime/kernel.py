@@ -361,9 +361,6 @@ class Kernel:
         p = self._check_call_once(q, k, v, inputs, q_offset, k_offset, layout)
         if deterministic:
             self.check_deterministic(p, inputs)
-        # (batch, seq, heads, dim) is read through transposed views: the kernels take any
-        # strides, and the output (allocated like q) comes back in the caller's layout.
-        q, k, v = (as_bhsd(t, layout) for t in (q, k, v))
         if tables is not None:
             if not isinstance(tables, TileTables):
                 raise CallError(f"tables must come from kernel.tile_tables(...), got "
@@ -385,9 +382,16 @@ class Kernel:
                               drawn_seed=drawn_seed,
                               tables=NO_TABLES if tables is None else tables._op_id,
                               deterministic=deterministic is not False)
-        # Under torch.compile, the op (a node of the graph); in eager, its autograd kernel.
-        op = self._ops.forward if torch.compiler.is_compiling() else self._ops.apply
-        out, lse = op(self._op_id, q, k, v, values, *options.op_arguments())
+        # (batch, seq, heads, dim) is read through transposed views: the kernels take any
+        # strides, and the output (allocated like q) comes back in the caller's layout.
+        # Under torch.compile, the op (a node of the graph) on views made here; in eager,
+        # its autograd kernel, which makes them itself (ops.py: fewer autograd nodes).
+        if torch.compiler.is_compiling():
+            out, lse = self._ops.forward(self._op_id, *(as_bhsd(t, layout) for t in (q, k, v)),
+                                         values, *options.op_arguments())
+        else:
+            out, lse = self._ops.apply(self._op_id, q, k, v, values, *options.op_arguments(),
+                                       layout=layout)
         out = as_bhsd(out, layout)
         return (out, lse) if return_lse else out
 

@@ -36,8 +36,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import precompile, scheduling, sinks
-from ..arguments import Problem
+from . import precompile, scheduling, settings, sinks
+from ..arguments import Problem, as_bhsd
 from .call_options import NO_TABLES, CallOptions
 from .decoding import DecodeOptions, run_decode
 from ..errors import CallError
@@ -85,9 +85,10 @@ class Operators(NamedTuple):
     forward: torch._ops.OpOverload  # torch.ops.attncc.<op_name>.default
     backward: torch._ops.OpOverload  # torch.ops.attncc.<op_name>_bwd.default
     # The forward op's autograd kernel, for eager calls to enter directly: with the same
-    # arguments and results as `forward`, one trip through the dispatcher fewer (~20 us
-    # of host time on a slow CPU). Its forward calls the forward op, so the kernels run
-    # in the op's implementation either way.
+    # arguments and results as `forward` (and `layout=`, the caller's "bshd", whose
+    # views it makes itself: see Attention), one trip through the dispatcher fewer (~20
+    # us of host time on a slow CPU). In eager mode it runs the ops' implementations
+    # itself (another trip fewer each way, `_eager`); traced, it calls the ops.
     apply: Callable
 
 
@@ -185,12 +186,21 @@ def _define(name: str, learnable: list, record, forward_impl, backward_impl) -> 
     class Attention(torch.autograd.Function):
         """The autograd formula: the forward op below autograd, the backward op for the
         gradients. Inputs are splatted (autograd tracks tensors, not lists of them); the
-        call's options come as their record, one argument whatever fields it has."""
+        call's options come as their record, one argument whatever fields it has.
+        `layout` "bshd" (eager calls only): q, k, v come as the caller holds them, and
+        their (batch, heads, seq, dim) views are made here, where autograd records
+        nothing, their gradients turned back likewise: three view nodes fewer for the
+        backward to run than views made by the caller (host time)."""
 
         @staticmethod
-        def forward(ctx, kernel, q, k, v, call, *values):
-            with torch._C._AutoDispatchBelowAutograd():
-                out, lse = forward(kernel, q, k, v, list(values), *call.op_arguments())
+        def forward(ctx, kernel, q, k, v, call, layout, *values):
+            q, k, v = (as_bhsd(t, layout) for t in (q, k, v))
+            ctx.layout = layout
+            if _eager(q):  # the implementation itself: one dispatcher trip fewer
+                out, lse = forward_impl(kernel, q, k, v, values, *call.op_arguments())
+            else:  # traced (AOTAutograd): the op, a node of the graph
+                with torch._C._AutoDispatchBelowAutograd():
+                    out, lse = forward(kernel, q, k, v, list(values), *call.op_arguments())
             ctx.save_for_backward(q, k, v, out, lse, *values)
             # The LSE is differentiable, as the reference's: a gradient that does not flow
             # comes as None (not a tensor of zeros), so a call whose LSE no loss reads
@@ -208,21 +218,28 @@ def _define(name: str, learnable: list, record, forward_impl, backward_impl) -> 
             q, k, v, out, lse, *values = ctx.saved_tensors
             kernel, call = ctx.call
             if dout is None and dlse is None:
-                return (None,) * (5 + len(values))
+                return (None,) * (6 + len(values))
             if dout is None:  # a loss of the LSE alone
                 dout = torch.zeros_like(out)
             if dlse is not None:
                 dlse = dlse.contiguous()  # the kernels read it as [B * H, len_q] rows
-            dq, dk, dv, dlearnable = backward(kernel, q, k, v, out, lse, dout, dlse, values,
-                                              *call.op_arguments())
+            # Eager: the implementation itself, as the forward; traced: the op.
+            run = backward_impl if _eager(q) else backward
+            dq, dk, dv, dlearnable = run(kernel, q, k, v, out, lse, dout, dlse, values,
+                                         *call.op_arguments())
             dinputs = [None] * len(values)
             for i, g in zip(learnable, dlearnable):
                 dinputs[i] = g
-            return None, dq, dk, dv, None, *dinputs
+            layout = ctx.layout
+            return (None, *(as_bhsd(g, layout) for g in (dq, dk, dv)), None, None, *dinputs)
 
-    def autograd_kernel(kernel, q, k, v, inputs, *options):
+    def autograd_kernel(kernel, q, k, v, inputs, *options, layout=None):
+        # `layout`: eager calls' (the dispatcher passes none): see Attention.
         if torch.is_grad_enabled() and torch._C._any_requires_grad(q, k, v, *inputs):
-            return Attention.apply(kernel, q, k, v, record(*options), *inputs)
+            return Attention.apply(kernel, q, k, v, record(*options), layout, *inputs)
+        q, k, v = (as_bhsd(t, layout) for t in (q, k, v))
+        if _eager(q):  # no graph to record: the implementation itself
+            return forward_impl(kernel, q, k, v, inputs, *options)
         with torch._C._AutoDispatchBelowAutograd():
             return forward(kernel, q, k, v, inputs, *options)
 
@@ -230,14 +247,23 @@ def _define(name: str, learnable: list, record, forward_impl, backward_impl) -> 
     return Operators(forward, backward, autograd_kernel)
 
 
+def _eager(q) -> bool:
+    """Whether the autograd formula runs on real tensors outside any tracing: then it calls
+    the ops' implementations directly, skipping a trip through the dispatcher (its
+    argument parsing and boxing, ~10-20 us a direction on a slow CPU). Anything else
+    (FakeTensors and the proxy mode of AOTAutograd's tracing, a TorchDispatchMode, a
+    tensor subclass) goes through the ops, so that a graph holds them as nodes."""
+    return (type(q) is torch.Tensor and not torch._C._len_torch_dispatch_stack()
+            and not torch.compiler.is_compiling())
+
+
 def _table_store(tables):
     """Where a launch finds its tile tables: kept tables' store; else None, the generated
     module's cache of recent calls; or, with ATTNCC_TABLE_CACHE=0, a store of this launch's
     own (built once, shared by its tuning runs)."""
-    from .settings import TABLE_CACHE
     if tables is not None:
         return tables.store
-    return None if TABLE_CACHE == "1" else {}
+    return None if settings.TABLE_CACHE == "1" else {}
 
 
 class _Received(NamedTuple):

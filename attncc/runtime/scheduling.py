@@ -102,15 +102,16 @@ def backward(kernel, problem, q, k, v, out, lse, dout, dlse, values: dict, kept_
         if fused is not None:
             return _fused(kernel, fused, problem, q, k, v, out, lse, dout, dlse, values,
                           kept_tables, common)
-    one_launch = backward_directions(module.USES_TABLES) == ("bwd",)
-    # A call like an earlier one runs the earlier one's choices (runtime/call_plans.py);
-    # the one-launch backward has no plan.
-    key = None if one_launch else call_plans.backward_key(q, k, v, out, lse, dout, dlse, values,
-                                                          common, kept_tables)
+    directions = backward_directions(module.USES_TABLES)
+    one_launch = directions == ("bwd",)
+    # A call like an earlier one runs the earlier one's choices (runtime/call_plans.py).
+    key = call_plans.backward_key(q, k, v, out, lse, dout, dlse, values, common, kept_tables,
+                                  directions)
     plan = call_plans.find(kernel, key)
     if plan is not None:
-        # Under `none` the dQ kernel reads neither O nor delta (see _dq_then_dkdv).
-        dq, dk, dv, dinputs, delta = call_plans.backward(
+        # Under `none` neither the delta pass nor the dQ kernel reads O (see _dq_then_dkdv).
+        planned = call_plans.one_launch_backward if one_launch else call_plans.backward
+        dq, dk, dv, dinputs, delta = planned(
             kernel, plan, q, k, v, out if reads_delta(kernel.variant) else None, lse, dout, dlse,
             values, common)
     elif one_launch:
@@ -131,6 +132,8 @@ def backward(kernel, problem, q, k, v, out, lse, dout, dlse, values: dict, kept_
         role = kernel.one_launch_role(q, k, v, lse, delta, dout, values, common)
         run, config = kernel.choose(role, problem, q.dtype, tune)
         dq, dk, dv, dinputs = tuning.launch(kernel, problem, q.dtype, "bwd", run, config)
+        call_plans.keep(kernel, key, call_plans.Plan(kernel, {
+            "bwd": call_plans.Step(kernel, "bwd", config)}))
     else:
         tune = kernel.tuning_inputs(problem, values, q.device, kept_tables)
         dq, dk, dv, dinputs, delta, chosen = _dq_then_dkdv(kernel, problem, q, k, v, out, lse,

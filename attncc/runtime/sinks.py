@@ -16,6 +16,7 @@ for bit, on every call.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -117,12 +118,29 @@ def merge_sink(variant: ir.Variant, problem: Problem, values: dict, out: torch.T
     lse.copy_(merged)
 
 
-def sink_learnables(variant: ir.Variant) -> list:
+def _per_variant(decide):
+    """`decide(variant)`, remembered per variant object: every backward of a sink asks,
+    and a frozen Variant hashes its whole expression tree on every lookup (~8 us), so
+    the memory is keyed by identity and holds the variant (its id stays its own)."""
+    memory: dict = {}
+
+    def decided(variant: ir.Variant):
+        kept = memory.get(id(variant))
+        if kept is None or kept[0] is not variant:
+            if len(memory) >= 64:
+                memory.pop(next(iter(memory)), None)
+            kept = memory[id(variant)] = (variant, decide(variant))
+        return kept[1]
+    return functools.wraps(decide)(decided)
+
+
+@_per_variant
+def sink_learnables(variant: ir.Variant) -> tuple:
     """The learnable inputs the sink reads, in declared order."""
     if variant.sink is None:
-        return []
+        return ()
     read = ir.loaded_tensors(variant.sink)
-    return [d.name for d in variant.learnable_inputs if d.name in read]
+    return tuple(d.name for d in variant.learnable_inputs if d.name in read)
 
 
 def add_sink_gradients(variant: ir.Variant, problem: Problem, values: dict, lse: torch.Tensor,
@@ -164,16 +182,26 @@ def _direct_read(variant: ir.Variant, problem: Problem, values: dict):
     else None. Such a sink's gradient is dσ summed over the rows' other axes: no
     expression to differentiate, and none of the general path's host work (a vjp through
     the evaluator costs about 2 ms a call, more than the kernels at short lengths)."""
+    form = _direct_form(variant)
+    if form is None or form[0] not in values:
+        return None
+    sizes = {"b": problem.batch, "h": problem.heads_q}
+    if tuple(values[form[0]].shape) != tuple(sizes[a] for a in form[1]):
+        return None
+    return form
+
+
+@_per_variant
+def _direct_form(variant: ir.Variant):
+    """(input, its row axes) where the variant's sink has _direct_read's form, else None:
+    the part of that decision the call's values leave alone, made once per variant."""
     read = variant.sink
-    if not isinstance(read, ir.Load) or read.tensor not in values:
+    if not isinstance(read, ir.Load):
         return None
     decl = next((d for d in variant.learnable_inputs if d.name == read.tensor), None)
     axes = tuple(getattr(i, "name", None) for i in read.indices)
     if decl is None or tuple(decl.axes) != axes or len(set(axes)) != len(axes) \
             or not all(a in _ROW_AXES for a in axes):
-        return None
-    sizes = {"b": problem.batch, "h": problem.heads_q}
-    if tuple(values[read.tensor].shape) != tuple(sizes[a] for a in axes):
         return None
     return read.tensor, axes
 
@@ -183,16 +211,25 @@ def _add_direct_gradient(variant, values, lse, delta, dinputs, direct) -> dict:
     table = values[name]
     # σ broadcast over lse's [B, H, Lq]: the table's axes in row order, size 1 elsewhere.
     in_row_order = sorted(axes, key=_ROW_AXES.get)
-    sigma = table.detach().float().permute(*(axes.index(a) for a in in_row_order))
+    reordered = tuple(in_row_order) != axes  # s[h, b]; sinks[h] and s[b, h] are in order
+    sigma = table.detach().float()
+    if reordered:
+        sigma = sigma.permute(*(axes.index(a) for a in in_row_order))
     shape = [1, 1, 1]
     for a in in_row_order:
         shape[_ROW_AXES[a]] = sigma.shape[in_row_order.index(a)]
-    d_sink = -torch.exp(sigma.reshape(shape) - lse) * delta  # [B, H, Lq]
-    # torch's sum reduces in a fixed order (no atomics): the same bits on every call.
+    # -dσ = e^(σ-L)·delta [B, H, Lq], in one buffer: three passes over the rows and no more
+    # (each a launch on a GPU; at short lengths the host time of launches is the cost).
+    minus_d_sink = torch.sub(sigma.reshape(shape), lse).exp_().mul_(delta)
+    # torch's sum reduces in a fixed order (no atomics): the same bits on every call; the
+    # sign flips after it, exactly (a sum of negated terms is the negated sum), in the
+    # subtraction from the kernels' gradient where there is one (one launch, not two).
     summed = [d for d in range(3) if d not in {_ROW_AXES[a] for a in axes}]
-    grad = d_sink.sum(dim=summed)  # the remaining axes, in row order
-    grad = grad.permute(*(in_row_order.index(a) for a in axes))
+    minus_grad = minus_d_sink.sum(dim=summed)  # the remaining axes, in row order
+    if reordered:
+        minus_grad = minus_grad.permute(*(in_row_order.index(a) for a in axes))
     out = dict(dinputs)
     earlier = out.get(name)
-    out[name] = (grad if earlier is None else earlier.float() + grad).to(table.dtype)
+    grad = minus_grad.neg_() if earlier is None else earlier.float() - minus_grad
+    out[name] = grad.to(table.dtype)
     return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ... import ir
-from . import OWNED_KINDS, fused_variant_unsupported, gluon_kind
+from . import OWNED_KINDS, decode, fused_variant_unsupported, gluon_kind
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
@@ -76,5 +76,7 @@ def template_context(variant: ir.Variant, code=None) -> dict:
     # log2_scores, branch=True).
     uniform = code.diagonal.uniform.text if code.diagonal is not None else None
     return dict(context, input_grads=grads, gluon_owns=OWNED_KINDS, gluon_slopes=slopes,
+
                 gluon_owned_reads=any(g["gluon_kind"] in owned for g in grads),
-                uniform_score=uniform, fused_backward=fused_variant_unsupported(variant) is None)
+                uniform_score=uniform, fused_backward=fused_variant_unsupported(variant) is None,
+                gluon_decode=decode.variant_refusal(variant) is None)

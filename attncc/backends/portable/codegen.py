@@ -21,13 +21,14 @@ import jinja2
 
 from ... import dropout, ir
 from ...analysis import bounds, intervals, ranges
+from ...analysis.signs import scale_is_positive
 from ...analysis.gradient_owners import GradientOwner, gradient_owners
 from ...codegen.derivative import score_gradients
 from ...ir import print_variant
 from ...codegen import helpers, interface, parameters, templating
 from ...codegen.decode import decode_context, decode_layout
-from ...codegen.elementwise import (TritonEmitter, WeightEmitter, grad_arg_name, input_arg_names,
-                                     input_code)
+from ...codegen.elementwise import (ScoreEmitter, TritonEmitter, WeightEmitter, grad_arg_name,
+                                     input_arg_names, input_code)
 from ...codegen.generated import Generated, module_name
 from ...codegen.plan_code import (ClassificationCode, bound_code, classification_code,
                                   segment_code)
@@ -256,7 +257,7 @@ def variant_code(variant: ir.Variant) -> VariantCode:
     widths = {decl: integer_width(getattr(variant, decl), variant)
               for decl in ("mask", "score", "layout", "sink")}
     # The score and its derivatives (under `sum` or `none`, the pair weights').
-    emitter = TritonEmitter if variant.normalize == ir.SOFTMAX else WeightEmitter
+    emitter = ScoreEmitter if variant.normalize == ir.SOFTMAX else WeightEmitter
     emit = emitter(variant, wide=widths["score"][0])
     # Under `sum` or `none` the backward holds the pair weights w, the score's value,
     # where it applies the derivatives: σ(1 − σ) of `weight sigmoid(..)` reads it.
@@ -402,6 +403,10 @@ def template_context(variant: ir.Variant, code: VariantCode | None = None) -> di
         input_codes={i.name: input_code(i.name) for i in variant.inputs},
         int32_extent=code.int32_extent,
         learnable_names=[i.name for i in variant.learnable_inputs],
+        # Those whose gradient the kernels write (the score or weight reads them); one only
+        # the sink reads takes its gradient from runtime/sinks.py alone.
+        kernel_grad_names=[i.name for i in variant.learnable_inputs
+                           if any(g.name == i.name for g in code.input_grads)],
         dropout=bool(variant.dropout),
         dropout_p=repr(float(variant.dropout or 0.0)),
         dropout_threshold=dropout.threshold(variant.dropout or 0.0),
@@ -427,6 +432,11 @@ def template_context(variant: ir.Variant, code: VariantCode | None = None) -> di
             "s" in ir.free_vars(pair.score) or {"q", "k"} <= ir.free_vars(pair.score)),
         # softmax, or `sum`/`none` of the weight (the `score` slot then holds it).
         normalize=variant.normalize,
+        # Nothing but the scale acts on q·k, and the scale is positive: the forwards take
+        # the row max over q·k and scale it once, and every kernel computes a weight as
+        # exp2(qk * qk_scale - m), one multiply-add, where scaling first takes two.
+        fold_scale=(code.score is None and variant.normalize == "softmax"
+                    and scale_is_positive(variant)),
         d_score=code.d_score.text,
         # d score / d s at a masked pair may be inf or NaN (`s * sqrt(q - k)` past a
         # causal mask) and multiplies a dS of 0 there: the backward zeroes those pairs.
