@@ -85,6 +85,10 @@ class GluonBackend:
                 if fits_variant(c, variant) and tiles.fits_registers(c, variant)
                 and tiles.backward_fits_registers(direction, c, head_dim, variant)
                 and (direction != FUSED or tiles.fused_fits_registers(c, variant))
+                # The warp-specialized fused kernel places no relative reads (its
+                # consumers' tiles are half the key tile's rows).
+                and not (direction == FUSED and c.num_warps == tiles.FUSED_WS_WARPS
+                         and _diagonal_table_entries(variant))
                 and (direction != "dq"
                      or tiles.dq_fits_registers(c, head_dim, _diagonal_table_entries(variant)))]
 

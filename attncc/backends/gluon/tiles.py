@@ -256,9 +256,38 @@ def _fused_smem(config: TileConfig, head_dim: int) -> int:
             + 4 * config.block_m * head_dim)
 
 
+# num_warps of the warp-specialized fused backward (templates/fused_bwd.jinja's
+# attn_bwd_fused_ws): two consumer warpgroups on 64 key rows each beside a producer warp.
+FUSED_WS_WARPS = 9
+FUSED_WS_HEAD_DIMS = (128,)
+
+
+def _fused_ws_smem(config: TileConfig, head_dim: int) -> int:
+    """K and V, NUM_STAGES slots of Q and dO (and of LSE and delta), two dS^T buffers and
+    the two consumers' float32 dQ columns."""
+    m, n, d = config.block_m, config.block_n, head_dim
+    return (2 * 2 * n * d + config.num_stages * (2 * 2 * m * d + 2 * 4 * m)
+            + 2 * 2 * n * m + 4 * m * d)
+
+
+def _check_fused_ws(config: TileConfig, head_dim: int | None) -> str | None:
+    if (config.block_m, config.block_n) != (64, 128) or config.num_stages not in (2, 3) \
+            or (head_dim is not None and head_dim not in FUSED_WS_HEAD_DIMS):
+        return (f"config {config.as_dict()} does not fit the warp-specialized Gluon fused "
+                f"backward (num_warps {FUSED_WS_WARPS}): it takes BLOCK_M 64, BLOCK_N 128 (64 key "
+                f"rows per consumer warpgroup), num_stages 2 or 3, at head dims "
+                f"{', '.join(map(str, FUSED_WS_HEAD_DIMS))}")
+    if head_dim is not None and _fused_ws_smem(config, head_dim) > SMEM_LIMIT:
+        return (f"config {config.as_dict()} needs {_fused_ws_smem(config, head_dim)} bytes of "
+                f"shared memory at head dim {head_dim} in the fused backward; Hopper has {SMEM_LIMIT}")
+    return None
+
+
 def check_fused_config(config: TileConfig, head_dim: int | None) -> str | None:
     """Why a config cannot run the Gluon fused backward, or None: the dK/dV kernel's
     rules, and query tiles of whole warpgroups (dQ's product has BLOCK_M rows)."""
+    if config.num_warps == FUSED_WS_WARPS:
+        return _check_fused_ws(config, head_dim)
     why = _check_backward("dkdv", config, head_dim)
     rows = config.block_m // 16  # the dQ product's 16-row slices, over min(w, rows) warps
     if why is None and (config.block_m % 64 or rows % min(config.num_warps, rows)):
@@ -297,7 +326,7 @@ def fused_candidates(head_dim: int) -> list:
     # bytes through L2 (dQ's reduce-adds alone 34 GB at 16K tokens x 16 heads, full, on
     # 64-key tiles; 17 GB on 128): the tuner times the two. Not yet timed on a GPU.
     shapes = {64: [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 8, 3)],
-              128: [(64, 64, 8, 2), (64, 128, 8, 2)]}
+              128: [(64, 128, FUSED_WS_WARPS, 2), (64, 64, 8, 2), (64, 128, 8, 2)]}
     configs = [TileConfig(*shape) for shape in shapes.get(head_dim, [])]
     return [c for c in configs if check_fused_config(c, head_dim) is None]
 
