@@ -483,9 +483,9 @@ def fused_correctness(args, dog):
     for n in taken:
         cases.append((n, dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128), bf))
         cases.append((n, dict(B=1, Hq=3, Hkv=3, Lq=200, Lk=517, D=128), bf))
-    for n in ("full", "causal", "document", "gqa_causal", "softcap"):
-        if n in taken:
-            cases.append((n, dict(B=1, Hq=4, Hkv=1, Lq=257, Lk=257, D=64), bf))
+    for n in ("full", "causal", "gqa_causal", "bigbird"):
+        if n in taken:  # len_q off the 4-element alignment of the statistics' bulk copies
+            cases.append((n, dict(B=1, Hq=4, Hkv=1, Lq=257, Lk=257, D=128), bf))
             cases.append((n, dict(B=1, Hq=4, Hkv=4, Lq=333, Lk=333, D=128), fp))
     for n in ("full", "causal_bottom_right", "sliding_window"):
         if n in taken:
@@ -558,11 +558,7 @@ def fused_speed(args, dog):
         runs = {"gluon split": lambda: split(glu, dq_candidates(D)[0], backward_candidates(D)[0]),
                 "portable split": lambda: split(host, portable_candidates(variant, D, "dq")[0],
                                                 portable_candidates(variant, D, "dkdv")[0])}
-        # Every fused tile, also those whose spills keep them from this variant's
-        # candidates (tiles.fused_fits_registers), marked so.
-        kept = _dicts(GLUON.candidates(FUSED, D, variant))
-        runs.update({f"gluon fused {_label(c)}" + ("" if c in kept else " (spills: not a candidate)"):
-                     (lambda c=c: fused(c)) for c in fused_candidates(D)})
+        runs.update({f"gluon fused {_label(c)}": (lambda c=c: fused(c)) for c in fused_candidates(D)})
         reference = None
         for label, run in runs.items():
             try:

@@ -84,11 +84,6 @@ class GluonBackend:
         return [c for c in tiles.CANDIDATES[direction](head_dim)
                 if fits_variant(c, variant) and tiles.fits_registers(c, variant)
                 and tiles.backward_fits_registers(direction, c, head_dim, variant)
-                and (direction != FUSED or tiles.fused_fits_registers(c, variant))
-                # The warp-specialized fused kernel places no relative reads (its
-                # consumers' tiles are half the key tile's rows).
-                and not (direction == FUSED and c.num_warps == tiles.FUSED_WS_WARPS
-                         and _diagonal_table_entries(variant))
                 and (direction != "dq"
                      or tiles.dq_fits_registers(c, head_dim, _diagonal_table_entries(variant)))]
 
@@ -108,14 +103,13 @@ class GluonBackend:
 
 def fused_dq_add() -> str:
     """How the fused backward adds each key tile's dQ partial into the float32 sum under
-    the installed Triton: one bulk TMA reduce-add where Gluon has it (Triton 3.8 on),
-    else an atomic per element (the generated module's TMA_REDUCE decides alike)."""
+    the installed Triton: one bulk TMA reduce-add where Gluon has it (Triton 3.8 on);
+    without it the fused backward does not run."""
     import triton
-    from triton.experimental.gluon.language.nvidia.hopper import tma
-    if hasattr(tma, "async_atomic_add"):
+    why = _fused_triton_unsupported()
+    if why is None:
         return f"a TMA reduce-add per partial, Triton {triton.__version__}"
-    return (f"per-element fp32 atomics: Triton {triton.__version__} has no Gluon TMA reduce-add "
-            "(3.8 added it)")
+    return "none: " + why
 
 
 @functools.lru_cache(maxsize=1)
@@ -235,22 +229,31 @@ def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int,
 
 def fused_unsupported(variant: ir.Variant, head_dim: int, dim_v: int | None = None) -> str | None:
     """Why the Gluon fused backward (deterministic=False: dK, dV and dQ in one pass, dQ
-    added across key tiles) cannot take a call of this variant at this head dim, or None.
-    It is the dK/dV kernel's softmax path with dQ's product beside it, at equal head dims
-    of 64 and 128 (tiles.FUSED_HEAD_DIMS) and no learnable inputs; the deterministic
-    split runs everything else."""
-    why = None
+    added across key tiles) cannot take a call of this variant at this head dim, or None:
+    it runs at equal head dims of 128 (tiles.FUSED_HEAD_DIMS), softmax without learnable
+    inputs, dropout or relative reads, and scores and masks that hold few registers,
+    under a Triton with Gluon's TMA reduce-add; the deterministic split runs everything
+    else."""
     if dim_v is not None and dim_v != head_dim or head_dim not in tiles.FUSED_HEAD_DIMS:
         shape = f"(q·k, v) head dims ({head_dim}, {dim_v})" if dim_v not in (None, head_dim) \
             else f"head dim {head_dim}"
         why = (f"{shape}: the Gluon fused backward takes equal head dims "
-               f"{', '.join(map(str, tiles.FUSED_HEAD_DIMS))} (past 128 its dQ partial does not "
-               "fit in registers beside dK, dV and the score tiles)")
+               f"{', '.join(map(str, tiles.FUSED_HEAD_DIMS))}")
     else:
-        why = fused_variant_unsupported(variant)
+        why = fused_variant_unsupported(variant) or _fused_triton_unsupported()
     if why is None:
         return None
     return why + "; the deterministic dQ and dK/dV kernels run it"
+
+
+def _fused_triton_unsupported() -> str | None:
+    from triton.experimental.gluon.language.nvidia.hopper import tma
+    if hasattr(tma, "async_atomic_add"):
+        return None
+    import triton
+    return (f"Triton {triton.__version__} has no Gluon TMA reduce-add (3.8 added it); with an "
+            "atomic per dQ element the fused backward ran 0.87-0.89x the split kernels' speed "
+            "on an H200 (benchmarks/RESULTS.md run 194)")
 
 
 def fused_variant_unsupported(variant: ir.Variant) -> str | None:
@@ -265,6 +268,13 @@ def fused_variant_unsupported(variant: ir.Variant) -> str | None:
     if variant.normalize != ir.SOFTMAX:
         return (f"variant '{variant.name}' normalizes by `{variant.normalize}`; the Gluon fused "
                 "backward is written for softmax")
+    if _diagonal_table_entries(variant):
+        return (f"variant '{variant.name}' reads a relative table, which the Gluon fused "
+                "backward does not place")
+    if tiles.score_registers_heavy(variant):
+        return (f"variant '{variant.name}' has a score or a mask that reads tensors, whose "
+                "registers the Gluon fused backward's 128-key tile spills (240 to 900 B "
+                "compiled for sm_90)")
     return None
 
 

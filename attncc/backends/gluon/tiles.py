@@ -243,90 +243,44 @@ def dq_candidates(head_dim: int) -> list:
     return _backward_configs("dq", shapes.get(head_dim, []), head_dim)
 
 
-# Head dims of the Gluon fused backward (q·k and v alike): each thread holds its rows of
-# dK and dV beside the dQ partial, which at 256 columns does not fit.
-FUSED_HEAD_DIMS = (64, 128)
+# The Gluon fused backward (templates/fused_bwd.jinja's attn_bwd_fused_ws): num_warps
+# FUSED_WS_WARPS launches two consumer warpgroups on 64 key rows each beside a producer
+# warp, on 128 key rows and 64-row query tiles, at head dim 128 (q·k and v alike).
+FUSED_WS_WARPS = 9
+FUSED_HEAD_DIMS = (128,)
 
 
 def _fused_smem(config: TileConfig, head_dim: int) -> int:
-    """The dK/dV kernel's tiles plus P^T and dS^T [BLOCK_N, BLOCK_M] in 16-bit elements, and the
-    float32 dQ partial [BLOCK_M, HEAD_DIM] that a Triton with the bulk reduce-add stages
-    (counted always: a config must fit under either Triton)."""
-    return (_backward_smem("dkdv", config, head_dim) + 4 * config.block_m * config.block_n
-            + 4 * config.block_m * head_dim)
-
-
-# num_warps of the warp-specialized fused backward (templates/fused_bwd.jinja's
-# attn_bwd_fused_ws): two consumer warpgroups on 64 key rows each beside a producer warp.
-FUSED_WS_WARPS = 9
-FUSED_WS_HEAD_DIMS = (128,)
-
-
-def _fused_ws_smem(config: TileConfig, head_dim: int) -> int:
-    """K and V, NUM_STAGES slots of Q and dO (and of LSE and delta), two dS^T buffers and
-    the two consumers' float32 dQ columns."""
+    """K and V, NUM_STAGES slots of Q and dO (and of LSE and delta), P^T per consumer, two
+    dS^T buffers and the two consumers' float32 dQ columns."""
     m, n, d = config.block_m, config.block_n, head_dim
     return (2 * 2 * n * d + config.num_stages * (2 * 2 * m * d + 2 * 4 * m)
-            + 2 * 2 * n * m + 4 * m * d)
+            + 2 * n * m + 2 * 2 * n * m + 4 * m * d)
 
 
-def _check_fused_ws(config: TileConfig, head_dim: int | None) -> str | None:
-    if (config.block_m, config.block_n) != (64, 128) or config.num_stages not in (2, 3) \
-            or (head_dim is not None and head_dim not in FUSED_WS_HEAD_DIMS):
-        return (f"config {config.as_dict()} does not fit the warp-specialized Gluon fused "
-                f"backward (num_warps {FUSED_WS_WARPS}): it takes BLOCK_M 64, BLOCK_N 128 (64 key "
-                f"rows per consumer warpgroup), num_stages 2 or 3, at head dims "
-                f"{', '.join(map(str, FUSED_WS_HEAD_DIMS))}")
-    if head_dim is not None and _fused_ws_smem(config, head_dim) > SMEM_LIMIT:
-        return (f"config {config.as_dict()} needs {_fused_ws_smem(config, head_dim)} bytes of "
+def check_fused_config(config: TileConfig, head_dim: int | None) -> str | None:
+    """Why a config cannot run the Gluon fused backward, or None."""
+    if config.num_warps != FUSED_WS_WARPS or (config.block_m, config.block_n) != (64, 128) \
+            or config.num_stages < 2 or (head_dim is not None and head_dim not in FUSED_HEAD_DIMS):
+        return (f"config {config.as_dict()} does not fit the Gluon fused backward: it takes "
+                f"num_warps {FUSED_WS_WARPS} (two consumer warpgroups of 64 key rows and a "
+                f"producer warp), BLOCK_M 64, BLOCK_N 128 and num_stages >= 2, at head dims "
+                f"{', '.join(map(str, FUSED_HEAD_DIMS))}")
+    if head_dim is not None and _fused_smem(config, head_dim) > SMEM_LIMIT:
+        return (f"config {config.as_dict()} needs {_fused_smem(config, head_dim)} bytes of "
                 f"shared memory at head dim {head_dim} in the fused backward; Hopper has {SMEM_LIMIT}")
     return None
 
 
-def check_fused_config(config: TileConfig, head_dim: int | None) -> str | None:
-    """Why a config cannot run the Gluon fused backward, or None: the dK/dV kernel's
-    rules, and query tiles of whole warpgroups (dQ's product has BLOCK_M rows)."""
-    if config.num_warps == FUSED_WS_WARPS:
-        return _check_fused_ws(config, head_dim)
-    why = _check_backward("dkdv", config, head_dim)
-    rows = config.block_m // 16  # the dQ product's 16-row slices, over min(w, rows) warps
-    if why is None and (config.block_m % 64 or rows % min(config.num_warps, rows)):
-        why = (f"config {config.as_dict()} does not fit the Gluon fused backward: its dQ "
-               "product needs BLOCK_M a multiple of 64 (of 128 on 8 warps, past 64)")
-    if why is None and head_dim is not None and _fused_smem(config, head_dim) > SMEM_LIMIT:
-        why = (f"config {config.as_dict()} needs {_fused_smem(config, head_dim)} bytes of "
-               f"shared memory at head dim {head_dim} in the fused backward; Hopper has {SMEM_LIMIT}")
-    return why
-
-
-def fused_fits_registers(config: TileConfig, variant: ir.Variant) -> bool:
-    """Whether the fused candidate's registers take the variant: 128 key rows (on two
-    warpgroups, fused_candidates' second) only where score elements are light
-    (score_registers_heavy): there alibi, softcap and document spilled 252-640 B at head
-    dim 128 and up to 24 B at 64."""
-    return config.block_n < 128 or not score_registers_heavy(variant)
-
-
 def fused_candidates(head_dim: int) -> list:
-    """Fused backward tile configs (BLOCK_M query rows stream past BLOCK_N key rows),
-    most likely winner first. Each thread holds the dK/dV kernel's tiles and, after them,
-    its part of the dQ partial [BLOCK_M, HEAD_DIM]."""
-    # First where ptxas spilled nothing (benchmarks/gluon_compile.py --backward
-    # --all-configs; tests/test_gluon_compile.py's fused test), on Triton 3.9 (the TMA
-    # reduce-add, its float32 partial staged in 32 KB of shared memory at head dim 128)
-    # and 3.6 (atomics): two warpgroups side by side on 64 key rows hold half of dK, dV
-    # and the partial each, at most 217 registers on 3.9 and 240 on 3.6 at head dim 128
-    # (alibi) for full, causal, softcap, sliding window, GQA, document, bigbird, NSA top-k.
-    # Three stages spilled at 128 on 3.6 (softcap 36 B), not at 64. One warpgroup per 64
-    # key rows spilled at 128: 64x64 w4 92 B (causal) to 416 B (softcap) on 3.9, 92-400 on
-    # 3.6; 128x64 w8 16-168 B on 3.6. Then FlashAttention-3's tile, 128 key rows on two
-    # warpgroups (64x128 w8), for light scores only (fused_fits_registers): it spills at
-    # head dim 128 (causal 100 B on 3.9, 332 B on 3.6; softcap 468 and 640), but each key
-    # tile's dQ partial and Q, dO tiles serve twice the products, so it moves half the
-    # bytes through L2 (dQ's reduce-adds alone 34 GB at 16K tokens x 16 heads, full, on
-    # 64-key tiles; 17 GB on 128): the tuner times the two. Not yet timed on a GPU.
-    shapes = {64: [(64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 8, 3)],
-              128: [(64, 128, FUSED_WS_WARPS, 2), (64, 64, 8, 2), (64, 128, 8, 2)]}
+    """Fused backward tile configs. One: FlashAttention-3's tile at head dim 128 (64 query
+    rows past 128 key rows). Compiled for sm_90 on Triton 3.9 it holds 240 registers a
+    consumer thread with 40-52 B of loop-invariant spills (full, causal, sliding window,
+    GQA). On an H200 it ran the whole backward 1.09x faster than the split kernels (full
+    and causal, RESULTS run 194), where the fused kernels of one partition (64x64 and
+    64x128 on 8 warps) ran 0.61-0.77x: they are gone. Three stages do not fit in shared
+    memory (240 KB)."""
+    shapes = {128: [(64, 128, FUSED_WS_WARPS, 2)]}
     configs = [TileConfig(*shape) for shape in shapes.get(head_dim, [])]
     return [c for c in configs if check_fused_config(c, head_dim) is None]
 
