@@ -231,9 +231,10 @@ def fused_unsupported(variant: ir.Variant, head_dim: int, dim_v: int | None = No
     """Why the Gluon fused backward (deterministic=False: dK, dV and dQ in one pass, dQ
     added across key tiles) cannot take a call of this variant at this head dim, or None:
     it runs at equal head dims of 128 (tiles.FUSED_HEAD_DIMS), softmax without learnable
-    inputs, dropout or relative reads, and scores and masks that hold few registers,
-    under a Triton with Gluon's TMA reduce-add; the deterministic split runs everything
-    else."""
+    inputs, dropout or relative reads, scores and masks that hold few registers, and an
+    analytic tile plan whose keys meet every query past the first (full, causal, GQA),
+    under a Triton with Gluon's TMA reduce-add: where it measured faster than the split.
+    The deterministic split runs everything else."""
     if dim_v is not None and dim_v != head_dim or head_dim not in tiles.FUSED_HEAD_DIMS:
         shape = f"(q·k, v) head dims ({head_dim}, {dim_v})" if dim_v not in (None, head_dim) \
             else f"head dim {head_dim}"
@@ -271,6 +272,17 @@ def fused_variant_unsupported(variant: ir.Variant) -> str | None:
     if _diagonal_table_entries(variant):
         return (f"variant '{variant.name}' reads a relative table, which the Gluon fused "
                 "backward does not place")
+    from ...analysis import bounds
+    fwd_plan, bwd_plan = bounds.plan_loops(variant, "k"), bounds.plan_loops(variant, "q")
+    if fwd_plan.needs_classify or bwd_plan.needs_classify:
+        return (f"variant '{variant.name}' is planned by tile tables, where the Gluon fused "
+                "backward ran no faster than the split kernels (BigBird 6% at 16K tokens on an "
+                "H200: 0.98x, benchmarks/RESULTS.md run 194)")
+    if any(seg.reach_hi is not None for seg in bwd_plan.segments):
+        return (f"variant '{variant.name}' bounds the queries a key meets (a window or a "
+                "prefix), where the Gluon fused backward's 128-key tiles ran slower than the split kernels "
+                "(sliding window 1024 at 16K tokens on an H200: 0.82x, benchmarks/RESULTS.md "
+                "run 194)")
     if tiles.score_registers_heavy(variant):
         return (f"variant '{variant.name}' has a score or a mask that reads tensors, whose "
                 "registers the Gluon fused backward's 128-key tile spills (240 to 900 B "
