@@ -94,7 +94,7 @@ def signature(variant, module, fn, consts, widths, rows):
             sig[n] = f"tensordesc<bf16[{','.join(map(str, block))}],{layout!r}>"
         elif n in POINTERS:
             sig[n] = POINTERS[n]
-        elif n.endswith(("_list", "_count")):  # tile tables
+        elif n.endswith(("_list", "_count", "_order")):  # tile tables
             sig[n] = "*i32"
         elif n.startswith(("d_in_", "part")):  # a learnable input's gradient or partials, fp32
             sig[n] = "*fp32"

@@ -320,6 +320,35 @@ def test_per_batch_layout_block_32_gqa():
     compare(v, B=2, H=4, Hkv=2, Lq=70, Lk=70, D=16, inputs={"sel": sel})
 
 
+def test_tables_order_each_sides_programs_longest_first():
+    # The grid's program i runs unit order[i] of its side (batch·head major, as the grid
+    # counts them): every unit once, the most-visiting first, equals in the grid's order.
+    # A key tile's program visits its GQA group's query tiles, so its count is their sum.
+    # The heavy tiles are BigBird's global row and column, on the last batch row's last
+    # head only: the grid's order would start them last.
+    v = attncc.parse("attention l { heads 4 / 2 input sel: bool[b, h, qb, kb] "
+                     "layout sel[b, h, qb, kb] block 16 }")
+    B, H, group, n = 2, 4, 2, 5
+    sel = random_layout((B, H, n, n), 0.12, torch.Generator().manual_seed(6))
+    sel[1, 2:] = torch.eye(n, dtype=torch.bool)  # the last kv head: its diagonal,
+    sel[1, 3, 0, :] = sel[1, 3, :, 0] = True  # and on its second query head, row and column 0
+    t = attncc.compile(v).module.tile_tables(B, H, 75, 75, 0, 0, 16, {"sel": sel}, 16, 16, "cpu",
+                                             group)
+    rows = (t["row_full_count"] + t["row_part_count"]).expand(B, H, n).reshape(-1)
+    cols = (t["col_full_count"] + t["col_part_count"]).expand(B, H, n)
+    cols = cols.reshape(B, H // group, group, n).sum(2).reshape(-1)
+    assert torch.equal(rows, sel.sum(-1).reshape(-1))  # (the counts are the layout's)
+    for visits, order in ((rows, t["row_order"]), (cols, t["col_order"])):
+        assert order.dtype == torch.int32
+        assert sorted(order.tolist()) == list(range(visits.numel()))
+        seen = visits[order.long()]
+        assert torch.all(seen[:-1] >= seen[1:])
+        ties = seen[:-1] == seen[1:]
+        assert torch.all(order[:-1][ties] < order[1:][ties])
+    assert t["row_order"][0] == (1 * H + 3) * n + 0  # batch 1, head 3, query tile 0
+    assert t["col_order"][0] == (1 * (H // group) + 1) * n + 0  # its kv head 1, key tile 0
+
+
 @pytest.mark.parametrize("Lq,Lk", [(70, 70), (50, 90)], ids=["square", "more_keys"])
 def test_layout_with_causal_mask_block_32(Lq, Lk):
     v = attncc.parse("attention l { input blocks: bool[h, qb, kb] mask q >= k "

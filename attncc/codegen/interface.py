@@ -9,14 +9,16 @@ from __future__ import annotations
 
 # The tile tables' fields, per side ("row": query tiles' key tiles, for the forward and
 # dQ; "col": key tiles' query tiles, for dK/dV): lists of full and partial tiles, their
-# counts, and the strides of their batch, head and row axes (tables are broadcast over
-# the batch and heads they do not depend on). They are the kernels' parameters of those
+# counts, the strides of their batch, head and row axes (tables are broadcast over
+# the batch and heads they do not depend on), and the order the side's programs run in
+# (the grid's program i runs the side's unit `order[i]`, longest first: loops.jinja's
+# tile_order). They are the kernels' parameters of those
 # names (backends/portable/codegen.py's common_params) and the keys of tile_tables()'s
 # dict, which the generated module builds in this order.
 def table_fields(side: str) -> list:
     return [f"{side}_full_count", f"{side}_full_list", f"{side}_part_count", f"{side}_part_list",
             f"{side}_count_sb", f"{side}_count_sh", f"{side}_list_sb", f"{side}_list_sh",
-            f"{side}_list_sm"]
+            f"{side}_list_sm", f"{side}_order"]
 
 
 TABLE_FIELDS = table_fields("row") + table_fields("col")

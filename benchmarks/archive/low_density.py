@@ -103,8 +103,7 @@ def replacements(pairs):
 def persistent(flatten: bool):
     """The forward as a persistent kernel: PERSISTENT_PROGRAMS programs (the module
     global; 4 per SM by default) walk the (head, query tile) work items in grid-stride
-    order, consecutive items being a head's consecutive query tiles, as the grid orders
-    them. flatten: tl.range(..., flatten=True) fuses the work loop with the key loops
+    order over the tables' row_order, as the grid's programs read it. flatten: tl.range(..., flatten=True) fuses the work loop with the key loops
     into one pipelined loop, so the next row's first K/V loads overlap this row's end."""
     def apply(source):
         start = source.index("@triton.jit(do_not_specialize=SEED)\ndef attn_fwd(")
@@ -112,7 +111,8 @@ def persistent(flatten: bool):
         signature = source[start:sig_end]
         params = [p.split(":")[0].strip() for p in signature[signature.index("def attn_fwd(") + 13:-3].split(",")]
         params = [p for p in params if p]
-        head = ("    pid = tl.program_id(0)\n    n_tiles = tl.cdiv(len_q, BLOCK_M)\n"
+        head = ("    pid = tl.load(row_order + tl.program_id(0))  # longest first, by the tables' counts\n"
+                "    n_tiles = tl.cdiv(len_q, BLOCK_M)\n"
                 "    pid_bh = pid // n_tiles\n    tile_q = pid % n_tiles\n")
         assert source[sig_end:].startswith(head), "the forward does not start as expected"
         program = signature.replace("@triton.jit(do_not_specialize=SEED)\ndef attn_fwd(",
@@ -123,7 +123,8 @@ def persistent(flatten: bool):
                   f"def attn_fwd({', '.join(plain)}, n_query_tiles, n_work, "
                   f"{', '.join(c + ': tl.constexpr' for c in consts)}):\n"
                   f"    for work in tl.range(tl.program_id(0), n_work, tl.num_programs(0), flatten={flatten}):\n"
-                  f"        _fwd_program(work % n_query_tiles, work // n_query_tiles, {', '.join(params)})\n\n\n")
+                  f"        unit = tl.load(row_order + work)  # the tables' order, as the grid's\n"
+                  f"        _fwd_program(unit % n_query_tiles, unit // n_query_tiles, {', '.join(params)})\n\n\n")
         body_end = source.index("# ------------------------------------------------------------------ backward: preprocess")
         source = (source[:start] + program + source[sig_end + len(head):body_end] + kernel
                   + source[body_end:])
