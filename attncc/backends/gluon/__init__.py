@@ -277,7 +277,7 @@ def fused_variant_unsupported(variant: ir.Variant) -> str | None:
     if fwd_plan.needs_classify or bwd_plan.needs_classify:
         return (f"variant '{variant.name}' is planned by tile tables, where the Gluon fused "
                 "backward ran no faster than the split kernels (BigBird 6% at 16K tokens on an "
-                "H200: 0.98x, benchmarks/RESULTS.md run 194)")
+                "H200: 1.00x with the tables' longest-first order, benchmarks/RESULTS.md run 198)")
     if any(seg.reach_hi is not None for seg in bwd_plan.segments):
         return (f"variant '{variant.name}' bounds the queries a key meets (a window or a "
                 "prefix), where the Gluon fused backward's 128-key tiles ran slower than the split kernels "
