@@ -389,7 +389,8 @@ def test_an_unknown_backward_schedule_is_refused_by_name():
     done = subprocess.run([sys.executable, "-c", "import attncc.runtime.settings"], env=env,
                           capture_output=True, text=True)
     assert done.returncode != 0
-    assert "ATTNCC_BACKWARD='streams': expected one of ('one-launch', 'sequential')" in done.stderr
+    assert ("ATTNCC_BACKWARD='streams': expected one of ('auto', 'one-launch', 'sequential')"
+            in done.stderr)
 
 
 # ------------------------------------------------------------------ (d) what runs is what was hashed

@@ -636,6 +636,29 @@ def test_a_table_driven_backward_says_it_runs_one_portable_launch(monkeypatch):
     assert calls == ["forward", "forward", "dq", "dkdv"]
 
 
+def test_a_table_driven_backward_runs_the_gluon_kernels_where_they_take_both_roles(monkeypatch):
+    # ATTNCC_BACKWARD=auto (the default): the Gluon dQ and dK/dV where Gluon takes both of
+    # the call's roles; where it refuses either, the portable one launch, which says why.
+    from attncc.runtime import settings
+    monkeypatch.setattr(settings, "TABLES_BACKWARD", "auto")
+    kernel = attncc.compile(str(EXAMPLES / "document.attn"))
+    calls = []
+    _stand_in_gluon(kernel, monkeypatch, calls)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 12, 64, generator=gen, requires_grad=True) for _ in range(3))
+    doc = torch.tensor([0] * 5 + [1] * 7, dtype=torch.int32)
+    kernel(q, k, v, doc_q=doc, doc_k=doc).sum().backward()
+    assert calls == ["forward", "dq", "dkdv"]
+    assert kernel.last_backward["dq"][0] == kernel.last_backward["dkdv"][0] == "gluon"
+    real = GLUON.supports_call
+    monkeypatch.setattr(GLUON, "supports_call", lambda variant, q, k, v, kind: (
+        "refused here" if kind == "dkdv" else real(variant, q, k, v, kind)))
+    kernel(q, k, v, doc_q=doc, doc_k=doc).sum().backward()
+    assert calls == ["forward", "dq", "dkdv", "forward"]
+    backend, why = kernel.last_backward["bwd"]
+    assert backend == "triton" and "one portable launch where no other backend" in why
+
+
 def test_fused_candidates_fit_and_bad_configs_are_named():
     causal = attncc.parse_file(EXAMPLES / "causal.attn")
     # One tile: two consumer warpgroups on 64 key rows each and a producer warp, at 128.

@@ -127,4 +127,5 @@ def one_launch_reason() -> str:
     others = " or ".join(b.title for b in backends.preferred())
     where = f", on the {others} kernels where they can" if others else ""
     return (f"a variant with tile tables runs dK/dV and dQ in one {backends.portable().title} "
-            f"launch (ATTNCC_BACKWARD=sequential runs them apart{where})")
+            f"launch where no other backend takes both (ATTNCC_BACKWARD=sequential runs them "
+            f"apart{where})")

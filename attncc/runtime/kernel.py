@@ -144,6 +144,15 @@ class Kernel:
                               **common)
         return dispatch.Role("bwd", {portable.name: run}, dispatch.one_launch_reason())
 
+    def split_preferred(self, q, k, v) -> bool:
+        """Whether a backend other than the portable one takes both this call's dQ and its
+        dK/dV (the Gluon kernels on Hopper): a table-driven variant's backward then runs
+        them apart under ATTNCC_BACKWARD=auto, not in the portable one launch
+        (settings.backward_directions)."""
+        portable = backends.portable()
+        return all(dispatch.role_backends(self, kind, q, k, v)[0][0] is not portable
+                   for kind in ("dq", "dkdv"))
+
     def fused_backend(self, q, k, v):
         """The first of the kernel's backends whose fused backward (dK, dV and dQ in one
         pass, dQ added across key tiles in no fixed order: deterministic=False) takes this

@@ -14,8 +14,7 @@ import torch
 
 from .. import backends, ir
 from ..backends.base import FUSED
-from . import call_plans, precompile, sinks, tuning
-from .settings import backward_directions
+from . import call_plans, precompile, settings, sinks, tuning
 
 
 def forward(kernel, problem, q, k, v, values: dict, kept_tables, **common):
@@ -71,7 +70,7 @@ def compile_backward_beside(kernel, problem, q, k, v, values, common, tune, forw
     dout = torch.empty_like(out)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     delta = module.new_delta(q)
-    for d in backward_directions(module.USES_TABLES):
+    for d in _directions(kernel, q, k, v):
         if d == "bwd":
             role = kernel.one_launch_role(q, k, v, lse, delta, dout, values, common)
         else:  # dQ or dK/dV, on whichever backend is known untimed (as backward launches them)
@@ -102,7 +101,7 @@ def backward(kernel, problem, q, k, v, out, lse, dout, dlse, values: dict, kept_
         if fused is not None:
             return _fused(kernel, fused, problem, q, k, v, out, lse, dout, dlse, values,
                           kept_tables, common)
-    directions = backward_directions(module.USES_TABLES)
+    directions = _directions(kernel, q, k, v)
     one_launch = directions == ("bwd",)
     # A call like an earlier one runs the earlier one's choices (runtime/call_plans.py).
     key = call_plans.backward_key(q, k, v, out, lse, dout, dlse, values, common, kept_tables,
@@ -143,6 +142,15 @@ def backward(kernel, problem, q, k, v, out, lse, dout, dlse, values: dict, kept_
     if kernel.variant.sink is not None:
         dinputs = sinks.add_sink_gradients(kernel.variant, problem, values, lse, delta, dinputs)
     return dq, dk, dv, [dinputs[d.name] for d in kernel.variant.learnable_inputs]
+
+
+def _directions(kernel, q, k, v) -> tuple:
+    """The roles this call's backward runs (settings.backward_directions); whether another
+    backend takes dQ and dK/dV is asked only where the answer matters."""
+    uses_tables = kernel.module.USES_TABLES
+    split_preferred = uses_tables and settings.TABLES_BACKWARD == "auto" \
+        and kernel.split_preferred(q, k, v)
+    return settings.backward_directions(uses_tables, split_preferred)
 
 
 def _fused(kernel, backend, problem, q, k, v, out, lse, dout, dlse, values, kept_tables,

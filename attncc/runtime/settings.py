@@ -33,21 +33,28 @@ if TABLE_CACHE not in ("0", "1"):
     raise ValueError(f"ATTNCC_TABLE_CACHE={TABLE_CACHE!r}: expected 1 (reuse the tables of "
                      "recent calls, the default) or 0 (build them on every call)")
 
-# How the backward of a table-driven variant runs: "one-launch" (dK/dV and dQ programs in
-# one grid) or "sequential" (dQ, then dK/dV), for A/B measurements. Analytic masks always
-# run sequentially. The one launch beat both the sequential kernels and the two kernels
-# side by side on two streams on every problem measured (RESULTS.md run 51: at tile
-# density 0.03 the backward ran 1.26x faster than with streams, BigBird's 1.04x).
-BACKWARD_SCHEDULES = ("one-launch", "sequential")
-TABLES_BACKWARD = os.environ.get("ATTNCC_BACKWARD", "one-launch")
+# How the backward of a table-driven variant runs: "auto" (the default: dQ, then dK/dV,
+# where a backend other than the portable one takes both of the call's roles, the Gluon
+# kernels on Hopper; else the one launch), "one-launch" (dK/dV and dQ programs in one
+# portable grid) or "sequential" (dQ, then dK/dV, whichever backends take them), for A/B
+# measurements. Analytic masks always run sequentially. Among the portable kernels the
+# one launch beat both the sequential kernels and the two on two streams on every
+# problem measured (RESULTS.md run 51: at tile density 0.03 1.26x faster than with
+# streams, BigBird's 1.04x); on an H200 the Gluon dQ and dK/dV beat it since the tables
+# order programs longest first (run 198: BigBird 1.20x, document 1.10x).
+BACKWARD_SCHEDULES = ("auto", "one-launch", "sequential")
+TABLES_BACKWARD = os.environ.get("ATTNCC_BACKWARD", "auto")
 if TABLES_BACKWARD not in BACKWARD_SCHEDULES:
     raise ValueError(f"ATTNCC_BACKWARD={TABLES_BACKWARD!r}: expected one of {BACKWARD_SCHEDULES}")
 
 
-def backward_directions(uses_tables: bool) -> tuple:
+def backward_directions(uses_tables: bool, split_preferred: bool = False) -> tuple:
     """The tuning directions the backward of a module runs, decided here alone: "bwd" (dK/dV
-    and dQ in one launch) for table-driven modules under the one-launch schedule, else "dq"
-    then "dkdv"."""
-    if uses_tables and TABLES_BACKWARD == "one-launch":
+    and dQ in one launch) for table-driven modules under the one-launch schedule, and
+    under "auto" unless `split_preferred` (a backend other than the portable one takes
+    this call's dQ and dK/dV: Kernel.split_preferred), else "dq" then "dkdv"."""
+    one_launch = TABLES_BACKWARD == "one-launch" or (TABLES_BACKWARD == "auto"
+                                                     and not split_preferred)
+    if uses_tables and one_launch:
         return ("bwd",)
     return ("dq", "dkdv")

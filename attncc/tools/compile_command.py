@@ -41,8 +41,9 @@ def _env(name: str, value):
 
 def kernel_directions(source: str) -> tuple:
     """The directions the runtime picks tiles for with a generated module: the forward,
-    then what runtime/settings.py's backward_directions decides for it (the one launch of
-    table-driven modules, unless ATTNCC_BACKWARD=sequential, or dQ then dK/dV)."""
+    then what runtime/settings.py's backward_directions decides for it without a call to
+    ask other backends about (the one launch of table-driven modules, unless
+    ATTNCC_BACKWARD=sequential, or dQ then dK/dV)."""
     from ..runtime.settings import backward_directions
     uses_tables = re.search(r"^USES_TABLES = True\b", source, re.M) is not None
     return ("fwd", *backward_directions(uses_tables))
