@@ -650,11 +650,22 @@ def test_a_table_driven_backward_runs_the_gluon_kernels_where_they_take_both_rol
     kernel(q, k, v, doc_q=doc, doc_k=doc).sum().backward()
     assert calls == ["forward", "dq", "dkdv"]
     assert kernel.last_backward["dq"][0] == kernel.last_backward["dkdv"][0] == "gluon"
+    # A call like it runs its plan, without asking the backends again (host time).
+    monkeypatch.setattr(kernel, "split_preferred", lambda *args: pytest.fail("asked again"))
+    kernel(q, k, v, doc_q=doc, doc_k=doc).sum().backward()
+    assert calls == ["forward", "dq", "dkdv"] * 2
+    monkeypatch.undo()
+    monkeypatch.setattr(settings, "TABLES_BACKWARD", "auto")
+    calls.clear()
+    _stand_in_gluon(kernel, monkeypatch, calls)
     real = GLUON.supports_call
     monkeypatch.setattr(GLUON, "supports_call", lambda variant, q, k, v, kind: (
         "refused here" if kind == "dkdv" else real(variant, q, k, v, kind)))
-    kernel(q, k, v, doc_q=doc, doc_k=doc).sum().backward()
-    assert calls == ["forward", "dq", "dkdv", "forward"]
+    # (Another shape: a call like the first reruns its plan, whose key holds all that the
+    # backends' checks read.)
+    q, k, v = (t[:, :, :11].detach().requires_grad_() for t in (q, k, v))
+    kernel(q, k, v, doc_q=doc[:11], doc_k=doc[:11]).sum().backward()
+    assert calls == ["forward"]
     backend, why = kernel.last_backward["bwd"]
     assert backend == "triton" and "one portable launch where no other backend" in why
 

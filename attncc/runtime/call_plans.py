@@ -188,12 +188,12 @@ def forward_key(q, k, v, values: dict, common: dict, kept_tables) -> tuple | Non
 
 
 def backward_key(q, k, v, out, lse, dout, dlse, values: dict, common: dict,
-                 kept_tables, directions: tuple) -> tuple | None:
+                 kept_tables, schedule) -> tuple | None:
     """A backward call's plan key; None where the call holds a non-tensor (no plan).
-    `directions`: the roles the backward runs (settings.backward_directions), which a
-    test or a tool may switch in-process."""
+    `schedule`: a table-driven variant's ATTNCC_BACKWARD (settings.TABLES_BACKWARD, which
+    a test or a tool may switch in-process), else None."""
     try:
-        return ("bwd", directions, *(_tensor_key(t) for t in (q, k, v, out, lse, dout)),
+        return ("bwd", schedule, *(_tensor_key(t) for t in (q, k, v, out, lse, dout)),
                 None if dlse is None else _tensor_key(dlse),
                 _call_key(q, values, common, kept_tables))
     except (TypeError, AttributeError):

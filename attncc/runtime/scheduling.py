@@ -101,12 +101,15 @@ def backward(kernel, problem, q, k, v, out, lse, dout, dlse, values: dict, kept_
         if fused is not None:
             return _fused(kernel, fused, problem, q, k, v, out, lse, dout, dlse, values,
                           kept_tables, common)
-    directions = _directions(kernel, q, k, v)
-    one_launch = directions == ("bwd",)
-    # A call like an earlier one runs the earlier one's choices (runtime/call_plans.py).
+    # A call like an earlier one runs the earlier one's choices (runtime/call_plans.py),
+    # the roles it ran included: the key holds what decides them (the schedule setting and
+    # what the backends' call checks read), so they are worked out on a new call alone.
+    schedule = settings.TABLES_BACKWARD if module.USES_TABLES else None
     key = call_plans.backward_key(q, k, v, out, lse, dout, dlse, values, common, kept_tables,
-                                  directions)
+                                  schedule)
     plan = call_plans.find(kernel, key)
+    one_launch = ("bwd" in plan.steps if plan is not None
+                  else _directions(kernel, q, k, v) == ("bwd",))
     if plan is not None:
         # Under `none` neither the delta pass nor the dQ kernel reads O (see _dq_then_dkdv).
         planned = call_plans.one_launch_backward if one_launch else call_plans.backward
