@@ -670,6 +670,21 @@ def test_a_table_driven_backward_runs_the_gluon_kernels_where_they_take_both_rol
     assert backend == "triton" and "one portable launch where no other backend" in why
 
 
+def test_the_fused_backwards_variant_question_is_answered_once_per_variant(monkeypatch):
+    # Every deterministic=False backward asks whether the fused kernel takes the call;
+    # the variant's part needs its tile plans, 0.3-1.1 ms of host time a call uncached.
+    from attncc.analysis import bounds
+    planned = []
+    real = bounds.plan_loops
+    monkeypatch.setattr(bounds, "plan_loops", lambda v, side: planned.append(side) or real(v, side))
+    variant = attncc.parse("attention once_per_variant { mask q >= k and q - k < 77 }")
+    first = gluon_backend.fused_variant_unsupported(variant)
+    assert "bounds the queries a key meets" in first and len(planned) == 2
+    for _ in range(3):
+        assert gluon_backend.fused_unsupported(variant, 128).startswith(first)
+    assert len(planned) == 2
+
+
 def test_fused_candidates_fit_and_bad_configs_are_named():
     causal = attncc.parse_file(EXAMPLES / "causal.attn")
     # One tile: two consumer warpgroups on 64 key rows each and a producer warp, at 128.

@@ -257,9 +257,13 @@ def _fused_triton_unsupported() -> str | None:
             "on an H200 (benchmarks/RESULTS.md run 194)")
 
 
+@functools.lru_cache(maxsize=64)
 def fused_variant_unsupported(variant: ir.Variant) -> str | None:
     """Why the fused backward cannot take `variant` at any head dim, or None: the Gluon
-    module renders its kernel only where this is None (codegen.py)."""
+    module renders its kernel only where this is None (codegen.py). Kept per variant:
+    every deterministic=False backward asks (Kernel.fused_backend), and the tile plans
+    below cost 0.3-1.1 ms of host time a call uncached (causal, document, sliding window;
+    one CPU core of the dev machine)."""
     if variant.dropout:  # (the Gluon backend takes no dropout yet: GluonBackend.supports)
         return f"variant '{variant.name}' has dropout, which the Gluon fused backward does not draw"
     if variant.learnable_inputs:
