@@ -119,10 +119,17 @@ def test_auto_runs_a_registered_backend_where_the_tuner_chose_it(stand, monkeypa
                                             "for this shape")
 
 
-def test_the_table_driven_backward_names_every_other_backend(stand):
+def test_the_table_driven_backward_names_every_other_backend(stand, monkeypatch):
+    from attncc.runtime import settings
     kernel = attncc.compile(str(EXAMPLES / "document.attn"), backend="stand")
     q, k, v = _qkv(grad=True)
     doc = torch.tensor([0] * 10 + [1] * 14, dtype=torch.int32)
+    # ATTNCC_BACKWARD=auto (the default): a backend that takes dQ and dK/dV runs them.
+    monkeypatch.setattr(settings, "TABLES_BACKWARD", "auto")
+    kernel(q, k, v, doc_q=doc, doc_k=doc).sum().backward()
+    assert stand.launched[-2:] == ["dq", "dkdv"] and "bwd" not in kernel.last_backward
+    # The one portable launch, where asked for, says which backends would run them apart.
+    monkeypatch.setattr(settings, "TABLES_BACKWARD", "one-launch")
     kernel(q, k, v, doc_q=doc, doc_k=doc).sum().backward()
     backend, why = kernel.last_backward["bwd"]
     assert backend == "triton" and "on the Gluon or Stand-in kernels where they can" in why
