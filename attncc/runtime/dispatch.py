@@ -16,6 +16,7 @@ from typing import Callable
 from .. import backends
 from ..backends.base import KERNEL_NAMES
 from ..errors import BackendError
+from . import settings
 
 AUTO = "auto"
 
@@ -126,6 +127,10 @@ def one_launch_reason() -> str:
     """Why a table-driven variant's backward runs on the portable kernels."""
     others = " or ".join(b.title for b in backends.preferred())
     where = f", on the {others} kernels where they can" if others else ""
+    if settings.TABLES_BACKWARD == "auto":
+        return (f"a variant with tile tables runs dK/dV and dQ in one {backends.portable().title} "
+                f"launch where no other backend takes both (ATTNCC_BACKWARD=sequential runs "
+                f"them apart{where})")
     return (f"a variant with tile tables runs dK/dV and dQ in one {backends.portable().title} "
-            f"launch where no other backend takes both (ATTNCC_BACKWARD=sequential runs them "
+            f"launch (ATTNCC_BACKWARD=one-launch, the default; auto or sequential runs them "
             f"apart{where})")
