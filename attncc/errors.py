@@ -117,6 +117,24 @@ class KernelCompileError(AttnccError, RuntimeError):
     names the variant, the kernel, the head dim and dtype, the config, and the way out."""
 
 
+class KernelFaultError(AttnccError, RuntimeError):
+    """A generated kernel faulted on the GPU (an illegal memory access or its kin), which
+    leaves the CUDA context unusable: names where it surfaced and the ways around it."""
+
+
+# CUDA errors after which the context is unusable: every later launch and copy fails as
+# well (cudaErrorIllegalAddress and its kin), so nothing after one can be trusted.
+_STICKY_CUDA_ERRORS = ("illegal memory access", "illegal instruction", "misaligned address",
+                       "unspecified launch failure", "hardware stack error",
+                       "invalid program counter", "device-side assert", "launch timed out")
+
+
+def is_kernel_fault(e: BaseException) -> bool:
+    """Whether `e` reports a CUDA error that leaves the context unusable."""
+    text = str(e).lower()
+    return any(s in text for s in _STICKY_CUDA_ERRORS)
+
+
 def did_you_mean(name: str, candidates) -> str:
     """A '; did you mean 'x'?' suffix when a close candidate exists, else ''."""
     close = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)

@@ -270,3 +270,32 @@ if __name__ == "__main__":
         _update()
     else:
         sys.exit("usage: python tests/test_errors.py --update   (regenerates golden/errors/*.expected)")
+
+
+def test_a_kernel_fault_while_tuning_stops_the_tuner_and_names_the_way_out(monkeypatch):
+    # An illegal memory access leaves the CUDA context unusable: every later candidate
+    # would fail too, and the tuner used to skip them all and then say only that no tile
+    # config could run. Now the first such error stops it, named; a candidate that fails
+    # otherwise (out of resources, a compile failure) is still skipped.
+    import triton
+    from attncc.errors import AttnccError, KernelFaultError
+    from attncc.runtime import tuning
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn() or 1.0)
+    ran = []
+
+    def run(candidate):
+        ran.append(candidate)
+        if candidate == "b":
+            raise RuntimeError("out of resource: shared memory, Required: 300000")
+        if candidate == "c":
+            raise RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered")
+
+    timings = tuning.time_candidates("v", "dq-k", ["a", "b"], run, str)
+    assert [c for _, c in timings] == ["a"]  # b skipped
+    with pytest.raises(KernelFaultError) as caught:
+        tuning.time_candidates("v", "dq-k", ["a", "b", "c", "d"], run, str)
+    text = str(caught.value)
+    assert isinstance(caught.value, AttnccError)
+    assert "illegal memory access" in text and "tuning v (dq-k), c (candidate 3 of 4" in text
+    assert "CUDA_LAUNCH_BLOCKING=1" in text and "ATTNCC_CONFIG" in text
+    assert ran[-1] == "c"  # d was never tried

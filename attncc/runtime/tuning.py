@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from .. import backends, ir
 from ..backends.base import KERNEL_NAMES
 from ..backends.tile_config import EXAMPLE, TileConfig
+from ..errors import KernelFaultError, is_kernel_fault
 from . import configs, known_winners, precompile
 from .configs import density_bucket, length_bucket  # noqa: F401 - tuning keys use them
 
@@ -389,6 +390,9 @@ def first_that_runs(kernel, problem, dtype, direction: str, kept, run,
                      kernel.variant.name, direction, config.label(), str(e).splitlines()[0][:100])
             continue
         except Exception as e:
+            if is_kernel_fault(e):
+                raise KernelFaultError(kernel_fault_message(
+                    f"running {kernel.variant.name}'s {direction} at {config.label()}", e)) from e
             if not is_compile_failure(e):
                 raise
             log.info("%s %s: %s failed to compile (%s: %s); trying the next candidate",
@@ -400,6 +404,20 @@ def first_that_runs(kernel, problem, dtype, direction: str, kept, run,
     raise RuntimeError(f"attncc: no tile config fits or compiles for {kernel.variant.name} "
                        f"({direction}, head dim {problem.dim}); pin a smaller one with "
                        f"ATTNCC_CONFIG={EXAMPLE!r}")
+
+
+def kernel_fault_message(where: str, e: BaseException) -> str:
+    """What a KernelFaultError says: where the fault surfaced (CUDA reports it at a later
+    call than the launch that faulted, unless launches block), the CUDA error, and the
+    ways around it."""
+    first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+    return (f"attncc: a GPU kernel faulted ({first}); it surfaced while {where}, and the "
+            "fault may be that kernel's or an earlier launch's. The CUDA context is now "
+            "unusable: no later launch in this process can run. This is a bug in attncc's "
+            "kernels, please report it with the variant and shapes; CUDA_LAUNCH_BLOCKING=1 "
+            "names the faulting launch. Meanwhile pin another tile config (config= or "
+            "ATTNCC_CONFIG), run backend='triton', or for a variant with tile tables keep "
+            "ATTNCC_BACKWARD=one-launch")
 
 
 def tune(name: str, key: str, candidates: list, run, context: str = "",
@@ -428,6 +446,10 @@ def time_candidates(name: str, key: str, candidates: list, run, label) -> list:
             ms = triton.testing.do_bench(lambda: run(candidate), warmup=TUNE_WARMUP_MS,
                                          rep=TUNE_REP_MS, return_mode="median")
         except Exception as e:  # out of resources, compile failure: skip, and say so
+            if is_kernel_fault(e):  # no later candidate could run: say so now
+                raise KernelFaultError(kernel_fault_message(
+                    f"tuning {name} ({key}), {text} (candidate {i + 1} of {len(candidates)}; "
+                    "all were launched once before timing)", e)) from e
             log.info("tuning %s %s: [%d/%d] %s failed (%s: %s)", name, key, i + 1, len(candidates),
                      text, type(e).__name__, str(e).splitlines()[0][:100])
             continue
