@@ -618,53 +618,54 @@ def test_gluon_launchers_sum_the_partials_their_kernels_write(monkeypatch, spec)
         assert got.abs().sum() > 0
 
 
-def test_a_table_driven_backward_says_it_runs_one_portable_launch(monkeypatch):
+def _document_backward(monkeypatch, schedule: str, length: int = 12):
+    """(kernel, calls, backward): document.attn on the stand-in Gluon module under
+    ATTNCC_BACKWARD=`schedule`, the roles the module was asked for, and one forward +
+    backward of `length` tokens."""
     from attncc.runtime import settings
-    monkeypatch.setattr(settings, "TABLES_BACKWARD", "one-launch")
+    monkeypatch.setattr(settings, "TABLES_BACKWARD", schedule)
     kernel = attncc.compile(str(EXAMPLES / "document.attn"))
     calls = []
     _stand_in_gluon(kernel, monkeypatch, calls)
     gen = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(1, 2, 12, 64, generator=gen, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 12, 64, generator=gen) for _ in range(3))
     doc = torch.tensor([0] * 5 + [1] * 7, dtype=torch.int32)
-    kernel(q, k, v, doc_q=doc, doc_k=doc).sum().backward()
+
+    def backward(length=length):
+        qkv = [t[:, :, :length].clone().requires_grad_() for t in (q, k, v)]
+        kernel(*qkv, doc_q=doc[:length], doc_k=doc[:length]).sum().backward()
+    return kernel, calls, backward
+
+
+def test_a_table_driven_backward_says_it_runs_one_portable_launch(monkeypatch):
+    from attncc.runtime import settings
+    kernel, calls, backward = _document_backward(monkeypatch, "one-launch")
+    backward()
     assert calls == ["forward"]
     backend, why = kernel.last_backward["bwd"]
-    assert backend == "triton" and "one portable launch" in why
+    assert backend == "triton" and "one portable launch (ATTNCC_BACKWARD=one-launch" in why
     monkeypatch.setattr(settings, "TABLES_BACKWARD", "sequential")
-    kernel(q, k, v, doc_q=doc, doc_k=doc).sum().backward()
+    backward()
     assert calls == ["forward", "forward", "dq", "dkdv"]
 
 
 def test_a_table_driven_backward_runs_the_gluon_kernels_where_they_take_both_roles(monkeypatch):
-    # ATTNCC_BACKWARD=auto (the default): the Gluon dQ and dK/dV where Gluon takes both of
-    # the call's roles; where it refuses either, the portable one launch, which says why.
-    from attncc.runtime import settings
-    monkeypatch.setattr(settings, "TABLES_BACKWARD", "auto")
-    kernel = attncc.compile(str(EXAMPLES / "document.attn"))
-    calls = []
-    _stand_in_gluon(kernel, monkeypatch, calls)
-    gen = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(1, 2, 12, 64, generator=gen, requires_grad=True) for _ in range(3))
-    doc = torch.tensor([0] * 5 + [1] * 7, dtype=torch.int32)
-    kernel(q, k, v, doc_q=doc, doc_k=doc).sum().backward()
+    # ATTNCC_BACKWARD=auto: the Gluon dQ and dK/dV where Gluon takes both of the call's
+    # roles; where it refuses either, the portable one launch, which says why.
+    kernel, calls, backward = _document_backward(monkeypatch, "auto")
+    backward()
     assert calls == ["forward", "dq", "dkdv"]
     assert kernel.last_backward["dq"][0] == kernel.last_backward["dkdv"][0] == "gluon"
     # A call like it runs its plan, without asking the backends again (host time).
     monkeypatch.setattr(kernel, "split_preferred", lambda *args: pytest.fail("asked again"))
-    kernel(q, k, v, doc_q=doc, doc_k=doc).sum().backward()
+    backward()
     assert calls == ["forward", "dq", "dkdv"] * 2
     monkeypatch.undo()
-    monkeypatch.setattr(settings, "TABLES_BACKWARD", "auto")
-    calls.clear()
-    _stand_in_gluon(kernel, monkeypatch, calls)
+    kernel, calls, backward = _document_backward(monkeypatch, "auto")
     real = GLUON.supports_call
     monkeypatch.setattr(GLUON, "supports_call", lambda variant, q, k, v, kind: (
         "refused here" if kind == "dkdv" else real(variant, q, k, v, kind)))
-    # (Another shape: a call like the first reruns its plan, whose key holds all that the
-    # backends' checks read.)
-    q, k, v = (t[:, :, :11].detach().requires_grad_() for t in (q, k, v))
-    kernel(q, k, v, doc_q=doc[:11], doc_k=doc[:11]).sum().backward()
+    backward()
     assert calls == ["forward"]
     backend, why = kernel.last_backward["bwd"]
     assert backend == "triton" and "one portable launch where no other backend" in why
