@@ -1064,3 +1064,50 @@ def test_the_gluon_kernels_fold_the_scale_into_the_exponent_where_it_is_positive
                  "p = gl.exp2(qk * qk_scale - lse2[None, :])"):  # dK/dV (P transposed)
         assert (line in source) is folded, line
     assert ("gl.max(qk, 1) * qk_scale" in source) is folded
+
+
+def test_tile_at_reads_inside_the_tables_lists_at_every_position():
+    # The Gluon kernels name the tile visited i-th, and prefetch past the last one (i up
+    # to n_tiles + NUM_STAGES - 1; the copies are predicated off, the address is read
+    # anyway). Every address read must lie inside the list it reads, whatever the mix
+    # of full and partial tiles: a unit with no partial tiles once read the partial
+    # list at entry -1, before the table's first element for the first unit.
+    from pathlib import Path
+    from types import SimpleNamespace
+    from attncc.codegen import templating
+    env = templating.environment(Path(gluon_backend.__file__).parent / "templates")
+    macros = env.get_template("prologue.jinja").make_module(
+        {"tables": True, "k_segments": [], "q_segments": []})
+    code = compile(macros.tile_at("i", "tile", "masked", "col"), "tile_at", "exec")
+
+    class Pointer:
+        def __init__(self, name, offset=0):
+            self.name, self.offset = name, offset
+
+        def __add__(self, k):
+            return Pointer(self.name, self.offset + k)
+        __radd__ = __add__
+
+    width = 6  # entries per list; the unit under test owns the first list (lists = 0)
+    lists = {"col_full_list": list(range(100, 100 + width)),
+             "col_part_list": list(range(200, 200 + width))}
+
+    def load(pointer, mask, other):
+        if not mask:
+            return other
+        assert 0 <= pointer.offset < width, (pointer.name, pointer.offset)
+        return lists[pointer.name][pointer.offset]
+
+    tl = SimpleNamespace(maximum=max, minimum=min, load=load,
+                         where=lambda c, a, b: a if c else b)
+    for n_full in range(4):
+        for n_part in range(3):
+            n_tiles = n_full + n_part
+            for i in range(n_tiles + 3):
+                scope = dict(tl=tl, i=i, n_full=n_full, n_tiles=n_tiles, lists=0,
+                             col_full_list=Pointer("col_full_list"),
+                             col_part_list=Pointer("col_part_list"))
+                exec(code, scope)
+                if i < n_tiles:  # a real position: its tile and whether it is partial
+                    want = 200 + i - n_full if i >= n_full else 100 + i
+                    assert (scope["tile"], scope["masked"]) == (want, i >= n_full)
