@@ -147,8 +147,8 @@ DOCS = """attention docs {
 
 
 def test_one_launch_and_sequential_backwards_give_the_same_bits(monkeypatch):
-    # Tile tables (a document mask): one launch by default; ATTNCC_BACKWARD=sequential
-    # runs dQ then dK/dV. Same config, so the same programs own the same partials.
+    # Tile tables (a document mask): one portable launch (what the default, auto, runs
+    # where no other backend takes both roles); ATTNCC_BACKWARD=sequential runs dQ then dK/dV. Same config, so the same programs own the same partials.
     from attncc.runtime import settings
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(1, 2, 24, 16, generator=gen)

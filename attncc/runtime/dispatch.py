@@ -129,8 +129,8 @@ def one_launch_reason() -> str:
     where = f", on the {others} kernels where they can" if others else ""
     if settings.TABLES_BACKWARD == "auto":
         return (f"a variant with tile tables runs dK/dV and dQ in one {backends.portable().title} "
-                f"launch where no other backend takes both (ATTNCC_BACKWARD=sequential runs "
-                f"them apart{where})")
+                f"launch where no other backend takes both (ATTNCC_BACKWARD=auto, the default; "
+                f"sequential runs them apart{where})")
     return (f"a variant with tile tables runs dK/dV and dQ in one {backends.portable().title} "
-            f"launch (ATTNCC_BACKWARD=one-launch, the default; auto or sequential runs them "
+            f"launch (ATTNCC_BACKWARD=one-launch; auto, the default, or sequential runs them "
             f"apart{where})")

@@ -33,20 +33,21 @@ if TABLE_CACHE not in ("0", "1"):
     raise ValueError(f"ATTNCC_TABLE_CACHE={TABLE_CACHE!r}: expected 1 (reuse the tables of "
                      "recent calls, the default) or 0 (build them on every call)")
 
-# How the backward of a table-driven variant runs: "one-launch" (the default: dK/dV and
-# dQ programs in one portable grid), "auto" (dQ, then dK/dV, where a backend other than
-# the portable one takes both of the call's roles, the Gluon kernels on Hopper; else
-# the one launch) or "sequential" (dQ, then dK/dV, whichever backends take them). Among
-# the portable kernels the one launch beat both the sequential kernels and the two on
-# two streams on every problem measured (RESULTS.md run 51: at tile density 0.03 1.26x
-# faster than with streams, BigBird's 1.04x). On an H200 the Gluon dQ and dK/dV beat it
-# once the tables ordered programs longest first (run 198: BigBird 1.20x, document
-# 1.10x), but on a random per-head layout of density 0.5 at 16K tokens their tuning hit
-# an illegal memory access (run 200, also before this session's changes). A likely
-# cause, an out-of-bounds table read in the Gluon kernels' tile_at, is fixed but not yet
-# checked on a GPU: auto is not the default until run 200's check passes.
+# How the backward of a table-driven variant runs: "auto" (the default: dQ, then dK/dV,
+# where a backend other than the portable one takes both of the call's roles, the Gluon
+# kernels on Hopper; else dK/dV and dQ programs in one portable grid), "one-launch"
+# (always that portable grid) or "sequential" (dQ, then dK/dV, whichever backends take
+# them). Among the portable kernels the one launch beat both the sequential kernels and
+# the two on two streams on every problem measured (RESULTS.md run 51: at tile density
+# 0.03 1.26x faster than with streams, BigBird's 1.04x). On an H200 the Gluon dQ and
+# dK/dV beat it once the tables ordered programs longest first: run 201 measured the
+# backward 1.03-1.18x the one launch's on BigBird, document and random layouts of
+# density 0.03-0.5, each checked against float64, and the whole step's kernels (a CUDA
+# graph) 1.08-1.14x on BigBird, document and density 0.03. Run 200's illegal memory
+# access at density 0.5 did not recur after tile_at's fix. Where the eager step is
+# host-bound (density 0.03 at 16K) auto's second launch makes it slower (run 201).
 BACKWARD_SCHEDULES = ("auto", "one-launch", "sequential")
-TABLES_BACKWARD = os.environ.get("ATTNCC_BACKWARD", "one-launch")
+TABLES_BACKWARD = os.environ.get("ATTNCC_BACKWARD", "auto")
 if TABLES_BACKWARD not in BACKWARD_SCHEDULES:
     raise ValueError(f"ATTNCC_BACKWARD={TABLES_BACKWARD!r}: expected one of {BACKWARD_SCHEDULES}")
 
