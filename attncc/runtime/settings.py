@@ -43,9 +43,11 @@ if TABLE_CACHE not in ("0", "1"):
 # dK/dV beat it once the tables ordered programs longest first: run 201 measured the
 # backward 1.03-1.18x the one launch's on BigBird, document and random layouts of
 # density 0.03-0.5, each checked against float64, and the whole step's kernels (a CUDA
-# graph) 1.08-1.14x on BigBird, document and density 0.03. Run 200's illegal memory
-# access at density 0.5 did not recur after tile_at's fix. Where the eager step is
-# host-bound (density 0.03 at 16K) auto's second launch makes it slower (run 201).
+# graph) 1.05-1.35x at 4K and 16K tokens (run 203). Run 200's illegal memory access at
+# density 0.5 did not recur after tile_at's fix. A Gluon launch costs more host time (TMA
+# descriptors built and encoded per launch), so where an eager step is host-bound (its
+# kernels about a millisecond or less, timed alone) auto's step ran 0.69-0.87x as fast:
+# "one-launch" is the setting for that.
 BACKWARD_SCHEDULES = ("auto", "one-launch", "sequential")
 TABLES_BACKWARD = os.environ.get("ATTNCC_BACKWARD", "auto")
 if TABLES_BACKWARD not in BACKWARD_SCHEDULES:
