@@ -193,6 +193,36 @@ def test_the_gluon_forward_launch_splits_qk_into_segments(dims, segments, monkey
     assert v_desc.width == o_desc.width == dv and o_ptr is out and o_desc.tensor is out
 
 
+def test_a_descriptor_of_a_known_shape_skips_the_checks_and_keeps_no_tensor():
+    """A Gluon launch's descriptors after the first of a shape, strides, dtype and tile
+    copy its checked fields (host time) and take the new tensor as their base; the kept
+    fields hold no tensor, and a base that is not 16-byte aligned is checked again."""
+    import gc
+    import weakref
+    from attncc.runtime.cache import load_generated
+    module = load_generated(attncc.parse_file(EXAMPLES / "causal.attn"), "gluon")[1]
+    module._DESCRIPTOR_FIELDS.clear()
+    a, b = (torch.randn(1, 2, 70, 128, dtype=torch.bfloat16) for _ in range(2))
+    first = module._descriptor(a, 64)
+    second = module._descriptor(b, 64)
+    checked = module.TensorDescriptor(b, list(b.shape), list(b.stride()), first.block_shape,
+                                      first.layout)
+    assert type(second) is module.TensorDescriptor and second.base is b
+    assert {n: x for n, x in vars(second).items() if n != "base"} == \
+        {n: x for n, x in vars(checked).items() if n != "base"}
+    assert len(module._DESCRIPTOR_FIELDS) == 1
+    other = module._descriptor(b, 128, 64)  # another tile: fields of its own
+    assert other.block_shape[-2:] == [128, 64] and len(module._DESCRIPTOR_FIELDS) == 2
+    kept = weakref.ref(a)
+    del a, first
+    gc.collect()
+    assert kept() is None
+    flat = torch.empty(2 * 70 * 128 + 1, dtype=torch.bfloat16)
+    shifted = flat[1:].view(1, 2, 70, 128)  # the same shape and strides, 2 bytes off
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        module._descriptor(shifted, 64)
+
+
 @pytest.mark.parametrize("dims, config, consumers", [
     ((192, 128), dict(BLOCK_M=128, BLOCK_N=128, num_warps=9, num_stages=2), 2),
     ((64, 64), dict(BLOCK_M=192, BLOCK_N=128, num_warps=13, num_stages=2), 3)])
