@@ -11,7 +11,11 @@ len = 16384 tokens. Every backend first runs one small call (1024 tokens) of the
 variant, checked against attncc.reference in float64; then each is timed on the same
 inputs, interleaved: `--rounds` rounds, each timing every backend once (do_bench
 medians, its L2 flush included), and the median of the rounds reported. The backward is
-(forward + backward) - forward, as earlier runs measured it. FA4 and the FLASH backend
+timed alone: CUDA events around autograd.grad after an untimed forward and an L2 flush,
+the median of 50 (runs up to 202
+took (forward + backward) - forward, which moved with any forward whose time jumps
+between levels, Flex FLASH's on BigBird and document: RESULTS.md run 189; the JSON keeps
+that difference too, `bwd_from_difference_ms`). FA4 and the FLASH backend
 need FlashAttention-4 on the path (../shared/tools/fa4 carries it); without it their
 cells say why. Ratios are the other's time / attncc's: above 1, attncc is faster.
 Full results go to $OUT/training_speed.json; the short table is printed last.
@@ -184,12 +188,33 @@ def graph_forward_ms(call) -> float | str:
         return f"{type(err).__name__}: {str(err)[:160]}"
 
 
+def backward_alone_ms(fn, q, k, v, dout, warmup: int = 5, reps: int = 50) -> float:
+    """The backward alone, the median of `reps` timed calls: each iteration runs a forward
+    untimed, flushes the L2 as do_bench does, then times autograd.grad between two CUDA
+    events. A fresh graph each time, not one kept graph repeated: FlexAttention's
+    compiled backward donates its buffers and refuses retain_graph."""
+    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    timed = []
+    for i in range(warmup + reps):
+        out = fn(q, k, v)
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.autograd.grad(out, (q, k, v), dout)
+        end.record()
+        if i >= warmup:
+            timed.append((start, end))
+        del out
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in timed)
+
+
 def time_variant(name: str, L: int, dim: int, rounds: int, kernel_times: bool, heads: int) -> dict:
     import triton
     variant, q, k, v, inputs, dout = problem(name, L, dim, seed=0, heads=heads)
     found, kernel = backends(name, variant, q, k, v, inputs)
     runnable = {label: fn for label, fn in found.items() if not isinstance(fn, str)}
-    times = {label: {"fwd": [], "fwd_bwd": []} for label in runnable}
+    times = {label: {"fwd": [], "fwd_bwd": [], "bwd": []} for label in runnable}
     failed = {}
     for _ in range(rounds):
         for label, fn in runnable.items():
@@ -199,11 +224,13 @@ def time_variant(name: str, L: int, dim: int, rounds: int, kernel_times: bool, h
                 fwd = triton.testing.do_bench(lambda: fn(q, k, v), return_mode="median")
                 both = triton.testing.do_bench(
                     lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), return_mode="median")
+                alone = backward_alone_ms(fn, q, k, v, dout)
             except Exception as err:
                 failed[label] = f"{type(err).__name__}: {str(err)[:200]}"
                 continue
             times[label]["fwd"].append(fwd)
             times[label]["fwd_bwd"].append(both)
+            times[label]["bwd"].append(alone)
     pairs = pairs_allowed(variant, q.shape[0], q.shape[1], L, inputs, "cuda")
     row = {"variant": name, "len": L, "batch": q.shape[0], "heads": q.shape[1], "dim": dim,
            "pairs": pairs, "cells": {},
@@ -214,8 +241,11 @@ def time_variant(name: str, L: int, dim: int, rounds: int, kernel_times: bool, h
             row["cells"][label] = {"error": fn if isinstance(fn, str) else failed[label]}
             continue
         fwd = statistics.median(times[label]["fwd"])
-        bwd = statistics.median(times[label]["fwd_bwd"]) - fwd
+        bwd = statistics.median(times[label]["bwd"])
         row["cells"][label] = {"fwd_ms": fwd, "bwd_ms": bwd, "rounds": times[label],
+                               "fwd_bwd_ms": statistics.median(times[label]["fwd_bwd"]),
+                               "bwd_from_difference_ms":
+                                   statistics.median(times[label]["fwd_bwd"]) - fwd,
                                "fwd_tflops": 4 * dim * pairs / fwd / 1e9 if pairs else None,
                                "bwd_tflops": 10 * dim * pairs / bwd / 1e9 if pairs else None}
         if kernel_times:
