@@ -179,3 +179,32 @@ class WeightEmitter(ScoreEmitter):
     rounding only where that factor is small: scores keep tl.sigmoid."""
 
     FAST = {"tanh": "_tanh_fast", "sigmoid": "_sigmoid"}
+
+
+class ColumnReadsEmitter(TritonEmitter):
+    """A mask as the Gluon kernels evaluate it on a score tile whose columns run along
+    `column` ("k": key positions). A read indexed by that position alone (`doc_k[k]`,
+    also by the batch and head) is loaded once per column, each thread of the warpgroup
+    one element of `linear` (the columns' positions in a 1-D layout spread over the
+    threads, generated code's name), then moved into the tile's column slice
+    (`gl.convert_layout`, through shared memory) and broadcast over the rows. Loaded in
+    the tile's own layout, each thread loads every column it holds: 32 loads a thread on
+    a 64 x 128 warpgroup tile, with their address arithmetic, on every partial tile (the
+    document mask's sm_90 SASS: 7040 instructions and 24 spill stores in the
+    warp-specialized forward, 5592 and none loaded once per column)."""
+
+    def __init__(self, variant: ir.Variant, column: str, linear: str, wide: str | None = None):
+        super().__init__(variant, wide=wide)
+        self.column, self.linear = column, linear
+
+    def Load(self, e):
+        reads = set().union(*(ir.free_vars(i) for i in e.indices))
+        if self.column not in reads or not reads <= {self.column, "b", "h"}:
+            return super().Load(e)
+        tile_code = self.var_code[self.column]
+        self.var_code[self.column] = self.linear
+        try:
+            value = super().Load(e)
+        finally:
+            self.var_code[self.column] = tile_code
+        return f"gl.convert_layout({value}, col_layout)[None, :]"
