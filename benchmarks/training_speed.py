@@ -27,6 +27,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -188,6 +189,18 @@ def graph_forward_ms(call) -> float | str:
         return f"{type(err).__name__}: {str(err)[:160]}"
 
 
+def gpu_state() -> str:
+    """The SM clock, temperature, power and active clock-limit reasons as nvidia-smi reads
+    them right after a backend's timings (read only; nothing is set), or why not."""
+    query = "clocks.sm,temperature.gpu,power.draw,clocks_throttle_reasons.active"
+    try:
+        done = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=10)
+        return (done.stdout or done.stderr).strip()
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"{type(err).__name__}: {err}"
+
+
 def backward_alone_ms(fn, q, k, v, dout, warmup: int = 5, reps: int = 50) -> float:
     """The backward alone, the median of `reps` timed calls: each iteration runs a forward
     untimed, flushes the L2 as do_bench does, then times autograd.grad between two CUDA
@@ -214,10 +227,14 @@ def time_variant(name: str, L: int, dim: int, rounds: int, kernel_times: bool, h
     variant, q, k, v, inputs, dout = problem(name, L, dim, seed=0, heads=heads)
     found, kernel = backends(name, variant, q, k, v, inputs)
     runnable = {label: fn for label, fn in found.items() if not isinstance(fn, str)}
-    times = {label: {"fwd": [], "fwd_bwd": [], "bwd": []} for label in runnable}
+    times = {label: {"fwd": [], "fwd_bwd": [], "bwd": [], "gpu": []} for label in runnable}
     failed = {}
-    for _ in range(rounds):
-        for label, fn in runnable.items():
+    labels = list(runnable)
+    for r in range(rounds):
+        # Each round starts one backend later: late in a round the GPU is warmer and may
+        # clock lower, and no backend should always take the same place.
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            fn = runnable[label]
             if label in failed:
                 continue
             try:
@@ -231,6 +248,7 @@ def time_variant(name: str, L: int, dim: int, rounds: int, kernel_times: bool, h
             times[label]["fwd"].append(fwd)
             times[label]["fwd_bwd"].append(both)
             times[label]["bwd"].append(alone)
+            times[label]["gpu"].append(gpu_state())
     pairs = pairs_allowed(variant, q.shape[0], q.shape[1], L, inputs, "cuda")
     row = {"variant": name, "len": L, "batch": q.shape[0], "heads": q.shape[1], "dim": dim,
            "pairs": pairs, "cells": {},
@@ -305,6 +323,11 @@ def table(rows: list, checks: dict) -> str:
                             for label, c in checks.get(r["variant"], {}).items())
         lines.append(f"{r['variant']:16s} {a['fwd_ms']:8.3f} / {a['bwd_ms']:<7.3f} | "
                      + " | ".join(f"{c:>15s}" for c in cells) + f" | {verdict}")
+        # The spread over rounds: a ratio closer to 1 than this is not a measured difference.
+        spread = [f"{label} {min(c['rounds']['fwd']):.3f}-{max(c['rounds']['fwd']):.3f} / "
+                  f"{min(c['rounds']['bwd']):.3f}-{max(c['rounds']['bwd']):.3f}"
+                  for label, c in r["cells"].items() if "rounds" in c]
+        lines.append(f"{'':16s} rounds' fwd / bwd ms: " + "; ".join(spread))
     return "\n".join(lines)
 
 
