@@ -193,11 +193,11 @@ def test_the_gluon_forward_launch_splits_qk_into_segments(dims, segments, monkey
     assert v_desc.width == o_desc.width == dv and o_ptr is out and o_desc.tensor is out
 
 
-def test_the_forward_reads_a_masks_key_indexed_inputs_once_per_column():
+def test_the_kernels_read_a_masks_column_indexed_inputs_once_per_column():
     """A partial tile's mask reads by key position alone (document's doc_k[k], a
     per-head key gain h, k) load one element a thread in the forward and move into the
-    tile's column slice; reads by the query, or by both positions, keep the tile's own
-    layout, and the backward kernels keep the shared mask."""
+    tile's column slice, and in dK/dV (tiles transposed) the reads by query position;
+    reads by both positions keep the tile's own layout."""
     from attncc.backends.gluon.codegen import column_reads_mask, generate
     document = attncc.parse_file(EXAMPLES / "document.attn")
     printed = column_reads_mask(document).text
@@ -208,7 +208,9 @@ def test_the_forward_reads_a_masks_key_indexed_inputs_once_per_column():
     assert forward.count("k_lin = _int(tile_k, WIDE) * BLOCK_N + gl.arange(0, BLOCK_N, lin_layout)") >= 4
     assert "lin_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])" in source  # WS consumers
     dq = source[source.index("def attn_bwd_dq("):]
-    assert "k_lin" not in dq[:dq.index("\n\n\n")]
+    assert "gl.convert_layout(tl.load(in_doc_k_ptr + _index(k_lin," in dq[:dq.index("\n\n\n")]
+    dkdv = source[source.index("def attn_bwd_dkdv("):]
+    assert "gl.convert_layout(tl.load(in_doc_q_ptr + _index(q_lin," in dkdv[:dkdv.index("\n\n\n")]
     per_head = attncc.parse("attention g { input keep: bool[h, k] mask keep[h, k] and q >= k }")
     assert "(gl.convert_layout((tl.load(in_keep_ptr" in column_reads_mask(per_head).text
     for spec in ("attention p { input t: bool[q, k] mask t[q, k] }",

@@ -40,7 +40,8 @@ def generate(variant: ir.Variant):
     # (scores.jinja's read_diagonals and log2_scores).
     diagonal = [] if code.diagonal is None else [code.diagonal.uniform] + [
         piece for r in code.diagonal.reads for piece in (r.at, r.value)]
-    called, _ = used([code.mask, column_reads_mask(variant), code.score, d_score,
+    called, _ = used([code.mask, column_reads_mask(variant), column_reads_mask(variant, "q"),
+                      code.score, d_score,
                       code.layout_elem, code.sink, *owned, *diagonal,
                       *([] if code.uses_tables else [*code.k_segments, *code.q_segments])])
     # The shared host side (tile tables, launch arguments) is rendered into this module
@@ -54,18 +55,21 @@ def generate(variant: ir.Variant):
 
 
 
-def column_reads_mask(variant: ir.Variant):
-    """The mask as the forward's tiles evaluate it, its reads by the key position alone
-    loaded once per column (codegen/elementwise.py's ColumnReadsEmitter), or None where
-    it has no such read (the mask is then the shared one)."""
+def column_reads_mask(variant: ir.Variant, column: str = "k"):
+    """The mask as the tiles whose columns run along `column` evaluate it ("k": the
+    forward's and dQ's; "q": dK/dV's and the fused backward's, transposed), its reads by
+    that position alone loaded once per column (codegen/elementwise.py's
+    ColumnReadsEmitter), or None where it has no such read (the mask is then the shared
+    one)."""
     from ...codegen.elementwise import ColumnReadsEmitter
     from ..portable.codegen import integer_width, per_pair
     pair = per_pair(variant)
     if pair.mask is None:
         return None
     wide = integer_width(pair.mask, pair)[0]
-    printed = ColumnReadsEmitter(pair, "k", "k_lin", wide=wide).code(pair.mask)
-    return printed if "k_lin" in printed.names else None
+    linear = f"{column}_lin"
+    printed = ColumnReadsEmitter(pair, column, linear, wide=wide).code(pair.mask)
+    return printed if linear in printed.names else None
 
 
 def template_context(variant: ir.Variant, code=None) -> dict:
@@ -76,8 +80,9 @@ def template_context(variant: ir.Variant, code=None) -> dict:
     reads with the name of the tile of their d w / d element under `sum` and `none`
     (`gluon_slopes`, `slope`: scores.jinja's masked_weights), and whether the module has
     the fused backward (`fused_backward`: a softmax variant without learnable inputs),
-    and the forward's mask with its reads by key position loaded once per column
-    (`mask_columns`, or None)."""
+    and the mask with its reads by key position loaded once per column (`mask_columns`,
+    the forward's and dQ's, or None), and by query position (`mask_query_columns`,
+    dK/dV's and the fused backward's, whose tiles are transposed)."""
     from ..portable.codegen import template_context as shared_context, variant_code
     code = code or variant_code(variant)
     context = shared_context(variant, code)
@@ -96,5 +101,6 @@ def template_context(variant: ir.Variant, code=None) -> dict:
 
                 gluon_owned_reads=any(g["gluon_kind"] in owned for g in grads),
                 mask_columns=getattr(column_reads_mask(variant), "text", None),
+                mask_query_columns=getattr(column_reads_mask(variant, "q"), "text", None),
                 uniform_score=uniform, fused_backward=fused_variant_unsupported(variant) is None,
                 gluon_decode=decode.variant_refusal(variant) is None)
