@@ -44,7 +44,11 @@ def profile(name):
                if e.device_time_total > 0]
     chosen = {key[1]: choice.to_json() for key, choice in tuning._MEMORY.items()
               if key[0] == kern.key and isinstance(choice, tuning.Choice)}
-    if HOST:  # the host side of 20 steps, by own time
+    host = {}
+    if HOST:
+        host = dict(fwd_us=issue_us(lambda: kern(q, k, v, **inputs)), step_us=issue_us(step))
+        # The host side of 20 steps under cProfile, by own time and cumulative; the
+        # whole listing in $OUT (pstats.Stats reads it).
         import cProfile
         import io
         import pstats
@@ -54,17 +58,40 @@ def profile(name):
             step()
         torch.cuda.synchronize()
         profiler.disable()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(22)
-        print(text.getvalue()[-6000:])
-    return dict(variant=name, fwd_ms=fwd, bwd_ms=both - fwd, kernels=kernels,
+        os.makedirs(OUT, exist_ok=True)
+        profiler.dump_stats(os.path.join(OUT, f"backward_host_{name}.prof"))
+        for order, count in (("tottime", 22), ("cumulative", 40)):
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(count)
+            print(text.getvalue()[-7000:])
+    return dict(variant=name, fwd_ms=fwd, bwd_ms=both - fwd, kernels=kernels, host=host,
                 backends=dict(fwd=kern.last_backend, bwd=kern.last_backward), chosen=chosen)
+
+
+def issue_us(call, calls: int = 50) -> float:
+    """Host µs to issue one call, the median of `calls`, while a sleep kernel holds the
+    GPU: no call waits for the GPU, so the time is the host's work alone (Python, the
+    autograd engine, allocations, launches)."""
+    import statistics
+    import time
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU cycles: longer than the calls' issue
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default="sliding_window")
-    ap.add_argument("--host", action="store_true", help="cProfile 20 steps' host side")
+    ap.add_argument("--host", action="store_true",
+                    help="the host µs to issue a call, and cProfile of 20 steps' host side")
     args = ap.parse_args()
     global HOST
     HOST = args.host
@@ -78,6 +105,9 @@ def main():
         rows.append(row)
         print(f"\n{name}: fwd {row['fwd_ms']:.3f} ms, bwd {row['bwd_ms']:.3f} ms; "
               f"backends {json.dumps(row['backends'])}")
+        if row["host"]:
+            print(f"   host µs to issue (GPU held busy): forward {row['host']['fwd_us']:.0f}, "
+                  f"forward + backward {row['host']['step_us']:.0f}")
         for kname, ms in sorted(row["kernels"], key=lambda x: -x[1])[:8]:
             print(f"   {ms:8.3f} ms  {kname[:90]}")
         print(f"   chosen: {json.dumps(row['chosen'])[:900]}")
