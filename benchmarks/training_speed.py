@@ -23,12 +23,15 @@ Full results go to $OUT/training_speed.json; the short table is printed last.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import json
 import math
 import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -189,6 +192,65 @@ def graph_forward_ms(call) -> float | str:
         return f"{type(err).__name__}: {str(err)[:160]}"
 
 
+class ClockSampler:
+    """The SM clock (MHz) and board power (W) NVML reads every 10 ms while a timing runs
+    (read only: nothing is set). The card caps its power: a kernel that draws more runs
+    at a lower clock for the whole timing, which a single profiled step does not show.
+    `summary()` is None where NVML cannot be loaded."""
+
+    def __init__(self):
+        self.samples = []
+        self._stop = threading.Event()
+        self._nvml = _nvml()
+
+    def __enter__(self):
+        if self._nvml is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._nvml is not None:
+            self._thread.join()
+
+    def _run(self):
+        lib, handle = self._nvml
+        clock, milliwatts = ctypes.c_uint(), ctypes.c_uint()
+        while not self._stop.wait(0.01):
+            if (lib.nvmlDeviceGetClockInfo(handle, 1, ctypes.byref(clock)) == 0  # NVML_CLOCK_SM
+                    and lib.nvmlDeviceGetPowerUsage(handle, ctypes.byref(milliwatts)) == 0):
+                self.samples.append((clock.value, milliwatts.value / 1000))
+
+    def summary(self) -> dict | None:
+        if not self.samples:
+            return None
+        return {"sm_mhz": statistics.median(c for c, _ in self.samples),
+                "watts": statistics.median(w for _, w in self.samples),
+                "samples": len(self.samples)}
+
+
+@functools.cache
+def _nvml():
+    """(library, handle of the current device) through NVML's C API, or None."""
+    try:
+        lib = ctypes.CDLL("libnvidia-ml.so.1")
+        if lib.nvmlInit_v2() != 0:
+            return None
+        # NVML numbers the devices apart from CUDA (CUDA_VISIBLE_DEVICES): find ours by
+        # its PCI address.
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        handle = ctypes.c_void_p()
+        if hasattr(props, "pci_bus_id"):
+            bus_id = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+            found = lib.nvmlDeviceGetHandleByPciBusId_v2(bus_id.encode(), ctypes.byref(handle))
+        else:  # an older torch: the first device, right on a machine of one
+            found = lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(handle))
+        return (lib, handle) if found == 0 else None
+    except (OSError, AttributeError):
+        return None
+
+
 def gpu_state() -> str:
     """The SM clock, temperature, power and active clock-limit reasons as nvidia-smi reads
     them right after a backend's timings (read only; nothing is set), or why not."""
@@ -227,7 +289,8 @@ def time_variant(name: str, L: int, dim: int, rounds: int, kernel_times: bool, h
     variant, q, k, v, inputs, dout = problem(name, L, dim, seed=0, heads=heads)
     found, kernel = backends(name, variant, q, k, v, inputs)
     runnable = {label: fn for label, fn in found.items() if not isinstance(fn, str)}
-    times = {label: {"fwd": [], "fwd_bwd": [], "bwd": [], "gpu": []} for label in runnable}
+    times = {label: {"fwd": [], "fwd_bwd": [], "bwd": [], "gpu": [], "clocks": []}
+             for label in runnable}
     failed = {}
     labels = list(runnable)
     for r in range(rounds):
@@ -238,10 +301,12 @@ def time_variant(name: str, L: int, dim: int, rounds: int, kernel_times: bool, h
             if label in failed:
                 continue
             try:
-                fwd = triton.testing.do_bench(lambda: fn(q, k, v), return_mode="median")
+                with ClockSampler() as fwd_clock:
+                    fwd = triton.testing.do_bench(lambda: fn(q, k, v), return_mode="median")
                 both = triton.testing.do_bench(
                     lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), return_mode="median")
-                alone = backward_alone_ms(fn, q, k, v, dout)
+                with ClockSampler() as bwd_clock:
+                    alone = backward_alone_ms(fn, q, k, v, dout)
             except Exception as err:
                 failed[label] = f"{type(err).__name__}: {str(err)[:200]}"
                 continue
@@ -249,6 +314,7 @@ def time_variant(name: str, L: int, dim: int, rounds: int, kernel_times: bool, h
             times[label]["fwd_bwd"].append(both)
             times[label]["bwd"].append(alone)
             times[label]["gpu"].append(gpu_state())
+            times[label]["clocks"].append({"fwd": fwd_clock.summary(), "bwd": bwd_clock.summary()})
     pairs = pairs_allowed(variant, q.shape[0], q.shape[1], L, inputs, "cuda")
     row = {"variant": name, "len": L, "batch": q.shape[0], "heads": q.shape[1], "dim": dim,
            "pairs": pairs, "cells": {},
@@ -305,6 +371,12 @@ def targets(rows: list) -> str:
     return "\n".join(lines)
 
 
+def _median_of(cell: dict, phase: str, what: str) -> str:
+    """The median over rounds of a ClockSampler reading, or '?' where none was read."""
+    found = [c[phase][what] for c in cell["rounds"].get("clocks", []) if c.get(phase)]
+    return f"{statistics.median(found):.0f}" if found else "?"
+
+
 def table(rows: list, checks: dict) -> str:
     peers = ("attncc det=False", "Flex (Triton)", "Flex FLASH", "FA4", "FA4 det.", "cuDNN")
     lines = [f"{'variant':16s} {'attncc fwd/bwd ms':>18s} | " + " | ".join(f"÷ {p:>13s}" for p in peers)
@@ -328,6 +400,10 @@ def table(rows: list, checks: dict) -> str:
                   f"{min(c['rounds']['bwd']):.3f}-{max(c['rounds']['bwd']):.3f}"
                   for label, c in r["cells"].items() if "rounds" in c]
         lines.append(f"{'':16s} rounds' fwd / bwd ms: " + "; ".join(spread))
+        clocks = [f"{label} {_median_of(c, 'fwd', 'sm_mhz')} / {_median_of(c, 'bwd', 'sm_mhz')} "
+                  f"MHz, {_median_of(c, 'fwd', 'watts')} / {_median_of(c, 'bwd', 'watts')} W"
+                  for label, c in r["cells"].items() if "rounds" in c]
+        lines.append(f"{'':16s} SM clock and power while timed, fwd / bwd: " + "; ".join(clocks))
     return "\n".join(lines)
 
 
