@@ -427,6 +427,13 @@ def test_a_192_row_config_reads_back_and_nests_in_no_layout_block():
         configs.check_pinned(TileConfig(192, 128, 13, 2), topk, "config")
 
 
+# The stand-in runs the portable kernels on CPU tensors, which needs the interpreter
+# (conftest.py sets it only without a GPU); on a GPU the real Gluon kernels are checked
+# against float64 by benchmarks/gluon_check.py and gluon_backward.py instead.
+CPU_STAND_IN = pytest.mark.skipif(torch.cuda.is_available(),
+                                  reason="a CPU stand-in for the Gluon module (the interpreter)")
+
+
 def _stand_in_gluon(kernel, monkeypatch, calls):
     """The kernel's backend set to Gluon, its Gluon module a stand-in that runs the
     portable kernels and records what it was asked (the CPU cannot run Hopper kernels)."""
@@ -463,6 +470,7 @@ def _stand_in_gluon(kernel, monkeypatch, calls):
         backward_fused=backward_fused)))
 
 
+@CPU_STAND_IN
 def test_the_backward_runs_the_gluon_dkdv_kernel_where_the_backend_takes_it(monkeypatch):
     spec = str(EXAMPLES / "causal.attn")
     kernel = attncc.compile(spec)
@@ -490,6 +498,7 @@ def test_the_backward_runs_the_gluon_dkdv_kernel_where_the_backend_takes_it(monk
         assert backend == "triton" and "head dim 32" in why
 
 
+@CPU_STAND_IN
 def test_the_backward_runs_the_gluon_kernels_at_192_128(monkeypatch):
     """DeepSeek-V3's training shape (q·k 192, v 128) takes the Gluon dQ and dK/dV
     kernels on an sm_90 (the stand-in says the GPU takes the call); test_head_dims_v.py
@@ -507,6 +516,7 @@ def test_the_backward_runs_the_gluon_kernels_at_192_128(monkeypatch):
                                     "dkdv": ("gluon", "backend='gluon' was asked for (dK/dV)")}
 
 
+@CPU_STAND_IN
 def test_reads_stored_per_pair_keep_the_portable_dq(monkeypatch):
     """A read the Gluon dQ kernel does not own (`bias[b, h, q, k]`, stored once per
     pair) keeps the portable dQ kernel, named with its kind; dK/dV may still be Gluon's."""
@@ -600,6 +610,7 @@ def test_a_table_read_not_through_q_minus_k_keeps_the_portable_dq():
     assert "gl.gather(" not in _dq_kernel_source(variant)
 
 
+@CPU_STAND_IN
 def test_a_t5_backward_runs_the_gluon_dq(monkeypatch):
     """On an sm_90 GPU (faked: the stand-in runs the portable kernels), a T5 variant's
     dQ and dK/dV both run Gluon, and the table's gradient reaches it."""
@@ -616,6 +627,7 @@ def test_a_t5_backward_runs_the_gluon_dq(monkeypatch):
 
 
 @pytest.mark.slow
+@CPU_STAND_IN
 def test_owned_learnable_reads_run_the_gluon_backward(monkeypatch):
     """Both roles run Gluon, and the dK/dV gradients reach the inputs' (the stand-in
     runs the portable kernels, whose contract the Gluon launchers keep:
@@ -699,6 +711,7 @@ def _document_backward(monkeypatch, schedule: str, length: int = 12):
     return kernel, calls, backward
 
 
+@CPU_STAND_IN
 def test_a_table_driven_backward_says_it_runs_one_portable_launch(monkeypatch):
     from attncc.runtime import settings
     kernel, calls, backward = _document_backward(monkeypatch, "one-launch")
@@ -711,6 +724,7 @@ def test_a_table_driven_backward_says_it_runs_one_portable_launch(monkeypatch):
     assert calls == ["forward", "forward", "dq", "dkdv"]
 
 
+@CPU_STAND_IN
 def test_a_table_driven_backward_runs_the_gluon_kernels_where_they_take_both_roles(monkeypatch):
     # ATTNCC_BACKWARD=auto: the Gluon dQ and dK/dV where Gluon takes both of the call's
     # roles; where it refuses either, the portable one launch, which says why.
@@ -845,6 +859,7 @@ def test_deterministic_false_runs_the_fused_backward(monkeypatch):
 
 
 @pytest.mark.slow
+@CPU_STAND_IN
 def test_the_fused_backward_reads_the_delta_that_carries_the_lse_gradient(monkeypatch):
     # The stand-in fused kernel runs the portable split on the delta it is given: the
     # gradients, the LSE's included, match the portable kernels' only if that delta is
