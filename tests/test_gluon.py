@@ -428,8 +428,9 @@ def test_a_192_row_config_reads_back_and_nests_in_no_layout_block():
 
 
 # The stand-in runs the portable kernels on CPU tensors, which needs the interpreter
-# (conftest.py sets it only without a GPU); on a GPU the real Gluon kernels are checked
-# against float64 by benchmarks/gluon_check.py and gluon_backward.py instead.
+# (conftest.py sets it only without a GPU), and what it records is the CPU's dispatch (a
+# GPU's tuner and precompile launch the roles more often); on a GPU the real Gluon
+# kernels are checked against float64 by benchmarks/gluon_check.py and gluon_backward.py.
 CPU_STAND_IN = pytest.mark.skipif(torch.cuda.is_available(),
                                   reason="a CPU stand-in for the Gluon module (the interpreter)")
 
@@ -834,6 +835,7 @@ def _recording_gluon(kernel, monkeypatch, calls):
         backward_fused=recorded("fused"))))
 
 
+@CPU_STAND_IN
 def test_deterministic_false_runs_the_fused_backward(monkeypatch):
     monkeypatch.setattr(gluon_backend, "_fused_triton_unsupported", lambda: None)
     kernel = attncc.compile(str(EXAMPLES / "causal.attn"))
@@ -878,6 +880,7 @@ def test_the_fused_backward_reads_the_delta_that_carries_the_lse_gradient(monkey
         assert torch.allclose(a, b, atol=1e-5)
 
 
+@CPU_STAND_IN
 def test_the_fused_backward_leaves_the_rest_to_the_split(monkeypatch):
     monkeypatch.setattr(gluon_backend, "_fused_triton_unsupported", lambda: None)
     q = torch.randn(1, 2, 12, 128, requires_grad=True)
