@@ -1191,3 +1191,28 @@ def test_tile_at_reads_inside_the_tables_lists_at_every_position():
                 if i < n_tiles:  # a real position: its tile and whether it is partial
                     want = 200 + i - n_full if i >= n_full else 100 + i
                     assert (scope["tile"], scope["masked"]) == (want, i >= n_full)
+
+
+def _kernel_source(variant, name: str) -> str:
+    source = gluon.generate(variant).source
+    start = source.index(f"def {name}(")
+    return source[start:source.index("\ndef ", start + 1)]
+
+
+@pytest.mark.parametrize("kernel", ["attn_bwd_dq", "attn_bwd_dkdv"])
+def test_the_backward_folds_the_score_slope_into_p_before_the_wait_for_dp(kernel):
+    """Softcap's d score / d s (1 - tanh²) multiplies P before the wait for dP, so that s
+    and tanh are not held across the product (scores.jinja's fold_score_slope: spills
+    356 -> 204 B in softcap's dK/dV under Triton 3.6); after the wait only P·slope is read.
+    A kernel that owns a learnable read keeps dS by the score, which its sums need."""
+    source = _kernel_source(attncc.parse_file(EXAMPLES / "softcap.attn"), kernel)
+    wait = source.index("dp = warpgroup_mma_wait(")
+    before, after = source[:wait], source[wait:source.index("ds_op = ", wait)]
+    assert "p_ds = p * (" in before and "_tanh_fast(" in before
+    assert "ds = p_ds * (dp - delta" in after
+    assert "_tanh_fast(" not in after and " s " not in after and "(s " not in after
+    # A read the dK/dV kernel owns (`cols`: bias[h, k]) needs dS by the score: not folded.
+    owned = attncc.parse("""attention key_bias { learnable input bias: f32[h, k] mask q >= k
+        score 30.0 * tanh((s + bias[h, k]) / 30.0) }""")
+    dkdv = _kernel_source(owned, "attn_bwd_dkdv")
+    assert "p_ds" not in dkdv and "ds = p * (dp - delta" in dkdv
