@@ -196,7 +196,10 @@ def test_the_gluon_forward_launch_splits_qk_into_segments(dims, segments, monkey
     assert launched["HEAD_DIM_V"] == dv
     q_desc, k_desc, v_desc, o_desc, qt_desc, kt_desc, o_ptr = launched["args"][:7]
     assert q_desc.width == k_desc.width == segments[0]
-    assert qt_desc.width == kt_desc.width == (segments[1] or segments[0])
+    if segments[1]:
+        assert qt_desc.width == kt_desc.width == segments[1]
+    else:  # no tail: None, never read (HEAD_DIM_TAIL 0) nor encoded at launch
+        assert qt_desc is None and kt_desc is None
     assert v_desc.width == o_desc.width == dv and o_ptr is out and o_desc.tensor is out
 
 
@@ -282,9 +285,12 @@ def test_the_warp_specialized_forward_copies_q_and_its_tail_per_consumer(dims, c
     module.forward(q, q, v, {}, config=config)
     assert launched["CONSUMERS"] == consumers and launched["num_warps"] == 4
     q_desc, k_desc, v_desc, o_desc, qt_desc, kt_desc = launched["args"][:6]
-    assert q_desc.rows == qt_desc.rows == o_desc.rows == 64
-    assert k_desc.rows == kt_desc.rows == v_desc.rows == config["BLOCK_N"]
-    assert (q_desc.width, qt_desc.width) == ((128, 64) if d == 192 else (d, d))
+    assert q_desc.rows == o_desc.rows == 64 and k_desc.rows == v_desc.rows == config["BLOCK_N"]
+    if d == 192:
+        assert qt_desc.rows == 64 and kt_desc.rows == config["BLOCK_N"]
+        assert (q_desc.width, qt_desc.width) == (128, 64)
+    else:
+        assert q_desc.width == d and qt_desc is None and kt_desc is None
     ws3 = TileConfig(192, 128, tiles.WS3_WARPS, 2)
     for dim in (128, 192):  # (128, 64) and (192, 128) pick tiles by q·k's 128 and 192
         assert "take head dims 64" in GLUON.check_config(ws3, "fwd", dim)
@@ -330,15 +336,17 @@ def test_the_gluon_backward_launches_split_qk_into_segments(dims, segments, monk
         args, constants = launched[name]
         assert (constants["HEAD_DIM"], constants["HEAD_DIM_TAIL"], constants["HEAD_DIM_V"]) == (
             first, tail, dv)
-        descs = [a for a in args if isinstance(a, SimpleNamespace)]
-        n = len(descs)
-        firsts, tails = [descs[i] for i in (0, 1, 4)], descs[n - 3:]
-        assert [x.tensor for x in firsts] == [x.tensor for x in tails] == list(segmented)
-        assert [x.rows for x in firsts] == [x.rows for x in tails] == list(rows)
-        assert {x.width for x in firsts} == {first}
-        assert {x.width for x in tails} == {tail or first}
-        assert all(x.width == dv for x in descs[2:4] + descs[5:n - 3])
-        assert [x.tensor for x in descs[2:4] + descs[5:n - 3]] == list(own)
+        tail_at = 5 if name == "dq" else 6  # after dQ's; after dK's and dV's
+        firsts, tails = [args[i] for i in (0, 1, 4)], list(args[tail_at:tail_at + 3])
+        others = list(args[2:4] + args[5:tail_at])  # v-wide: V, dO (and dV)
+        assert [x.tensor for x in firsts] == list(segmented)
+        assert [x.rows for x in firsts] == list(rows) and {x.width for x in firsts} == {first}
+        if tail:
+            assert [x.tensor for x in tails] == list(segmented)
+            assert [x.rows for x in tails] == list(rows) and {x.width for x in tails} == {tail}
+        else:  # None, never read (HEAD_DIM_TAIL 0) nor encoded at launch
+            assert tails == [None] * 3
+        assert all(x.width == dv for x in others) and [x.tensor for x in others] == list(own)
 
 
 def test_backward_candidates_fit_and_bad_configs_are_named():
