@@ -11,7 +11,8 @@ through; the shipped winners must be among them (runtime/configs.py, usable).
         [--dtypes float16,bfloat16] [--directions fwd,dq,dkdv] [--all-configs] [--dim-v 128]
     python benchmarks/portable_compile.py --mla [--nq 1,4]
 
---mla compiles MLA decoding's candidates instead (B=32, 128 heads on one latent head,
+--resources adds each kernel's registers and spills (`ptxas -v`). --mla compiles MLA
+decoding's candidates instead (B=32, 128 heads on one latent head,
 576/512 with v = k[..., :512], bf16, a 32K cache: runtime/decoding.py's candidates) and
 prints each decode_split's shared memory, registers and spills (`ptxas -v`: the
 ptxas bundled with Triton 3.6 reads its PTX; 3.9's may not).
@@ -93,6 +94,8 @@ def main() -> int:
                     help="v's head dim (default: each q·k head dim)")
     ap.add_argument("--mla", action="store_true", help="MLA decoding's candidates instead")
     ap.add_argument("--nq", default="1,4", help="with --mla: new tokens per row")
+    ap.add_argument("--resources", action="store_true",
+                    help="each kernel's registers and spills as ptxas -v reports them")
     args = ap.parse_args()
     root = Path(__file__).resolve().parent.parent
     specs = args.specs or [str(root / "examples" / "causal.attn")]
@@ -108,6 +111,10 @@ def main() -> int:
     for spec in specs:
         variant = attncc.load(spec)
         module = attncc.compile(variant).module
+        # The module takes tanh.approx where CUDA is there (APPROX_TANH reads
+        # torch.cuda.is_available(), False on this CPU): compile what the GPU runs.
+        if hasattr(module, "APPROX_TANH"):
+            module.APPROX_TANH = triton.language.constexpr(True)
         for dim in (int(d) for d in args.dims.split(",")):
             for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
                 dim_v = args.dim_v or dim
@@ -120,8 +127,13 @@ def main() -> int:
                                  f"{config.label()}")
                         start = time.perf_counter()
                         try:
+                            before = len(compiled)
                             run(config.as_dict())
-                            print(f"{label}: ok ({time.perf_counter() - start:.1f} s)", flush=True)
+                            report = ""
+                            if args.resources and len(compiled) > before:
+                                report = ", " + _ptxas_report(compiled[-1].asm["ptx"])
+                            print(f"{label}: ok ({time.perf_counter() - start:.1f} s{report})",
+                                  flush=True)
                         except Exception as e:  # report and go on: the point is the whole list
                             failures += 1
                             lines = [x for x in str(e).strip().splitlines() if x.strip()]
