@@ -28,7 +28,7 @@ import sympy
 from .. import ir
 from ..operators import NEGATED
 from .programs import Lit, Op
-from .symbolic import NotSymbolic, ToSympy
+from .symbolic import IntegerPolynomial, NotSymbolic
 
 MAX_SEGMENTS = 2  # a union of more key intervals is looped over as its hull
 # Comparisons with larger coefficients are left to the tile classification: with these,
@@ -93,32 +93,15 @@ class _NotAffine(Exception):
     pass
 
 
-class _Affine(ToSympy):
+class _Affine(IntegerPolynomial):
     """A side of a comparison as a polynomial in q, k, len_q, len_k with integer
     constants: + - * only, and no other index (b, h, dim are rare in masks that bound
     keys)."""
-
-    def __init__(self, params: dict):
-        self.params = params
-
-    def takes(self, entry) -> bool:
-        return entry.name in ("+", "-", "*", "neg")
 
     def Var(self, e):
         if e.name in _VARS:
             return _VARS[e.name]
         raise NotSymbolic(e)
-
-    def Const(self, e):
-        if e.type != ir.INT:
-            raise NotSymbolic(e)
-        return sympy.Integer(e.value)
-
-    def Param(self, e):
-        value = self.params[e.name]
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise NotSymbolic(e)
-        return sympy.Integer(value)
 
 
 def _atoms_of_cmp(e: ir.Cmp, params: dict) -> list:

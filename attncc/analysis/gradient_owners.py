@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import sympy
 
 from .. import ir
-from .symbolic import NotSymbolic, ToSympy
+from .symbolic import IntegerPolynomial, NotSymbolic
 
 # A table axis this long or shorter is summed per entry in registers (one fp32 each);
 # a longer one is scattered.
@@ -73,28 +73,11 @@ class GradientOwner:
         return self.kind not in ("shared", "scattered")
 
 
-class _Affine(ToSympy):
+class _Affine(IntegerPolynomial):
     """An index piece as a polynomial of positions and sizes (+ - * only)."""
-
-    def __init__(self, params: dict):
-        self.params = params
-
-    def takes(self, entry) -> bool:
-        return entry.name in ("+", "-", "*", "neg")
 
     def Var(self, e):
         return sympy.Symbol(e.name, integer=True)
-
-    def Const(self, e):
-        if e.type != ir.INT:
-            raise NotSymbolic(e)
-        return sympy.Integer(e.value)
-
-    def Param(self, e):
-        value = self.params[e.name]
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise NotSymbolic(e)
-        return sympy.Integer(value)
 
 
 _Q, _K = sympy.Symbol("q", integer=True), sympy.Symbol("k", integer=True)

@@ -5,7 +5,9 @@ the backward (attncc/codegen/derivative.py) reads the score as a function of s a
 prints its derivative.
 
 `ToSympy` translates operations; what the leaves become (position symbols, the score,
-opaque values) and which operations a reader takes are its subclasses' to say.
+opaque values) and which operations a reader takes are its subclasses' to say;
+`IntegerPolynomial` is the reader of index arithmetic (+ - * on integers) both analyses
+share.
 `operation_of` goes back from a sympy function to the table entry it is the form of.
 """
 from __future__ import annotations
@@ -84,6 +86,28 @@ class ToSympy(ir.Visitor):
     def other(self, e):
         raise NotSymbolic(e)
 
+
+
+class IntegerPolynomial(ToSympy):
+    """A polynomial with integer coefficients: + - * only, integer constants and integer
+    parameters. Subclasses name the variables (Var)."""
+
+    def __init__(self, params: dict):
+        self.params = params
+
+    def takes(self, entry) -> bool:
+        return entry.name in ("+", "-", "*", "neg")
+
+    def Const(self, e):
+        if e.type != ir.INT:
+            raise NotSymbolic(e)
+        return sympy.Integer(e.value)
+
+    def Param(self, e):
+        value = self.params[e.name]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise NotSymbolic(e)
+        return sympy.Integer(value)
 
 @functools.lru_cache(maxsize=None)
 def _functions() -> dict:

@@ -52,9 +52,14 @@ def layout_grid(variant: ir.Variant, p: Problem, inputs: dict, device) -> torch.
     return grid.expand(*grid.shape[:2], qb_n, kb_n) if grid.dim() == 4 else grid.expand(1, 1, qb_n, kb_n)
 
 
-def allowed_pairs(variant: ir.Variant, p: Problem, inputs: dict, device) -> torch.Tensor:
-    """Which (b, h, q, k) attend: bool, broadcastable to [B, H, Lq, Lk]."""
+def allowed_pairs(variant: ir.Variant, p: Problem, inputs: dict, device,
+                  len_q: int | None = None) -> torch.Tensor:
+    """Which (b, h, q, k) attend: bool, broadcastable to [B, H, Lq, Lk]. `len_q`: the
+    value the spec's `len_q` reads, where it is not the rows computed (decoding's last
+    rows of a longer sequence); default p.len_q."""
     env = index_env(variant, p, inputs, device, torch.float64)
+    if len_q is not None:
+        env["len_q"] = len_q
     allowed = torch.ones(1, 1, p.len_q, p.len_k, dtype=torch.bool, device=device)
     if not allowed.numel():
         return allowed  # an empty call: nothing to evaluate (`q // len_k` has no value at 0)

@@ -52,21 +52,10 @@ def decode_allowed(variant: ir.Variant, *, batch: int, heads: tuple, length: int
                    dim: int, inputs: dict, device) -> torch.Tensor:
     """Which (b, h, new token, key) pairs attend at decode time: bool [B|1, H|1, n_q, L].
     The rows are the last n_q positions, and len_q = len_k = length."""
-    from ..semantics.evaluate import evaluate
-    from ..semantics.reference import index_env, layout_grid
+    from ..semantics.reference import allowed_pairs
     hq, hkv = heads
     p = Problem(batch, hq, hkv, n_q, length, dim, dim, q_offset=length - n_q)
-    env = index_env(variant, p, inputs, device, torch.float64)
-    env["len_q"] = length
-    allowed = torch.ones(1, 1, n_q, length, dtype=torch.bool, device=device)
-    if variant.mask is not None:
-        allowed = allowed & evaluate(variant.mask, env)
-    if variant.layout is not None:
-        grid = layout_grid(variant, p, inputs, device)  # [B|1, H|1, QB, KB]
-        qb = (env["q"] // variant.block).view(-1)
-        kb = (env["k"] // variant.block).view(-1)
-        allowed = allowed & grid[:, :, qb][:, :, :, kb]
-    return allowed
+    return allowed_pairs(variant, p, inputs, device, len_q=length)
 
 
 def keys_read(allowed: torch.Tensor, batch: int, heads: tuple) -> int:
