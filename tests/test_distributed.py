@@ -1,4 +1,4 @@
-"""Context parallelism (attncc/distributed.py) against the single-process kernel.
+"""Context parallelism (attncc/distributed/) against the single-process kernel.
 
 Real processes: one spawn per world size (2; 4 and 8 behind slow) runs every case with
 gloo on localhost, each rank passing its shard; rank 0 saves the gathered results and

@@ -26,6 +26,7 @@ from torch.multiprocessing.spawn import ProcessException
 
 import attncc
 from attncc import distributed as cp
+from attncc.distributed import agreement
 from attncc.errors import CallError
 from attncc.semantics.reference import scale_value
 from attncc.semantics.tolerance import gradient_scales, max_abs_error, within_tolerance
@@ -339,12 +340,12 @@ def test_checksums_tell_inputs_apart():
     kinds = [base, swapped, changed, base.double(), base.reshape(1, 37), zero, negative_zero,
              torch.zeros(5, dtype=torch.bool), torch.ones(5, dtype=torch.bool),
              torch.arange(5, dtype=torch.int32), torch.arange(5, dtype=torch.int32).flip(0)]
-    sums = [tuple(cp._checksum(t).tolist()) for t in kinds]
+    sums = [tuple(agreement._checksum(t).tolist()) for t in kinds]
     assert len(set(sums)) == len(sums)
-    assert tuple(cp._checksum(base.clone()).tolist()) == sums[0]  # values, not identity
+    assert tuple(agreement._checksum(base.clone()).tolist()) == sums[0]  # values, not identity
     doc = torch.arange(64, dtype=torch.int32) // 10
-    before = cp._checksum_once(doc).clone()
-    assert torch.equal(cp._checksum_once(doc), before)
+    before = agreement._checksum_once(doc).clone()
+    assert torch.equal(agreement._checksum_once(doc), before)
     doc[20] = 9  # in place: the kept checksum must not be reused
-    assert not torch.equal(cp._checksum_once(doc), before)
-    assert torch.equal(cp._checksum_once(doc), cp._checksum(doc))
+    assert not torch.equal(agreement._checksum_once(doc), before)
+    assert torch.equal(agreement._checksum_once(doc), agreement._checksum(doc))

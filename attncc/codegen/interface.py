@@ -31,7 +31,7 @@ PORTABLE = {
     "COMMON_PARAMS": "the kernels' run-time arguments after the tensors and strides, in order",
     "TABLE_FIELDS": "tile_tables()'s keys, TABLE_FIELDS above",
     "DECODE_STRATEGY": "a sentence on how kernel.decode skips keys (tools/decode_bench.py)",
-    # forward and backward (runtime/ops.py, distributed.py)
+    # forward and backward (runtime/ops.py, distributed/ring.py)
     "forward": "forward(q, k, v, inputs, *, q_offset, k_offset, seed, config, tables, launcher) "
                "-> (out, lse) (launcher: runtime/call_plans.py, as backward_dq's and _dkdv's)",
     "backward_delta": "backward_delta(out, dout, *, lse=None, dlse=None, launcher=None) -> "

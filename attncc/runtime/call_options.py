@@ -8,7 +8,7 @@ the op's arguments. `CallOptions` is the attention call's (forward and backward 
 kernel.decode's op takes a `DecodeOptions` (attncc/runtime/decoding.py). Every field
 has a default: code that runs the
 generated modules without going through the ops (a context-parallel piece pair, in
-attncc/distributed.py) names only the options it sets.
+attncc/distributed/ring.py) names only the options it sets.
 """
 from __future__ import annotations
 
