@@ -10,7 +10,7 @@ from .frontend.decorator import FUNCTIONS as _FUNCTIONS, isin, variant
 from .frontend.load import load
 from .frontend.parser import parse, parse_file
 from .ir import Variant
-from .runtime.decoding import decode_reference
+from .semantics.decoding import decode_reference
 from .runtime.kernel import compile
 from .runtime.packed import varlen, varlen_packing
 from .semantics.reference import reference

@@ -345,3 +345,14 @@ def check_return_lse(variant: ir.Variant, return_lse: bool):
                         "divides by nothing, so there is no normaliser to return; use `normalize "
                         "sum` (whose LSE is the log of the row's sum of weights) or call without "
                         "return_lse")
+
+
+def check_cache_length(length: int, capacity: int, n_new: int) -> None:
+    """An int cache_seqlens: the keys cached and the new ones fit the cache's positions."""
+    if length < 0:
+        raise CallError(f"cache_seqlens must be >= 0, got {length}")
+    if length + n_new > capacity:
+        raise CallError(f"cache_seqlens={length} keys cached"
+                        + (f" plus {n_new} new ones" if n_new else "")
+                        + f" do not fit the cache's {capacity} positions: an int cache_seqlens "
+                        f"runs from 0 to {capacity - n_new}; use a larger cache")

@@ -10,7 +10,7 @@ import inspect
 from . import distributed, reserved
 from .runtime import decoding, packed
 from .runtime.kernel import Kernel
-from .semantics import reference
+from .semantics import decoding as decoding_reference, reference
 
 
 def calls_taking_inputs() -> tuple:
@@ -26,7 +26,7 @@ def calls_taking_inputs() -> tuple:
             ("varlen_kernel.reference", packed.VarlenKernel.reference),
             ("varlen_kernel.density", packed.VarlenKernel.density),
             ("attncc.reference", reference.reference),
-            ("attncc.decode_reference", decoding.decode_reference),
+            ("attncc.decode_reference", decoding_reference.decode_reference),
             ("attncc.context_parallel_attention", distributed.context_parallel_attention))
 
 

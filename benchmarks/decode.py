@@ -41,7 +41,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import attncc  # noqa: E402
 from attncc.runtime import decoding, tuning
 from attncc.tools.decode_bench import bench_decode, decode_inputs, format_decode, paged_copy, peak_bandwidth, time_ms
-from attncc.runtime.decoding import DecodeProblem, candidates, decode_reference
+from attncc.runtime.decoding import DecodeProblem, candidates
+from attncc.semantics.decoding import decode_reference
 from attncc.semantics.tolerance import max_abs_error, within_tolerance
 
 HEADS, DIM = (32, 8), 128

@@ -18,7 +18,8 @@ import torch
 
 import attncc
 from attncc.runtime import tuning
-from attncc.runtime.decoding import DecodeProblem, candidates, check_decode_config, decode_reference, default_splits, tuning_key
+from attncc.runtime.decoding import DecodeProblem, candidates, check_decode_config, default_splits, tuning_key
+from attncc.semantics.decoding import decode_reference
 from attncc.errors import CallError
 from attncc.semantics.reference import allowed_pairs
 from attncc.arguments import Problem
@@ -89,7 +90,7 @@ def poison_unread(variant, k, v, seqlens, n_q, n_new, Hq, inputs, tile):
     row's keys, and in every key tile (of `tile` keys) where no query row of the kv head's
     group attends. (V at a read position is multiplied by its probability, so one NaN
     read gives NaN even where the probability is 0.)"""
-    from attncc.runtime.decoding import _row_inputs
+    from attncc.semantics.decoding import _row_inputs
     k, v = k.clone(), v.clone()
     B, Hkv, capacity, D = k.shape
     for b in range(B):

@@ -22,7 +22,7 @@ import triton
 import attncc
 from attncc.errors import CallError
 from attncc.runtime import decoding, launch
-from attncc.runtime.decoding import decode_reference
+from attncc.semantics.decoding import decode_reference
 from attncc.semantics.tolerance import max_abs_error, within_tolerance
 
 CAUSAL = "attention causal { mask q >= k }"

@@ -24,7 +24,7 @@ import attncc
 from attncc import distributed as cp
 from attncc.backends.gluon import GluonBackend
 from attncc.errors import CallError, SpecError
-from attncc.runtime.decoding import decode_reference
+from attncc.semantics.decoding import decode_reference
 from attncc.semantics.tolerance import max_abs_error, within_tolerance
 
 SIGMOID = ("attention sigmoid_bias { learnable input bias: f32[h]  mask q >= k  "

@@ -272,7 +272,7 @@ def test_the_decorator_refuses_a_sink_reading_k():
                                     pytest.param(3, marks=pytest.mark.slow),
                                     pytest.param(5, marks=pytest.mark.slow), 8])
 def test_decode_adds_the_sink_once_over_any_split_count(splits):
-    from attncc.runtime.decoding import decode_reference
+    from attncc.semantics.decoding import decode_reference
     spec = GPT_OSS.replace("mask q >= k", "mask q >= k and q - k < 40")
     kernel, variant = attncc.compile(spec), attncc.parse(spec)
     gen = torch.Generator().manual_seed(splits)

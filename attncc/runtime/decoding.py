@@ -1,5 +1,6 @@
 """KV-cache decoding: `kernel.decode(...)`, its call checks, its tuned split count and
-tiles, and `decode_reference`, the dense reference of a decode call.
+tiles (`decode_reference`, the dense reference of a decode call, is
+attncc/semantics/decoding.py's).
 
 A decode call computes the last n_q rows of each batch row's self-attention over the
 L = cache_seqlens[b] + n_new tokens its cache holds (after appending k_new, v_new):
@@ -14,9 +15,7 @@ beside a 512-wide v), the Gluon MLA decode of backends/gluon/templates/decode_ml
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 import os
 from dataclasses import dataclass
 
@@ -25,7 +24,8 @@ import torch
 from .. import backends, ir
 from ..backends.gluon import decode as gluon_decode
 from . import dispatch, precompile, tuning
-from ..arguments import Problem, check_input_names, check_inputs, check_return_lse
+from ..arguments import (Problem, check_cache_length, check_input_names, check_inputs,
+                         check_return_lse)
 from .call_options import CallRecord, call_record, option
 from ..errors import CallError
 from ..analysis.ranges import MAX_EXTENT
@@ -241,7 +241,7 @@ def _seqlens(cache_seqlens, batch: int, device, capacity: int, n_new: int) -> to
         raise CallError(f"cache_seqlens must be an int or a (batch,) int32 tensor, got "
                         f"{type(cache_seqlens).__name__}")
     if isinstance(cache_seqlens, int):
-        _check_int_length(cache_seqlens, capacity, n_new)
+        check_cache_length(cache_seqlens, capacity, n_new)
         return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     if tuple(cache_seqlens.shape) != (batch,):
         raise CallError(f"cache_seqlens has shape {_shape(cache_seqlens)}, expected ({batch},): "
@@ -252,16 +252,6 @@ def _seqlens(cache_seqlens, batch: int, device, capacity: int, n_new: int) -> to
     if cache_seqlens.device != device:
         raise CallError(f"cache_seqlens is on {cache_seqlens.device} but q is on {device}")
     return cache_seqlens
-
-
-def _check_int_length(length: int, capacity: int, n_new: int) -> None:
-    if length < 0:
-        raise CallError(f"cache_seqlens must be >= 0, got {length}")
-    if length + n_new > capacity:
-        raise CallError(f"cache_seqlens={length} keys cached"
-                        + (f" plus {n_new} new ones" if n_new else "")
-                        + f" do not fit the cache's {capacity} positions: an int cache_seqlens "
-                        f"runs from 0 to {capacity - n_new}; use a larger cache")
 
 
 # ---------------------------------------------------------------------------- configs
@@ -637,7 +627,7 @@ class DecodePlan:
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, inputs):
         if type(cache_seqlens) is int:
-            _check_int_length(cache_seqlens, self.capacity, self.n_new)
+            check_cache_length(cache_seqlens, self.capacity, self.n_new)
             cache_seqlens = torch.full((self.batch,), cache_seqlens, dtype=torch.int32,
                                        device=self.device)
         return self.run(q, k_cache, v_cache, cache_seqlens, inputs, k_new, v_new, block_table)
@@ -679,18 +669,6 @@ def make_plan(kernel, q, k_cache, v_cache, seqlens, k_new, v_new, block_table, v
     return DecodePlan(plan_of(cfg), p, q.device, cfg, backend, reason)
 
 
-# ---------------------------------------------------------------------------- reference
-def gather_cache(cache: torch.Tensor, block_table, b: int, length: int) -> torch.Tensor:
-    """Row b's first `length` cached positions as (kv_heads, length, dim)."""
-    if block_table is None:
-        return cache[b, :, :length]
-    num_pages, page_size = cache.shape[:2]
-    pos = torch.arange(length, device=cache.device)
-    # An entry outside [0, num_pages) reads the page clamped into range, as the kernels do.
-    pages = block_table[b].long()[pos // page_size].clamp(0, num_pages - 1)
-    return cache[pages, pos % page_size].transpose(0, 1)  # (length, kv_heads, dim) -> heads first
-
-
 def _check_latent_append(k_cache, v_cache, k_new, v_new):
     """Where v_cache is a view of k_cache's first columns (MLA's one latent cache), v_new
     must be k_new's: a separate one would overwrite the keys. Checked inside the decode
@@ -702,93 +680,3 @@ def _check_latent_append(k_cache, v_cache, k_new, v_new):
                         "MLA), so the new values are the new keys' first columns: pass "
                         f"v_new=k_new[..., :{v_cache.shape[-1]}]; a separate v_new would "
                         "overwrite the keys")
-
-
-def decode_reference(variant: ir.Variant, q, /, k_cache, v_cache, *, cache_seqlens, k_new=None,
-                     v_new=None, block_table=None, return_lse: bool = False, **inputs):
-    """What `kernel.decode` computes, densely, one batch row at a time: the row's cache
-    (gathered through block_table when paged) with k_new, v_new appended is the key
-    sequence of L tokens; q fills the last n_q rows of an L-row query sequence (the others
-    are zeros, and unused); attncc.reference gives the rows. Computes in q's dtype (use
-    float64 for truth); never writes the cache. Dropout is left out, as decoding does.
-    Out-of-contract values read as the kernels read them: a tensor's lengths clamped to
-    [0, capacity] (new tokens past the capacity dropped), block-table entries clamped to
-    [0, num_pages); an int length outside the cache is refused, as kernel.decode refuses it.
-
-    A variant that does not read len_q gets the same rows from attncc.reference with
-    q_offset = L - n_q, which costs n_q x L per head instead of L x L (long caches)."""
-    from ..semantics.reference import reference as reference_rows
-    check_return_lse(variant, return_lse)
-    variant = dataclasses.replace(variant, dropout=None)
-    reads_len_q = any("len_q" in ir.free_vars(e) for e in (variant.mask, variant.score,
-                                                              variant.layout, variant.weight)
-                      if e is not None)
-
-    def reference(*args, return_lse, **kwargs):
-        # `normalize none` has no LSE: the kernels' is -inf, which nothing reads.
-        if variant.normalize != ir.UNNORMALIZED:
-            return reference_rows(*args, return_lse=return_lse, **kwargs)
-        o = reference_rows(*args, **kwargs)
-        return o, torch.full(o.shape[:-1], -math.inf, dtype=o.dtype, device=o.device)
-
-    B, Hq, n_q, D = q.shape
-    capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
-                else k_cache.shape[2])
-    # An int is checked as kernel.decode checks it; a tensor's lengths are clamped to
-    # [0, capacity], as the kernels read them.
-    if isinstance(cache_seqlens, int):
-        _check_int_length(cache_seqlens, capacity, 0 if k_new is None else k_new.shape[2])
-    lengths = [min(max(int(x), 0), capacity) for x in
-               ([cache_seqlens] * B if isinstance(cache_seqlens, int) else cache_seqlens.tolist())]
-    outs, lses = [], []
-    for b in range(B):
-        keys = [gather_cache(k_cache, block_table, b, lengths[b]).to(q.dtype)]
-        values = [gather_cache(v_cache, block_table, b, lengths[b]).to(q.dtype)]
-        if k_new is not None:
-            keys.append(k_new[b].to(q.dtype))
-            values.append(v_new[b].to(q.dtype))
-        k_row = torch.cat(keys, 1)[None]  # (1, Hkv, L, D)
-        v_row = torch.cat(values, 1)[None]
-        L = min(k_row.shape[2], capacity)
-        k_row, v_row = k_row[:, :, :L], v_row[:, :, :L]
-        out = q.new_zeros((1, Hq, n_q, v_row.shape[3]))
-        lse = torch.full((1, Hq, n_q), -math.inf, dtype=q.dtype, device=q.device)
-        seen = min(n_q, L)  # tokens at positions >= 0: the last `seen` of the n_q
-        if seen:
-            row_inputs = _row_inputs(variant, inputs, b, L)
-            if reads_len_q:
-                q_rows = q.new_zeros((1, Hq, L, D))
-                q_rows[:, :, L - seen:] = q[b:b + 1, :, n_q - seen:]
-                o, s = reference(variant, q_rows, k_row, v_row, return_lse=True,
-                                 layout="bhsd", **row_inputs)
-                o, s = o[:, :, L - seen:], s[:, :, L - seen:]
-            else:
-                o, s = reference(variant, q[b:b + 1, :, n_q - seen:], k_row, v_row,
-                                 q_offset=L - seen, return_lse=True, layout="bhsd", **row_inputs)
-            out[:, :, n_q - seen:] = o
-            lse[:, :, n_q - seen:] = s
-        outs.append(out)
-        lses.append(lse)
-    out, lse = torch.cat(outs), torch.cat(lses)
-    return (out, lse) if return_lse else out
-
-
-def _row_inputs(variant: ir.Variant, inputs: dict, b: int, L: int) -> dict:
-    """The inputs of batch row b for a sequence of L tokens: batch axes at b, position and
-    tile axes cut to L (index lists drop tiles past it: they hold no key)."""
-    lists = ir.index_lists(variant.layout)
-    out = {}
-    for decl in variant.inputs:
-        t = inputs[decl.name]
-        for axis, a in enumerate(decl.axes):
-            if a == "b":
-                t = t.narrow(axis, b, 1)
-            elif a in ("q", "k"):
-                t = t.narrow(axis, 0, L)
-            elif a in ("qb", "kb"):
-                t = t.narrow(axis, 0, -(-L // variant.block))
-        if decl.name in lists:  # entries naming no block of the L keys match nothing
-            n_tiles = -(-L // variant.block)
-            t = torch.where((t >= n_tiles) | (t < -1), torch.full_like(t, -1), t)
-        out[decl.name] = t
-    return out
