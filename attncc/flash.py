@@ -308,6 +308,46 @@ def _sink_inputs(learnable_sink, nheads: int) -> dict:
 
 
 # ---------------------------------------------------------------------------- KV cache
+def _check_kvcache(q, k_cache, v_cache, k, v, paged: bool):
+    """flash_attn_with_kvcache's shape rules, said in flash-attn's terms (decoding would
+    say them for the (batch, heads, seq, dim) views it is handed)."""
+    _check_layout("q", q, "(batch, seqlen_q, nheads, headdim)", 4)
+    cache_dims = ("(num_blocks, page_block_size, nheads_k, headdim)" if paged
+                  else "(batch, seqlen_cache, nheads_k, headdim)")
+    _check_layout("k_cache", k_cache, cache_dims, 4)
+    _check_layout("v_cache", v_cache, cache_dims, 4)
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise CallError(f"k_cache and v_cache must have the same shape {cache_dims} but for the "
+                        f"headdim, got k_cache {tuple(k_cache.shape)} and v_cache "
+                        f"{tuple(v_cache.shape)}")
+    if not paged and k_cache.shape[0] != q.shape[0]:
+        raise CallError(f"q and k_cache must have the same batch size, got q {tuple(q.shape)} and "
+                        f"k_cache {tuple(k_cache.shape)}; a paged cache (num_blocks, "
+                        "page_block_size, nheads_k, headdim) needs block_table=")
+    if k_cache.shape[3] != q.shape[3]:
+        raise CallError(f"q and k_cache must have the same headdim, got q {tuple(q.shape)} and "
+                        f"k_cache {tuple(k_cache.shape)}")
+    nheads, nheads_k = q.shape[2], k_cache.shape[2]
+    if nheads_k == 0 or nheads % nheads_k:
+        raise CallError(f"nheads ({nheads}) must be a multiple of nheads_k ({nheads_k}) "
+                        f"(q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}): each key/value "
+                        "head serves a whole group of query heads")
+    if (k is None) != (v is None):
+        raise CallError("pass both k and v (the new tokens' keys and values) or neither")
+    if k is None:
+        return
+    for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        _check_layout(name, t, "(batch, seqlen_new, nheads_k, headdim)", 4)
+        want = (q.shape[0], t.shape[1], nheads_k, cache.shape[3])
+        if tuple(t.shape) != want:
+            raise CallError(f"{name} must have shape (batch, seqlen_new, nheads_k, headdim) = "
+                            f"({want[0]}, seqlen_new, {want[2]}, {want[3]}), as q's batch and "
+                            f"{name}_cache's heads and headdim, got {tuple(t.shape)}")
+    if k.shape[1] != v.shape[1]:
+        raise CallError(f"k and v must hold the same number of new tokens, got k "
+                        f"{tuple(k.shape)} and v {tuple(v.shape)}")
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                             rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
                             cache_leftpad=None, block_table=None, softmax_scale=None,
@@ -342,17 +382,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             ("cache_leftpad", cache_leftpad, "keep each row's keys from position 0 of its cache")):
         if value is not None:
             raise CallError(f"{name} is not supported by attncc's flash_attn_with_kvcache: {fix}")
-    _check_layout("q", q, "(batch, seqlen_q, nheads, headdim)", 4)
     paged = block_table is not None
-    cache_dims = ("(num_blocks, page_block_size, nheads_k, headdim)" if paged
-                  else "(batch, seqlen_cache, nheads_k, headdim)")
-    _check_layout("k_cache", k_cache, cache_dims, 4)
-    _check_layout("v_cache", v_cache, cache_dims, 4)
-    if (k is None) != (v is None):
-        raise CallError("pass both k and v (the new tokens' keys and values) or neither")
-    if k is not None:
-        _check_layout("k", k, "(batch, seqlen_new, nheads_k, headdim)", 4)
-        _check_layout("v", v, "(batch, seqlen_new, nheads_k, headdim)", 4)
+    _check_kvcache(q, k_cache, v_cache, k, v, paged)
     if not isinstance(return_softmax_lse, bool):
         raise CallError(f"return_softmax_lse must be True or False, got {return_softmax_lse!r}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:

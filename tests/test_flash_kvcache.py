@@ -207,6 +207,17 @@ def _call(**overrides):
     (dict(return_softmax_lse=1), "return_softmax_lse must be"),
     (dict(q=torch.randn(2, 4, 16)), "(batch, seqlen_q, nheads, headdim)"),
     (dict(window_size=(3,)), "window_size must be a pair"),
+    # Shapes are named as the caller passed them, (batch, seqlen, nheads, headdim), not as
+    # the (batch, heads, seq, dim) views decoding is handed.
+    (dict(k=torch.randn(2, 1, 3, 16), v=torch.randn(2, 1, 3, 16)),
+     "k must have shape (batch, seqlen_new, nheads_k, headdim) = (2, seqlen_new, 2, 16), as q's "
+     "batch and k_cache's heads and headdim, got (2, 1, 3, 16)"),
+    (dict(k=torch.randn(2, 1, 2, 16), v=torch.randn(2, 2, 2, 16)), "k and v must hold the same"),
+    (dict(q=torch.randn(2, 1, 3, 16)), "nheads (3) must be a multiple of nheads_k (2) "
+                                       "(q (2, 1, 3, 16), k_cache (2, 32, 2, 16))"),
+    (dict(q=torch.randn(2, 1, 4, 32)), "same headdim, got q (2, 1, 4, 32) and k_cache (2, 32, 2, 16)"),
+    (dict(q=torch.randn(3, 1, 4, 16)), "same batch size, got q (3, 1, 4, 16) and k_cache (2, 32, 2, 16)"),
+    (dict(v_cache=torch.randn(2, 28, 2, 16)), "got k_cache (2, 32, 2, 16) and v_cache (2, 28, 2, 16)"),
 ])
 def test_bad_calls_are_refused(overrides, words):
     with pytest.raises(CallError) as err:

@@ -112,6 +112,23 @@ def test_bfloat16_is_refused_under_the_interpreter_everywhere_the_kernels_run():
             call()
 
 
+def test_meta_tensors_are_refused_naming_the_way_to_get_shapes():
+    """A model built on the meta device has no values to compute with: the call says so
+    and names FakeTensorMode, under which the same call gives the output's shape."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    kernel = attncc.compile(GQA)
+    q = torch.empty(1, 4, 5, 16, device="meta")
+    k = v = torch.empty(1, 2, 7, 16, device="meta")
+    cache = torch.empty(1, 2, 16, 16, device="meta")
+    for call in (lambda: kernel(q, k, v), lambda: kernel.decode(q[:, :, :1], cache, cache,
+                                                                cache_seqlens=3)):
+        with pytest.raises(CallError, match=r"meta device.*FakeTensorMode"):
+            call()
+    with FakeTensorMode():
+        out = kernel(*(torch.empty(*t.shape, device=DEVICE) for t in (q, k, v)))
+    assert out.shape == (1, 4, 5, 16) and out.dtype == torch.float32
+
+
 def test_a_non_learnable_input_that_requires_grad_is_refused():
     spec = "attention b { input bias: f32[h]  score s + bias[h] }"
     variant = attncc.load(spec)

@@ -137,12 +137,9 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
     """(DecodeProblem, cache_seqlens as a (B,) int32 tensor); raises CallError naming what is
     wrong. Never reads a tensor's values (no host synchronisation)."""
     from .settings import (MAX_HEAD_DIM_DECODE, MAX_HEAD_DIM_V, MIN_HEAD_DIM, SUPPORTED_DTYPES,
-                           interpreting)
+                           check_kernel_device)
     _check_tensor("q", q, "(batch, heads, new tokens, dim)")
-    if q.device.type != "cuda" and not interpreting():
-        raise CallError(f"q is on {q.device}, but attncc kernels run on CUDA GPUs; move the "
-                        "tensors with .cuda(), or set TRITON_INTERPRET=1 to run the kernels "
-                        "(slowly) under the Triton interpreter on the CPU")
+    check_kernel_device(q)
     if q.dtype not in SUPPORTED_DTYPES:
         raise CallError(f"q has dtype {q.dtype}; decoding takes float16, bfloat16 or float32")
     B, Hq, n_q, D = q.shape

@@ -26,7 +26,8 @@ from ..arguments import (_shape, as_bhsd, axis_extent, bind, check_return_lse, c
                          refuse_positional)
 from .cache import load_generated
 from .call_options import NO_TABLES, CallOptions
-from .settings import MAX_HEAD_DIM, MAX_HEAD_DIM_V, MIN_HEAD_DIM, SUPPORTED_DTYPES, interpreting
+from .settings import (MAX_HEAD_DIM, MAX_HEAD_DIM_V, MIN_HEAD_DIM, SUPPORTED_DTYPES,
+                       check_kernel_device, interpreting)
 
 
 class Kernel:
@@ -228,10 +229,7 @@ class Kernel:
         operator leave to the operator (`index_lists=False`)."""
         p = bind(self.variant, q, k, v, inputs, q_offset=q_offset, k_offset=k_offset,
                  layout=layout)
-        if q.device.type != "cuda" and not interpreting():
-            raise CallError(f"q is on {q.device}, but attncc kernels run on CUDA GPUs; move the "
-                            "tensors with .cuda(), or set TRITON_INTERPRET=1 to run the kernels "
-                            "(slowly) under the Triton interpreter on the CPU")
+        check_kernel_device(q)
         if q.dtype not in SUPPORTED_DTYPES:
             raise CallError(f"q, k, v have dtype {q.dtype}; the kernels take float16, bfloat16 "
                             "or float32 (attncc.reference computes in any dtype, float64 included)")

@@ -22,6 +22,21 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def check_kernel_device(q) -> None:
+    """Refuse a call whose tensors are where no kernel can run: the meta device (no
+    values), or anything but a CUDA GPU outside the interpreter. Reads q's device only:
+    under torch.compile and FakeTensorMode it is the device the tensors stand for."""
+    from ..errors import CallError
+    if q.device.type == "meta":
+        raise CallError("q is on the meta device, which holds no values for a kernel to read; "
+                        "for the output's shape and dtype alone, call under "
+                        "torch._subclasses.fake_tensor.FakeTensorMode or torch.compile")
+    if q.device.type != "cuda" and not interpreting():
+        raise CallError(f"q is on {q.device}, but attncc kernels run on CUDA GPUs; move the "
+                        "tensors with .cuda(), or set TRITON_INTERPRET=1 to run the kernels "
+                        "(slowly) under the Triton interpreter on the CPU")
+
+
 # Tile tables of calls without kept tables: "1" (default) reuses those of the kernel's 32
 # latest calls whose tensors are the same ones, unwritten since (autograd's version
 # counter: a write that bypasses it, through a custom kernel or `.data`, must call
