@@ -13,8 +13,10 @@ kernel changes: the variant is rewritten (`varlen_variant`; see `_Rewrite`) so t
 The interval analysis then classifies tiles from per-block min/max summaries of these
 inputs (attncc/analysis/intervals.py): a tile joining two different sequences is empty, a tile
 inside one sequence is classified exactly as in a dense call, and only tiles on a
-sequence boundary evaluate the mask per element. Nothing is padded, nothing computed
-across sequences.
+sequence boundary evaluate the mask per element. Nothing is padded, and no probability
+across sequences is other than 0; but a boundary tile's products still multiply those
+zeros by the other sequence's keys and values, so a NaN or inf there reaches this one
+(README, Packed sequences).
 
 Inputs the variant declares keep their meaning per sequence: an input on a `q` or `k`
 axis is packed like q or k (total_q or total_k entries), and its index expression is
