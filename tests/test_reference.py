@@ -275,6 +275,71 @@ def test_a_variant_that_masks_everything():
     assert all((g == 0).all() for g in (q.grad, k.grad, v.grad))
 
 
+def _safe_divide(x, d):
+    """x / d, 0 where d == 0, with a gradient that is 0 there (the double-where form)."""
+    zero = d == 0
+    return torch.where(zero, torch.zeros_like(x), x / torch.where(zero, torch.ones_like(d), d))
+
+
+def _sdpa_with_scores(q, k, v, score_of, allowed=None):
+    """softmax(score(q k^T / sqrt(d))) v, written independently of attncc."""
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = score_of(s)
+    if allowed is not None:
+        s = s.masked_fill(~allowed, -math.inf)
+    return torch.softmax(s, -1) @ v
+
+
+# Scores whose value is not used somewhere (an untaken branch of where, a masked pair)
+# and whose derivative there is inf or NaN: the reference's gradients stay finite and
+# equal the same attention written with the double-where form by hand.
+@pytest.mark.parametrize("body, formula", [
+    ("score where(q == k, 0.0, s / (q - k))",
+     lambda s, qi, ki, b: _safe_divide(s, (qi - ki).to(s.dtype))),
+    ("mask q != k\n score s / (q - k)",
+     lambda s, qi, ki, b: _safe_divide(s, (qi - ki).to(s.dtype))),
+    ("score where(s > 0.0, sqrt(s), s)",
+     lambda s, qi, ki, b: torch.where(s > 0, torch.sqrt(torch.where(s > 0, s, torch.ones_like(s))), s)),
+    ("learnable input g: f32[h]\n score where(q == k, s, s + g[h] / (q - k))",
+     lambda s, qi, ki, b: s + _safe_divide(b.view(1, -1, 1, 1).expand_as(s),
+                                           (qi - ki).to(s.dtype).expand_as(s))),
+])
+def test_unused_scores_with_infinite_derivatives_add_nothing_to_gradients(body, formula):
+    variant = spec(body)
+    lq, lk = 7, 9
+    q, k, v = (t.requires_grad_() for t in qkv(2, 3, 3, lq, lk, 8))
+    b = (torch.rand(3, dtype=F64) + 0.5).requires_grad_()
+    inputs = {"g": b} if "g:" in body else {}
+    qi, ki = positions(lq, lk)
+    allowed = (qi != ki) if "mask" in body else None
+    got = attncc.reference(variant, q, k, v, **inputs)
+    dout = torch.randn_like(got)
+    wrt = (q, k, v, *inputs.values())
+    grads = torch.autograd.grad(got, wrt, dout)
+    want = _sdpa_with_scores(q, k, v, lambda s: formula(s, qi, ki, b), allowed)
+    want_grads = torch.autograd.grad(want, wrt, dout)
+    close(got, want)
+    for g, w in zip(grads, want_grads):
+        assert torch.isfinite(g).all()
+        close(g, w)
+
+
+def test_gating_leaves_values_and_ordinary_gradients_as_they_were():
+    """Softcap, causal, len_q != len_k: values with and without autograd agree, and the
+    gradients equal the formula's (every allowed pair's derivative is finite)."""
+    variant = spec("param cap: float = 5.0\n mask q >= k\n score cap * tanh(s / cap)")
+    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 2, 6, 11, 8))
+    out = attncc.reference(variant, q, k, v)
+    with torch.no_grad():
+        assert torch.equal(attncc.reference(variant, q, k, v), out)
+    qi, ki = positions(6, 11)
+    want = _sdpa_with_scores(q, k, v, lambda s: 5.0 * torch.tanh(s / 5.0), qi >= ki)
+    dout = torch.randn_like(out)
+    for g, w in zip(torch.autograd.grad(out, (q, k, v), dout),
+                    torch.autograd.grad(want, (q, k, v), dout)):
+        close(g, w)
+
+
 # -------------------------------------------------------------------------- dropout
 def test_dropout_needs_a_seed():
     variant = attncc.parse_file(EXAMPLES / "dropout.attn")

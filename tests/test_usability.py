@@ -314,6 +314,15 @@ def test_check_names_a_division_by_zero_in_the_score(capsys):
                      r"`1.0 / \(q - k\)`", out, re.S), out
 
 
+@pytest.mark.parametrize("mask, score", [("q >= k", "where(q == k, s, s / (q - k))"),
+                                         ("q > k", "s / (q - k)")])
+def test_the_guard_the_diagnosis_suggests_passes(mask, score, capsys):
+    """Either fix the message names (a where, or a mask without those pairs) passes: the
+    reference's gradients do not pick up the unused value's infinite derivative in s."""
+    spec = f"attention inv {{ mask {mask} score {score} }}"
+    assert main(["check", spec, "--len", "8", "--dim", "16"]) == 0, capsys.readouterr().out
+
+
 def test_the_diagnosis_names_log_of_a_negative_and_passes_finite_scores():
     from attncc.arguments import Problem
     p = Problem(1, 2, 2, 6, 6, 16, 16)

@@ -31,19 +31,33 @@ def check_index_list(name: str, tensor: torch.Tensor, n_tiles: int):
                         "name distinct tiles (pad with -1)")
 
 
-def evaluate(e, env: dict, *, float_dtype=torch.float64, gather=None):
+def evaluate(e, env: dict, *, float_dtype=torch.float64, gather=None, gate=None):
     """Evaluate `e`. `env` maps index names to tensors or numbers, and holds
     `params` (name -> value) and `inputs` (name -> tensor). `gather(tensor, indices)`,
     where given, reads a tensor's elements at broadcast index tensors instead of
-    `tensor[indices]` (the sink's gradient reduces through a fixed-order read)."""
-    return _Evaluator(env, float_dtype, gather).run(e)
+    `tensor[indices]` (the sink's gradient reduces through a fixed-order read).
+
+    `gate` (bool, broadcastable against the values): where gradients may flow. Outside
+    it, and in each branch of a `where` where the branch is not taken, the differentiable
+    leaves (s, float inputs) are read detached, so a value that is not used adds exactly
+    nothing to a gradient even where its derivative is inf or NaN (0 * inf would be NaN:
+    `where(q == k, 0.0, s / (q - k))`, a masked pair's score), as the kernels' derivative
+    selects rather than multiplies. The values are the same with or without it."""
+    return _Evaluator(env, float_dtype, gather, gate).run(e)
 
 
 class _Evaluator(ir.Visitor):
-    def __init__(self, env, float_dtype, gather=None):
+    def __init__(self, env, float_dtype, gather=None, gate=None):
         self.env = env
         self.float_dtype = float_dtype
         self.gather = gather or (lambda tensor, indices: tensor[indices])
+        self.gate = gate
+
+    def _gated(self, x):
+        """x, its gradient kept only where the gate is open."""
+        if self.gate is None or not (isinstance(x, torch.Tensor) and x.requires_grad):
+            return x
+        return torch.where(self.gate, x, x.detach())
 
     def run(self, e):
         return self(e)
@@ -52,7 +66,7 @@ class _Evaluator(ir.Visitor):
         return x if isinstance(x, torch.Tensor) else torch.tensor(x)
 
     def Var(self, e):
-        return self._num(self.env[e.name])
+        return self._gated(self._num(self.env[e.name]))
 
     def Const(self, e):
         if e.type == ir.FLOAT:
@@ -75,7 +89,7 @@ class _Evaluator(ir.Visitor):
         shape = torch.broadcast_shapes(*(i.shape for i in idx))
         out = self.gather(tensor, tuple(i.expand(shape) for i in idx))
         if out.is_floating_point():
-            return out.to(self.float_dtype)
+            return self._gated(out.to(self.float_dtype))
         # The language's integers are 64-bit: an i8 or i32 read must not make `x[q] * c`
         # wrap in its own dtype (attncc/analysis/ranges.py).
         return out if out.dtype == torch.bool else out.long()
@@ -94,8 +108,19 @@ class _Evaluator(ir.Visitor):
 
     def Where(self, e):
         c = self.run(e.cond)
-        a, b = self._promote(self.run(e.then), self.run(e.other))
+        a, b = self._promote(self._branch(e.then, c), self._branch(e.other, ~c))
         return entry_of(e).torch(c, a, b, float_dtype=self.float_dtype)
+
+    def _branch(self, e, taken):
+        """A branch of a `where`, its gradient gated to where it is taken (see evaluate)."""
+        if not torch.is_grad_enabled():
+            return self.run(e)
+        outer = self.gate
+        self.gate = taken if outer is None else outer & taken
+        try:
+            return self.run(e)
+        finally:
+            self.gate = outer
 
     def other(self, e):
         """An operation (attncc/operators.py). The two operands of a binary one (an

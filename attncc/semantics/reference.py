@@ -113,12 +113,14 @@ def reference(variant: ir.Variant, q, k, v, /, *positional, return_lse: bool = F
     v_full = v.repeat_interleave(group, dim=1)  # [B, Hq, Lk, Dv]
 
     s = torch.matmul(q, k_full.transpose(-1, -2)) * scale_value(variant, p.dim, p.dim_v)  # [B, Hq, Lq, Lk]
+    allowed = allowed_pairs(variant, p, inputs, device).expand_as(s)
     if variant.score is not None and s.numel():
         # A score that does not read s (`score 0.0`) evaluates to a CPU scalar: place it.
-        s = torch.as_tensor(evaluate(variant.score, {**env, "s": s}, float_dtype=dtype),
-                            device=device).to(dtype)
+        # Gated to the allowed pairs: a masked pair's score adds nothing to any gradient,
+        # even where its derivative is inf or NaN.
+        s = torch.as_tensor(evaluate(variant.score, {**env, "s": s}, float_dtype=dtype,
+                                     gate=allowed), device=device).to(dtype)
         s = s.expand(p.batch, p.heads_q, p.len_q, p.len_k)
-    allowed = allowed_pairs(variant, p, inputs, device).expand_as(s)
     row_any = allowed.any(dim=-1, keepdim=True)  # [B, Hq, Lq, 1]
     if variant.normalize != ir.SOFTMAX:
         return _weighted(variant, s, allowed, v_full, env, return_lse, layout)
@@ -153,8 +155,8 @@ def _weighted(variant: ir.Variant, s, allowed, v_full, env, return_lse: bool, la
     by the row's sum l (LSE log l; a row whose l is 0 gives 0 and LSE -inf)."""
     check_return_lse(variant, return_lse)
     dtype = s.dtype
-    w = torch.as_tensor(evaluate(variant.weight, {**env, "s": s}, float_dtype=dtype),
-                        device=s.device).to(dtype).expand_as(s)
+    w = torch.as_tensor(evaluate(variant.weight, {**env, "s": s}, float_dtype=dtype,
+                                 gate=allowed), device=s.device).to(dtype).expand_as(s)
     # A masked pair adds exactly nothing, whatever weight(-inf) or its gradient would be.
     w = torch.where(allowed, w, torch.zeros_like(w))
     if variant.normalize == ir.UNNORMALIZED:
