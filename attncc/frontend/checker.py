@@ -12,7 +12,7 @@ import re
 from .. import ir
 from ..operators import FUNCTIONS, entry_of
 from ..reserved import call_keywords
-from ..analysis import ranges, reads, signs
+from ..analysis import float_decisions, ranges, reads, signs
 from ..errors import SpecError, SpecWarning, did_you_mean, warn
 
 # A name as the grammar's NAME token spells it; the decorator's names must match it too,
@@ -403,8 +403,8 @@ def check_variant(v: ir.Variant) -> ir.Variant:
             check_declared_type(decl, check_expr(e, Scope(decl, params, inputs)))
     check_structure(v)
     ranges.check_variant(v)
-    for decl, read in reads.escaping_reads(v):
-        warn(SpecWarning(f"variant '{v.name}': {read.message(decl)}"))
+    for decl, finding in reads.escaping_reads(v) + float_decisions.float_decisions(v):
+        warn(SpecWarning(f"variant '{v.name}': {finding.message(decl)}"))
     return v
 
 

@@ -16,7 +16,7 @@ from lark import Token, Tree
 
 from . import checker
 from .. import ir
-from ..analysis import ranges, reads
+from ..analysis import float_decisions, ranges, reads
 from ..operators import FUNCTIONS
 from ..errors import SpecError, SpecWarning, did_you_mean, warn
 from ..resources import grammar_path
@@ -350,10 +350,13 @@ class _Builder:
 
     def _warn_reads(self, v: ir.Variant, seen: dict):
         """A SpecWarning, located at the read, for each fixed-size table read whose index
-        can leave the table (attncc/analysis/reads.py)."""
-        for decl, read in reads.escaping_reads(v):
-            where = self.trees.get(id(read.load), seen[decl])
-            located = self._locate(SpecError(read.message(decl)), where)
+        can leave the table (attncc/analysis/reads.py), and at each decision a mask or
+        layout takes on floats (attncc/analysis/float_decisions.py)."""
+        found = [(decl, read.load, read) for decl, read in reads.escaping_reads(v)]
+        found += [(decl, d.node, d) for decl, d in float_decisions.float_decisions(v)]
+        for decl, node, finding in found:
+            where = self.trees.get(id(node), seen[decl])
+            located = self._locate(SpecError(finding.message(decl)), where)
             warn(SpecWarning(located.message, path=located.path, line=located.line,
                              column=located.column, source_line=located.source_line,
                              width=located.width))
