@@ -120,6 +120,25 @@ def test_numbers():
     assert score_of("s / 2") != score_of("s / 2.0")
 
 
+def test_floats_past_float32_are_refused_where_they_are_written():
+    """The kernels compute in float32, where 1e39 is inf (and inf * 0 NaN) while the
+    float64 reference stays finite: such a constant or param is refused, located."""
+    assert score_of("s * 3.4e38") == ir.BinOp("*", S, ir.Const(3.4e38, ir.FLOAT))
+    for text, where in (("attention t { score 1e39 * s }", ":1:21:"),
+                        ("attention t { param c: float = -4e38\n score c + s }", ":1:33:")):
+        with pytest.raises(attncc.SpecError, match=where + r".*beyond float32's range"):
+            attncc.parse(text)
+    with pytest.raises(attncc.SpecError, match=r"param 'c' \(-4e\+38\) is beyond float32"):
+        @attncc.variant(params={"c": -4e38})
+        def capped(s, c):
+            return s * c
+    with pytest.raises(attncc.SpecError, match=r"1e\+39 is beyond float32's range"):
+        class big:
+            def score(s):
+                return s * 1e39
+        attncc.variant(big)
+
+
 def test_where_and_loads():
     e = score_of("where(q >= k, s + t[h, k], s)", "input t: f32[h, k]")
     assert e == ir.Where(ir.Cmp(">=", Q, K), ir.BinOp("+", S, ir.Load("t", (H, K))), S)

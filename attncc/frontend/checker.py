@@ -122,6 +122,8 @@ class _Types(ir.Visitor):
         return ir.FLOAT if node.name == "s" else ir.INT
 
     def Const(self, node, child_types):
+        if node.type == ir.FLOAT:
+            check_float32(node.value, f"the number {node.value!r}")
         return node.type
 
     def Param(self, node, child_types):
@@ -367,6 +369,17 @@ def check_name_free(name: str, taken: set):
         raise SpecError(f"'{name}' is declared twice")
 
 
+# The largest float32: the kernels compute the language's floats in float32, where a
+# larger constant is inf (and inf * 0 NaN), while the float64 reference stays finite.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def check_float32(value: float, what: str):
+    if abs(value) > FLOAT32_MAX:
+        raise SpecError(f"{what} is beyond float32's range (at most 3.4e38 in size), which the "
+                        "kernels compute in; scale it down")
+
+
 def check_param_value(p: ir.ParamDecl):
     """A param's value must be a finite number of its type, an int within 64 bits."""
     want = {ir.INT: int, ir.FLOAT: float, ir.BOOL: bool}[p.type]
@@ -375,6 +388,8 @@ def check_param_value(p: ir.ParamDecl):
     if p.type == ir.FLOAT and not math.isfinite(p.value):
         raise SpecError(f"param '{p.name}' is {p.value}: a param must be a finite number; "
                         "the language has no infinities")
+    if p.type == ir.FLOAT:
+        check_float32(p.value, f"param '{p.name}' ({p.value!r})")
     if p.type == ir.INT and not -2 ** 63 <= p.value < 2 ** 63:
         raise SpecError(f"param '{p.name}' is {p.value}, too large: integers must fit in 64 bits")
 
