@@ -96,6 +96,27 @@ def test_scale_may_be_a_number_or_a_function():
     assert b == attncc.parse("attention a { scale 1.0 / sqrt(dim)  mask q >= k }")
 
 
+def test_scale_given_twice_is_refused_not_overridden():
+    class doubled:
+        def scale(dim):
+            return 2.0
+    with pytest.raises(attncc.SpecError, match=r"'doubled' declares its scale twice: in "
+                                               r"scale=0.5 and in its scale\(\) function"):
+        attncc.variant(doubled, scale=0.5)
+    assert attncc.variant(doubled).scale == ir.Const(2.0, ir.FLOAT)
+
+
+def test_a_function_without_a_name_is_asked_for_one():
+    with pytest.raises(attncc.SpecError, match=r"'<lambda>' is not a name a variant can take.*"
+                                               r"name='causal'"):
+        attncc.variant(lambda q, k: q >= k)
+    assert attncc.variant(lambda q, k: q >= k, name="causal").name == "causal"
+    with pytest.raises(attncc.SpecError, match="the variant name '' is not a name"):
+        attncc.variant(lambda q, k: q >= k, name="")
+    with pytest.raises(attncc.SpecError, match=r"name= is the variant's name, a string; got 3"):
+        attncc.variant(lambda q, k: q >= k, name=3)
+
+
 def test_build_variant_without_the_decorator():
     v = build_variant("w", mask=lambda q, k, n: q - k < n, params={"n": 3}, heads=(6, 2))
     assert v == attncc.parse("attention w { heads 6 / 2  param n: int = 3  mask q - k < n }")

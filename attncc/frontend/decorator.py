@@ -331,9 +331,20 @@ def variant(_obj=None, *, name=None, heads=None, params=None, inputs=None, learn
         else:
             raise SpecError(f"@attncc.variant decorates a function (the mask) or a class of "
                             f"mask/score/layout/scale/sink functions, not a {type(obj).__name__}")
+        own_name = getattr(obj, "__name__", None)  # a functools.partial has none
         if scale is not None:
+            if parts.get("scale") is not None:
+                raise SpecError(f"variant '{own_name}' declares its scale twice: in "
+                                f"scale={scale!r} and in its scale() function; keep one")
             parts["scale"] = scale
-        return build_variant(name or obj.__name__, heads=heads, params=params, inputs=inputs,
+        if name is not None and not isinstance(name, str):
+            raise SpecError(f"name= is the variant's name, a string; got {name!r}")
+        chosen = own_name if name is None else name
+        if name is None and not (isinstance(chosen, str) and chosen.isidentifier()):
+            raise SpecError(f"{chosen or type(obj).__name__!r} is not a name a variant can take "
+                            "(a lambda has none): pass one with name=, as in "
+                            "attncc.variant(lambda q, k: q >= k, name='causal')")
+        return build_variant(chosen, heads=heads, params=params, inputs=inputs,
                              learnable=learnable, block=block, dropout=dropout,
                              normalize=normalize, **parts)
 
