@@ -167,6 +167,42 @@ def test_a_learnable_input_in_both_score_and_weight_gets_the_whole_gradient():
     compare(spec, formula, H=2, inputs={"t": torch.tensor([0.7, -1.3], dtype=torch.float64)})
 
 
+# Learnable reads a weight owns per key, and a relative table under a weight: the dK/dV
+# step adds their gradient under `sum` and `none` too, and the dQ step's diagonal sums of
+# the table do not overwrite the weights it reads after them (w was the loop's variable).
+def _scores(q, k):
+    return q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+
+
+@pytest.mark.parametrize("normalize", ["sum", "none"])
+def test_a_per_key_learnable_read_in_a_weight_gets_its_gradient(normalize):
+    spec = (f"attention per_key {{ learnable input g: f32[b, h, k]  mask q >= k  "
+            f"normalize {normalize}  weight sigmoid(s + g[b, h, k]) }}")
+
+    def formula(q, k, v, g):
+        w = torch.where(causal(q.shape[2], k.shape[2]), torch.sigmoid(_scores(q, k) + g[:, :, None, :]), 0.0)
+        return w @ v / (w.sum(-1, keepdim=True) if normalize == "sum" else 1.0)
+    gen = torch.Generator().manual_seed(3)
+    compare(spec, formula, B=2, Lq=37, Lk=33,
+            inputs={"g": torch.randn(2, 3, 33, generator=gen, dtype=torch.float64) * 2})
+
+
+@pytest.mark.parametrize("normalize, weight", [("sum", "sigmoid"), ("none", "sigmoid"),
+                                               ("sum", "exp")])
+def test_a_relative_table_in_a_weight_leaves_dq_its_weights(normalize, weight):
+    spec = (f"attention rel {{ learnable input tab: f32[h, 33]  normalize {normalize}  "
+            f"weight {weight}(s + tab[h, min(max(q - k, -16), 16) + 16]) }}")
+
+    def formula(q, k, v, tab):
+        qi, ki = (torch.arange(n, device=q.device) for n in (q.shape[2], k.shape[2]))
+        slot = ((qi[:, None] - ki[None, :]).clamp(-16, 16) + 16)
+        w = getattr(torch, weight)(_scores(q, k) + tab[:, slot][None])
+        return w @ v / (w.sum(-1, keepdim=True) if normalize == "sum" else 1.0)
+    gen = torch.Generator().manual_seed(4)
+    compare(spec, formula, Lq=40, Lk=21,
+            inputs={"tab": torch.randn(3, 33, generator=gen, dtype=torch.float64)})
+
+
 # ------------------------------------------------------------- decode, varlen, context parallelism
 @pytest.mark.parametrize("spec, splits", [
     (SIGMOID, (1, 3)), (ONE_PLUS_RELU, (1, 3)),

@@ -70,8 +70,8 @@ def test_relative_reads_take_the_fast_path_in_every_gluon_kernel(spec):
     assert sum("LOG2E" in line and "tl.load(" in line for line in lines) == 6
     # dK/dV's tiles are transposed: keys down its rows, whose positions are shifted per
     # diagonal, against the query tile's first position.
-    assert source.count("diag_k = k_pos - w * BLOCK_N") == 1
-    assert source.count("diag_q = q_pos - w * BLOCK_M") == 5
+    assert source.count("diag_k = k_pos - diag_w * BLOCK_N") == 1
+    assert source.count("diag_q = q_pos - diag_w * BLOCK_M") == 5
     assert source.count("diag_t = gl.arange(0, BLOCK_N, row_layout)[:, None]") == 1
 
 
