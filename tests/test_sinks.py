@@ -114,6 +114,43 @@ def test_rows_that_see_no_key_give_zero_and_the_sink_as_lse():
     assert torch.allclose(lse[:, :, :5], sinks.view(1, 6, 1).expand(2, 6, 5))
 
 
+def test_a_sink_of_minus_infinity_leaves_an_empty_row_empty_without_nan():
+    """Heads whose sink is -inf (off) are the variant without a sink: a row with no key
+    gives 0 and LSE -inf, and no NaN reaches any gradient (it gave NaN out and LSE, and
+    NaN dK/dV over the row's whole key tile). The formula: gpt-oss's with -1e4 for -inf,
+    the same in float64 wherever a row has a key."""
+    spec = GPT_OSS.replace("mask q >= k", "mask q >= k + 5")
+    kernel = attncc.compile(spec)
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 6, 13, 16, generator=gen)
+    k, v = (torch.randn(1, 2, 13, 16, generator=gen) for _ in range(2))
+    sinks = torch.randn(6, generator=gen)
+    sinks[[0, 3]] = -math.inf
+    dout = torch.randn(1, 6, 13, 16, generator=gen)
+    finite_lse = torch.ones(1, 6, 13, dtype=torch.bool)
+    finite_lse[:, [0, 3], :5] = False  # rows 0-4 see no key; on those heads nothing else
+
+    def run(fn, dtype, device, sink_values):
+        leaves = [t.detach().to(device, dtype, copy=True).requires_grad_()
+                  for t in (q, k, v, sink_values)]
+        out, lse = fn(*leaves)
+        kept = finite_lse.to(device)
+        loss = (out * dout.to(device, dtype)).sum() + torch.where(kept, lse, 0.0).sum()
+        loss.backward()
+        return [t.detach().cpu().double() for t in [out, lse] + [t.grad for t in leaves]]
+
+    got = run(lambda q, k, v, s: kernel(q, k, v, sinks=s, return_lse=True), torch.float32,
+              DEVICE, sinks)
+    formula = lambda q, k, v, s: gpt_oss_sdpa(q, k, v, s, causal(13, 13, shift=5), 0.25)
+    want = run(formula, torch.float64, "cpu", torch.where(sinks.isinf(), -1e4, sinks))
+    assert not any(t.isnan().any() for t in got)
+    assert torch.equal(got[0][:, [0, 3], :5], torch.zeros(1, 2, 5, 16, dtype=torch.float64))
+    assert (got[1][~finite_lse] == -math.inf).all()
+    want[1] = torch.where(finite_lse, want[1], -math.inf)
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_a_call_with_no_key_gives_the_sink_and_its_gradient():
     kernel = attncc.compile(GPT_OSS)
     q = torch.randn(1, 6, 4, 16).to(DEVICE)

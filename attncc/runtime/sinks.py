@@ -114,7 +114,8 @@ def merge_sink(variant: ir.Variant, problem: Problem, values: dict, out: torch.T
     where the row saw no key (LSE -inf there becomes σ)."""
     sink = sinks_at(variant, problem, values, lse.device, positions)
     merged = torch.logaddexp(lse, sink)
-    out.mul_(torch.exp(lse - merged).unsqueeze(-1))
+    # e^(lse - merged), 1 where both are -inf (no key, a sink of -inf): not e^NaN.
+    out.mul_(torch.exp(_difference(lse, merged)).unsqueeze(-1))
     lse.copy_(merged)
 
 
@@ -163,7 +164,7 @@ def add_sink_gradients(variant: ir.Variant, problem: Problem, values: dict, lse:
 
     leaves = [values[n].detach().float() for n in names]
     sink, pullback = torch.func.vjp(sigma, *leaves)
-    d_sink = -torch.exp(sink - lse) * delta  # [B, H, Lq]
+    d_sink = -torch.exp(_difference(sink, lse)) * delta  # [B, H, Lq]
     out = dict(dinputs)
     for name, grad in zip(names, pullback(d_sink)):
         dtype = values[name].dtype
@@ -220,7 +221,7 @@ def _add_direct_gradient(variant, values, lse, delta, dinputs, direct) -> dict:
         shape[_ROW_AXES[a]] = sigma.shape[in_row_order.index(a)]
     # -dσ = e^(σ-L)·delta [B, H, Lq], in one buffer: three passes over the rows and no more
     # (each a launch on a GPU; at short lengths the host time of launches is the cost).
-    minus_d_sink = torch.sub(sigma.reshape(shape), lse).exp_().mul_(delta)
+    minus_d_sink = _difference(sigma.reshape(shape), lse).exp_().mul_(delta)
     # torch's sum reduces in a fixed order (no atomics): the same bits on every call; the
     # sign flips after it, exactly (a sum of negated terms is the negated sum), in the
     # subtraction from the kernels' gradient where there is one (one launch, not two).
@@ -233,3 +234,10 @@ def _add_direct_gradient(variant, values, lse, delta, dinputs, direct) -> dict:
     grad = minus_grad.neg_() if earlier is None else earlier.float() - minus_grad
     out[name] = grad.to(table.dtype)
     return out
+
+
+def _difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a - b, and 0 where they are equal: where both are -inf (a row with no key and a sink
+    of -inf, whose LSE is the sink's), e^(a - b) is then 1, the derivative of the LSE by
+    the sink, not NaN."""
+    return torch.where(a == b, 0.0, a - b)

@@ -133,11 +133,16 @@ def reference(variant: ir.Variant, q, k, v, /, *positional, return_lse: bool = F
         lse = torch.logsumexp(s_for_lse, dim=-1, keepdim=True)
     else:
         # gpt-oss's meaning: the sink is one more column of logits, softmaxed with the
-        # row's scores and dropped. Every row has it, so no row is empty: LSE = σ there.
+        # row's scores and dropped. Every row has it, so no row is empty: LSE = σ there,
+        # but for a row with no key and a sink of -inf (a head whose sink is off), empty
+        # as without a sink: finite stand-ins there too, so no -inf - -inf reaches a
+        # gradient.
         s_for_lse = torch.where(allowed, s, neg_inf)
-        lse = torch.logsumexp(torch.cat([s_for_lse, sink_logits(variant, env, p, dtype)], -1),
-                              dim=-1, keepdim=True)
-        row_any = torch.ones_like(row_any)
+        sink = sink_logits(variant, env, p, dtype)  # [B, H, Lq, 1]
+        dead = ~row_any & (sink == -math.inf)
+        sink = torch.where(dead, torch.zeros_like(sink), sink)
+        lse = torch.logsumexp(torch.cat([s_for_lse, sink], -1), dim=-1, keepdim=True)
+        row_any = ~dead
     probs = torch.where(allowed, torch.exp(s_for_lse - lse), torch.zeros_like(s))
     if variant.dropout:
         bh = (env["b"] * p.heads_q + env["h"])
