@@ -589,10 +589,11 @@ FUNCTIONS = {e.name: e for e in [
     _function("ceil", 1, "(x)", "the smallest integer >= a number, as an integer", rounding,
               _rounded(torch.ceil, math.ceil), OPAQUE, _increasing(math.ceil),
               "tl.ceil(({0})).to({int})", "torch.ceil({0}).long()", ("ceil", "__ceil__")),
-    # math.trunc, as int() must return an int: the traced int(x) is attncc.trunc(x).
+    # math.trunc, as int() must return an int: the traced int(x) is attncc.trunc(x). tl.cast,
+    # not .to(): the argument may be a constant (int(2.5)), which has no .to().
     _function("int", 1, "(x)", "a number rounded toward zero, as an integer (Python's int(), "
               "torch's .long())", rounding, _rounded(torch.trunc, math.trunc), OPAQUE,
-              _increasing(math.trunc), "({0}).to({int})", "torch.trunc({0}).long()",
+              _increasing(math.trunc), "tl.cast({0}, {int})", "torch.trunc({0}).long()",
               ("trunc", "__trunc__")),
     Operation("where", 3, "(c, a, b)", "where(cond, a, b): a if cond else b", ir.Where,
               conditional, _where, lambda sp, c, a, b: sp.Piecewise((a, c), (b, True)),

@@ -172,6 +172,26 @@ def test_sigmoid_in_a_score_against_its_formula_where_its_argument_is_huge():
         assert error <= 1e-3 * (1.0 + ref.abs().max().item()), error
 
 
+@pytest.mark.parametrize("spec, factor", [
+    ("attention c { score s * int(2.5) }", 2.0),
+    ("attention c { score s * int(-2.5) }", -2.0),
+    ("attention c { param x: float = 3.75\n score s * int(x) }", 3.0),
+    ("attention c { input t: f32[4]\n score s * t[int(3.5)] }", None),
+])
+def test_rounding_a_constant_runs_in_the_kernels(spec, factor):
+    """int() of a constant or float param, rounding toward zero: it was spelt .to() on a
+    Python float, which has none, and failed at the first call."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 19, 16, generator=gen) for _ in range(3))
+    table = torch.randn(4, generator=gen)
+    inputs = {"t": table} if "t:" in spec else {}
+    out = attncc.compile(spec)(q, k, v, **inputs)
+    factor = float(table[3]) if factor is None else factor
+    scores = q.double() @ k.double().transpose(-1, -2) / 4.0 * factor
+    want = torch.softmax(scores, -1) @ v.double()
+    assert (out.double() - want).abs().max() < 1e-5
+
+
 def test_sigmoid_is_one_table_entry_the_decorator_and_reference_read():
     @attncc.variant
     class gate:
