@@ -384,13 +384,19 @@ def test_a_call_with_kept_tables_passes_their_density_to_the_tuner(monkeypatch):
         ["on a layout of tile density 0.250"] * 2
 
 
-def test_an_unknown_backward_schedule_is_refused_by_name():
-    env = dict(os.environ, ATTNCC_BACKWARD="streams")
-    done = subprocess.run([sys.executable, "-c", "import attncc.runtime.settings"], env=env,
+@pytest.mark.parametrize("name, value, says", [
+    ("ATTNCC_BACKWARD", "streams",
+     "ATTNCC_BACKWARD='streams': expected one of ('auto', 'one-launch', 'sequential')"),
+    # Refused at import as well, not only by the first call that tunes (none does under
+    # the interpreter).
+    ("ATTNCC_TUNE", "2", "ATTNCC_TUNE='2' is not a tuning mode; use 0 (no timing"),
+])
+def test_an_unknown_setting_is_refused_by_name_at_import(name, value, says):
+    env = dict(os.environ, **{name: value})
+    done = subprocess.run([sys.executable, "-c", "import attncc"], env=env,
                           capture_output=True, text=True)
     assert done.returncode != 0
-    assert ("ATTNCC_BACKWARD='streams': expected one of ('auto', 'one-launch', 'sequential')"
-            in done.stderr)
+    assert says in done.stderr
 
 
 # ------------------------------------------------------------------ (d) what runs is what was hashed

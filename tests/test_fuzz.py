@@ -25,10 +25,10 @@ CI runs a seeded, bounded number of examples (derandomized: the same examples ev
 run): the first of the four kernel shards (20 examples), the others with `-m slow`.
 Run far more with
 
-    ATTNCC_FUZZ_EXAMPLES=1000 python -m pytest -n 2 tests/test_fuzz.py
+    ATTNCC_FUZZ_EXAMPLES=1000 python -m pytest -n 2 -m "" tests/test_fuzz.py
 
-(the number of kernel examples, split over the shards; the front-end tests run five
-times as many). A failure hypothesis finds becomes a named test in test_regressions.py.
+(the number of kernel examples, split over the shards, all of which `-m ""` runs; the
+front-end tests run five times as many). A failure hypothesis finds becomes a named test in test_regressions.py.
 """
 from __future__ import annotations
 

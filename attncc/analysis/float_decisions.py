@@ -46,7 +46,8 @@ class FloatDecision:
         return (f"in `{decl}`, `{text}` {what}: the kernels compute its floats in float32 (on "
                 "a GPU with fused multiply-adds) and attncc.reference in float64, so a pair "
                 "that sits on its boundary can be kept by one and dropped by the other, and "
-                f"`attncc check` then fails whole rows. Write it in integers ({example})")
+                f"`attncc check` then fails whole rows. Write it in integers (for example, "
+                f"{example})")
 
 
 def float_decisions(variant: ir.Variant) -> list:

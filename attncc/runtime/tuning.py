@@ -57,6 +57,11 @@ def tune_mode() -> str:
     return mode
 
 
+# Checked at import too, as the runtime's other settings are (settings.py): under the
+# interpreter no call tunes, so an unknown value would otherwise pass unseen.
+tune_mode()
+
+
 @dataclass(frozen=True)
 class Choice:
     """What runs one kernel role of a call: a backend, by name, and its tile config. The
