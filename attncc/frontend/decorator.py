@@ -204,6 +204,8 @@ def _param_decl(name, value) -> ir.ParamDecl:
 def _check_arguments(name, heads, params, inputs, learnable, block, dropout):
     """The decorator's own arguments, each of the type it must have: a wrong one is named
     here, not met later as a Python error inside attncc."""
+    if not isinstance(name, str):
+        raise SpecError(f"name= is the variant's name, a string; got {name!r}")
     if heads is not None and not (isinstance(heads, (tuple, list)) and len(heads) == 2
                                   and all(_is_int(h) for h in heads)):
         raise SpecError(f"heads must be a pair of ints (query heads, key/value heads), as in "
@@ -303,6 +305,10 @@ def build_variant(name: str, *, mask=None, score=None, layout=None, scale=None, 
     v = ir.Variant(name=name, heads=heads, params=param_decls, inputs=input_decls, block=block,
                    dropout=None if dropout is None else float(dropout), normalize=normalize,
                    **fields)
+    if name.startswith("<"):  # a lambda's __name__, or a callable's without one
+        raise SpecError(f"{name!r} is not a name a variant can take (a lambda has none): pass "
+                        "one with name=, as in attncc.variant(lambda q, k: q >= k, "
+                        "name='causal')")
     try:
         return checker.check_variant(v)
     except SpecError as err:
@@ -337,14 +343,11 @@ def variant(_obj=None, *, name=None, heads=None, params=None, inputs=None, learn
                 raise SpecError(f"variant '{own_name}' declares its scale twice: in "
                                 f"scale={scale!r} and in its scale() function; keep one")
             parts["scale"] = scale
-        if name is not None and not isinstance(name, str):
-            raise SpecError(f"name= is the variant's name, a string; got {name!r}")
-        chosen = own_name if name is None else name
-        if name is None and not (isinstance(chosen, str) and chosen.isidentifier()):
-            raise SpecError(f"{chosen or type(obj).__name__!r} is not a name a variant can take "
-                            "(a lambda has none): pass one with name=, as in "
-                            "attncc.variant(lambda q, k: q >= k, name='causal')")
-        return build_variant(chosen, heads=heads, params=params, inputs=inputs,
+        if name is None:
+            name_of = own_name if own_name is not None else f"<{type(obj).__name__}>"
+        else:
+            name_of = name
+        return build_variant(name_of, heads=heads, params=params, inputs=inputs,
                              learnable=learnable, block=block, dropout=dropout,
                              normalize=normalize, **parts)
 
