@@ -132,7 +132,12 @@ def test_a_damaged_module_file_is_rewritten_not_imported(tmp_path, damages):
         assert path.read_text() == whole, f"{damage}: the damaged file was not rewritten"
 
 
-def test_a_warm_start_imports_the_cached_module_without_the_generator(tmp_path):
+@pytest.mark.parametrize("damages", [
+    ("{",),
+    # The other damages, each a process of its own: behind `slow`, for the suite's time.
+    pytest.param(("", '{"module": "elsewhere", "strategy": "", "sha256": "0"}'),
+                 marks=pytest.mark.slow)], ids=["truncated", "empty_and_elsewhere"])
+def test_a_warm_start_imports_the_cached_module_without_the_generator(tmp_path, damages):
     """The second process finds the module through the index (IR and generator hash),
     so it neither imports sympy nor renders the template; a damaged index is a miss."""
     cache = tmp_path / "cache"
@@ -144,7 +149,7 @@ def test_a_warm_start_imports_the_cached_module_without_the_generator(tmp_path):
     assert warm.returncode == 0, warm.stderr
     assert warm.stdout.split() == [cold.stdout.split()[0], "False"]
     (index,) = (cache / "modules" / "index").glob("cached-*.json")
-    for damage in ("", "{", '{"module": "elsewhere", "strategy": "", "sha256": "0"}'):
+    for damage in damages:
         index.write_text(damage)
         again = python(probe, cache)
         assert again.returncode == 0, (damage, again.stderr)
