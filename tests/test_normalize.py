@@ -174,7 +174,7 @@ def _scores(q, k):
     return q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
 
 
-@pytest.mark.parametrize("normalize", ["sum", "none"])
+@pytest.mark.parametrize("normalize", ["sum", pytest.param("none", marks=pytest.mark.slow)])
 def test_a_per_key_learnable_read_in_a_weight_gets_its_gradient(normalize):
     spec = (f"attention per_key {{ learnable input g: f32[b, h, k]  mask q >= k  "
             f"normalize {normalize}  weight sigmoid(s + g[b, h, k]) }}")
@@ -187,8 +187,8 @@ def test_a_per_key_learnable_read_in_a_weight_gets_its_gradient(normalize):
             inputs={"g": torch.randn(2, 3, 33, generator=gen, dtype=torch.float64) * 2})
 
 
-@pytest.mark.parametrize("normalize, weight", [("sum", "sigmoid"), ("none", "sigmoid"),
-                                               ("sum", "exp")])
+@pytest.mark.parametrize("normalize, weight", [
+    ("none", "sigmoid"), ("sum", "exp"), pytest.param("sum", "sigmoid", marks=pytest.mark.slow)])
 def test_a_relative_table_in_a_weight_leaves_dq_its_weights(normalize, weight):
     spec = (f"attention rel {{ learnable input tab: f32[h, 33]  normalize {normalize}  "
             f"weight {weight}(s + tab[h, min(max(q - k, -16), 16) + 16]) }}")
