@@ -114,7 +114,20 @@ LEARNABLE = {
     "t5_causal": """attention t5_causal { learnable input table: f32[h, 32] mask q >= k
         score s + table[h, where(q - k < 16, max(q - k, 0),
             min(16 + int(log(max(q - k, 16) / 16.0) / log(128.0 / 16.0) * 16.0), 31))] }""",
+    # Learnable reads inside a `weight` (session 24's fixes: a relative table's dQ lost its
+    # weights to the diagonal loop's variable; a per-key read under `sum` got no gradient).
+    "table_in_weight": """attention table_in_weight { learnable input tab: f32[h, 33]
+        mask q >= k  normalize none  weight sigmoid(s + tab[h, min(max(q - k, -16), 16) + 16]) }""",
+    "table_in_exp_sum": """attention table_in_exp_sum { learnable input tab: f32[h, 33]
+        normalize sum  weight exp(s + tab[h, min(max(q - k, -16), 16) + 16]) }""",
+    "key_gain_sum": """attention key_gain_sum { learnable input g: f32[b, h, k]  mask q >= k
+        normalize sum  weight sigmoid(s + g[b, h, k]) }""",
 }
+
+# A sink of -inf (off) on rows with no key: the first 40 queries of every head see nothing,
+# and every other head's sink is -inf (it gave NaN out, LSE and dK/dV before session 24).
+SINK_OFF = """attention sink_off_rows { learnable input sinks: f32[h]  sink sinks[h]
+    mask k + 40 <= q }"""
 
 
 def learned_inputs(variant) -> list:
@@ -155,6 +168,9 @@ def check_case(name, variant, *, B, Hq, Hkv, Lq, Lk, D, dtype, backward=False, q
     Dv = Dv or D
     p = Problem(B, Hq, Hkv, Lq, Lk, D, Dv, q_offset, k_offset)
     inputs = realistic_inputs(sample_inputs(variant, p, seed=seed, device=dev), Hq)
+    if name == "sink_off_rows":
+        inputs["sinks"] = inputs["sinks"].clone()
+        inputs["sinks"][::2] = float("-inf")
     learned = learned_inputs(variant) if backward else []
     for n in learned:
         inputs[n] = inputs[n].requires_grad_()
@@ -219,6 +235,7 @@ def correctness(args, dog):
     names = sorted(f[:-5] for f in os.listdir(EXAMPLES) if f.endswith(".attn"))
     variants = {n: attncc.parse_file(os.path.join(EXAMPLES, n + ".attn")) for n in names}
     variants.update({n: attncc.parse(spec) for n, spec in LEARNABLE.items()})
+    variants["sink_off_rows"] = attncc.parse(SINK_OFF)
     taken = {n: v for n, v in variants.items() if GLUON.supports(v) is None}
     bf, fp = torch.bfloat16, torch.float16
     few = ["full", "causal", "sliding_window", "alibi", "softcap", "document", "bigbird"]
@@ -251,7 +268,9 @@ def correctness(args, dog):
                   ("gpt_oss_sinks", dict(B=1, Hq=64, Hkv=8, Lq=300, Lk=300, D=64), bf, True),
                   ("gpt_oss_sinks", dict(B=1, Hq=64, Hkv=8, Lq=1, Lk=300, D=64), bf, False),
                   ("sigmoid_attention", dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128), bf, True),
-                  ("relu_attention", dict(B=1, Hq=3, Hkv=3, Lq=200, Lk=517, D=64), bf, True)]
+                  ("relu_attention", dict(B=1, Hq=3, Hkv=3, Lq=200, Lk=517, D=64), bf, True),
+                  ("sink_off_rows", dict(B=2, Hq=4, Hkv=2, Lq=300, Lk=300, D=128), bf, True),
+                  ("sink_off_rows", dict(B=1, Hq=3, Hkv=3, Lq=200, Lk=517, D=64), bf, True)]
         # v narrower than q·k: (192, 128) as 128 + 64 segments, the output through Q's
         # first segment's buffer; (128, 64), the output by plain stores.
         for n in ("full", "causal", "document", "alibi", "sliding_window", "gqa_causal"):
