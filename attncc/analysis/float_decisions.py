@@ -14,13 +14,15 @@ So the front ends warn (attncc.SpecWarning) at each comparison, and each roundin
 float to an integer (`floor`, `ceil`, `int`), in a `mask` or `layout` that reads a
 float the two precisions may hold differently: one computed by arithmetic or a float
 function, a constant or param float32 cannot hold, an f64 input. A float input of 32
-bits or fewer, a constant such as 0.5, and min, max, abs or where of them are the same
-in both, so `gate[k] > 0.5` gives no warning. Integers past 2**24, which float32
+bits or fewer, a constant such as 0.5, min, max, abs or where of them, and such a value
+scaled by a power of two are the same in both, so `gate[k] > 0.5` and `k <= q * 0.5`
+give no warning. Integers past 2**24, which float32
 rounds, are left alone: positions that large are rare. Scores, sinks and weights are
 not judged: a value that stays a value only rounds.
 """
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -87,7 +89,21 @@ def _rounded(e, variant: ir.Variant, types: dict) -> bool:
         # A sign or a choice between values: rounded only where a value is.
         return any(_rounded(k, variant, types) for k in kids
                    if types[id(k)] != ir.BOOL)
+    if isinstance(e, ir.BinOp) and _scaled_by_power_of_two(e, variant, types):
+        return False
     return True  # arithmetic, or a float function
+
+
+def _scaled_by_power_of_two(e: ir.BinOp, variant: ir.Variant, types: dict) -> bool:
+    """Whether e multiplies or divides an exact value by a constant power of two (`q *
+    0.5`, `k / 4.0`): only the exponent changes, the same in both precisions."""
+    sides = {"*": [(e.lhs, e.rhs), (e.rhs, e.lhs)], "/": [(e.lhs, e.rhs)]}.get(e.op, [])
+    return any(isinstance(c, ir.Const) and _power_of_two(c.value)
+               and not _rounded(x, variant, types) for x, c in sides)
+
+
+def _power_of_two(value) -> bool:
+    return value != 0 and math.isfinite(value) and abs(math.frexp(value)[0]) == 0.5
 
 
 def _float32_holds(value) -> bool:
