@@ -267,6 +267,28 @@ def test_rows_with_no_keys_give_zero_and_minus_infinity_without_nan():
     assert (k.grad[:, :, 6:] == 0).all()  # keys 6.. are seen by no query
 
 
+def test_a_row_of_minus_infinity_scores_is_empty_as_in_the_kernels():
+    """An additive float mask (`score s + bias`, the README's SDPA recipe) of -inf over a
+    whole row: the kernels give 0 and LSE -inf; the reference gave NaN in the row and
+    in every gradient. The formula: SDPA's softmax over the other rows, 0 in this one."""
+    variant = spec("input bias: f64[b, h, q, k]\n score s + bias[b, h, q, k]")
+    q, k, v = (t.requires_grad_() for t in qkv(1, 3, 3, 7, 9, 8))
+    bias = torch.randn(1, 3, 7, 9, dtype=torch.float64)
+    bias[:, 1, 4] = -math.inf
+    bias[:, :, 2, ::2] = -math.inf  # a row with some keys left
+    out, lse = attncc.reference(variant, q, k, v, bias=bias, return_lse=True)
+    s = q @ k.transpose(-1, -2) / math.sqrt(8) + bias
+    dead = torch.zeros(1, 3, 7, 1, dtype=torch.bool)
+    dead[:, 1, 4] = True
+    want = torch.where(dead, 0.0, torch.softmax(s.masked_fill(dead, 0.0), -1) @ v)
+    assert torch.allclose(out, want) and (lse[:, 1, 4] == -math.inf).all()
+    assert torch.isfinite(lse[~dead.squeeze(-1)]).all()
+    grads = torch.autograd.grad(out.sum() + out.pow(2).sum(), (q, k, v))
+    wgrads = torch.autograd.grad(want.sum() + want.pow(2).sum(), (q, k, v))
+    for g, w in zip(grads, wgrads):
+        assert torch.isfinite(g).all() and torch.allclose(g, w)
+
+
 def test_a_variant_that_masks_everything():
     q, k, v = (t.requires_grad_() for t in qkv(1, 2, 2, 5, 7, 4))
     out, lse = attncc.reference(spec("mask false"), q, k, v, return_lse=True)

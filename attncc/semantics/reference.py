@@ -121,11 +121,14 @@ def reference(variant: ir.Variant, q, k, v, /, *positional, return_lse: bool = F
         s = torch.as_tensor(evaluate(variant.score, {**env, "s": s}, float_dtype=dtype,
                                      gate=allowed), device=device).to(dtype)
         s = s.expand(p.batch, p.heads_q, p.len_q, p.len_k)
-    row_any = allowed.any(dim=-1, keepdim=True)  # [B, Hq, Lq, 1]
     if variant.normalize != ir.SOFTMAX:
         return _weighted(variant, s, allowed, v_full, env, return_lse, layout)
 
     neg_inf = torch.tensor(-math.inf, dtype=dtype, device=device)
+    # A score of -inf (an additive float mask's) attends to nothing, as a masked pair: a
+    # row whose scores are all -inf is empty, 0 with LSE -inf, as in the kernels.
+    allowed = allowed & (s != neg_inf)
+    row_any = allowed.any(dim=-1, keepdim=True)  # [B, Hq, Lq, 1]
     if variant.sink is None:
         # Empty rows would give exp(-inf - -inf) = NaN, in values and gradients alike: give
         # them finite stand-ins that no result reads.
