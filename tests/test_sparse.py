@@ -208,6 +208,30 @@ def test_index_list_checked_once_then_again_after_an_in_place_write():
         kernel(q, k, v, top=top)
 
 
+def test_inference_tensors_are_read_afresh_each_call():
+    """Under torch.inference_mode the mask's tensors have no version counter: the calls
+    crashed reading it. Tables and index-list checks are then not reused, so a write
+    between two calls is seen (the second call agrees with the reference on the new
+    values, and a bad list is refused)."""
+    doc_kernel = attncc.compile(EXAMPLES / "document.attn")
+    lists_kernel = attncc.compile(example("nsa_topk", **{"block  64": "block 16", "8]": "2]"}))
+    q, k, v = _qkv(H=2, L=40)
+    with torch.inference_mode():
+        doc = (torch.arange(40, device=DEVICE) // 10).to(torch.int32)
+        doc_kernel(q, k, v, doc_q=doc, doc_k=doc)
+        doc[:25] = 0  # documents 0 and 1 merge
+        out = doc_kernel(q, k, v, doc_q=doc, doc_k=doc)
+        want = attncc.reference(doc_kernel.variant, q.double(), k.double(), v.double(),
+                                doc_q=doc, doc_k=doc)
+        assert torch.allclose(out.double(), want, atol=1e-4)
+        top = torch.tensor([[0, -1], [0, 1], [1, 2]], dtype=torch.int32,
+                           device=DEVICE).expand(2, 2, 3, 2).clone()
+        lists_kernel(q, k, v, top=top)
+        top[0, 0, 2, 1] = 1
+        with pytest.raises(ValueError, match="lists tile 1 twice"):
+            lists_kernel(q, k, v, top=top)
+
+
 # ----------------------------------------------------------- tile tables the caller keeps
 def test_kept_tables_give_the_same_results_and_are_built_once_per_tile_size(monkeypatch):
     kernel = attncc.compile(PER_HEAD)

@@ -195,3 +195,17 @@ def test_packed_sequence_ids_are_not_reused_for_a_new_tensor_with_a_freed_ones_i
     first = 5
     new_ids = hf._packed_sequence_ids(info, new, 1, 8, 8)
     assert new_ids.tolist() == [[0, 0, 0, 0, 0, 1, 1, 1]]
+
+
+def test_packed_sequence_ids_of_an_inference_tensor_are_read_each_call():
+    """An inference tensor has no version counter (reading it crashed): its packing is
+    not kept, so a write between calls is seen."""
+    first = 3
+    separate = lambda b, h, q, kv: kv <= q and not (q >= first and kv < first)  # noqa: E731
+    info = hf.MaskInfo(1, 8, 8, 0, 0, None, separate, None, False)
+    with torch.inference_mode():
+        ids = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+        assert hf._packed_sequence_ids(info, ids, 1, 8, 8).tolist() == [[0, 0, 0, 1, 1, 1, 1, 1]]
+        ids[0, 3:] = torch.tensor([3, 4, 0, 1, 2])
+        first = 5
+        assert hf._packed_sequence_ids(info, ids, 1, 8, 8).tolist() == [[0, 0, 0, 0, 0, 1, 1, 1]]

@@ -138,8 +138,9 @@ def _packed_sequence_ids(info: MaskInfo, position_ids, batch: int, q_len: int, k
     # entry keeps a weak reference to the tensor it was computed from and is used only
     # while that same tensor, unchanged, is the one passed.
     given = position_ids
-    key = (id(given), given._version)
-    entry = info.sequence_ids.get(key)
+    # An inference tensor has no version counter to see a write by: never reused.
+    key = None if given.is_inference() else (id(given), given._version)
+    entry = info.sequence_ids.get(key) if key is not None else None
     if entry is None or entry[0]() is not given:
         position_ids = position_ids.expand(batch, -1)
         # A new sequence starts wherever the position does not follow the previous one.
@@ -153,9 +154,10 @@ def _packed_sequence_ids(info: MaskInfo, position_ids, batch: int, q_len: int, k
             index = lambda i: torch.tensor(i, device=position_ids.device)
             separated = not bool(info.mask_function(index(b), index(0), index(first),
                                                     index(first - 1)))
-        info.sequence_ids[key] = (weakref.ref(given),
-                                  ids.contiguous() if separated else None)
-    return info.sequence_ids[key][1]
+        entry = (weakref.ref(given), ids.contiguous() if separated else None)
+        if key is not None:
+            info.sequence_ids[key] = entry
+    return entry[1]
 
 
 class _Attention:

@@ -328,8 +328,11 @@ class Kernel:
         freed has the same address and version 0, and would skip its check."""
         for name, tile in self._index_lists.items():
             t = inputs[name]
-            owner = t if t._base is None else t._base
             n_tiles = axis_extent(tile, self.variant, p)
+            if t.is_inference():  # no version counter to see a write by: checked every call
+                check_index_list(name, t, n_tiles)
+                continue
+            owner = t if t._base is None else t._base
             key = (name, _state(t), n_tiles)
             checked = self._checked_lists.get(key)
             if checked is not None and checked() is owner:
@@ -526,7 +529,8 @@ class TileTables:
     kept here. A call whose shapes differ, or whose mask or layout tensors are other
     tensors or were written in place since (their version counter moved), is refused:
     such tables would skip the wrong tiles. A write that bypasses the version counter
-    is not seen: keeping the tables is the caller's promise that there is none."""
+    (or to an inference tensor, which has none) is not seen: keeping the tables is the
+    caller's promise that there is none."""
 
     def __init__(self, kernel: Kernel, problem, inputs: dict, device):
         self.kernel, self.problem, self.device = kernel, problem, device
@@ -582,7 +586,10 @@ def _signature(t) -> tuple:
 
 
 def _state(t: torch.Tensor) -> tuple:
-    return (t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype, str(t.device))
+    # An inference tensor has no version counter: kept tables built from one stand on its
+    # address, shape and strides, and on the caller's promise not to write it.
+    version = None if t.is_inference() else t._version
+    return (t.data_ptr(), version, tuple(t.shape), t.stride(), t.dtype, str(t.device))
 
 
 def _sizes(p) -> tuple:
