@@ -280,6 +280,27 @@ def test_deterministic_true_refuses_what_would_add_with_atomics():
         kernel(q, k, v, sb=sb, z=z, deterministic=1)
 
 
+def test_use_deterministic_algorithms_refuses_atomics_as_deterministic_true_does():
+    """PyTorch's contract for the global flag: an op without a deterministic form raises
+    (warns under warn_only). A learnable read added with atomics ran silently under it."""
+    kernel = attncc.compile("attention a { learnable input z: f32[h] score s + z[h // 2] }")
+    q, k, v = (torch.randn(1, 3, 8, 16, device=DEVICE) for _ in range(3))
+    z = torch.randn(3, device=DEVICE, requires_grad=True)
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        for argument in (None, False):
+            with pytest.raises(CallError, match=r"use_deterministic_algorithms\(True\).*'z'"):
+                kernel(q, k, v, z=z, deterministic=argument)
+        kernel(q, k, v, z=z.detach())  # no gradient to add: nothing to refuse
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with pytest.warns(UserWarning, match=r"use_deterministic_algorithms\(True\).*'z'"):
+            kernel(q, k, v, z=z)
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+    kernel(q, k, v, z=z)  # the flag off: the default adds them with atomics, as documented
+
+
 def test_deterministic_true_names_a_weights_read_too():
     # Under `normalize none` the learnable reads are in `weight`, not in a score: the
     # refusal must find them there (it once looked in the score alone and found none).

@@ -10,6 +10,7 @@ the backend and tile sizes that run it (runtime/tuning.py), forward and backward
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 
 import torch
@@ -286,11 +287,16 @@ class Kernel:
             self._checked_calls[key] = p
         return p
 
-    def check_deterministic(self, p, inputs):
-        """deterministic=True: a CallError naming the first learnable input that takes
-        gradients whose backward for this call would add with fp32 atomics (its read has
-        no owning program, attncc/analysis/gradient_owners.py, or its partials exceed the
-        call's budget). Shapes only: torch.compile runs it at trace time."""
+    def check_deterministic(self, p, inputs, deterministic):
+        """deterministic=True, or torch.use_deterministic_algorithms(True) whatever the
+        argument says (PyTorch's contract for the flag): a CallError naming the first
+        learnable input that takes gradients whose backward for this call would add with
+        fp32 atomics (its read has no owning program, attncc/analysis/gradient_owners.py,
+        or its partials exceed the call's budget); under the flag's warn_only, a warning.
+        Shapes only: torch.compile runs it at trace time."""
+        globally = torch.are_deterministic_algorithms_enabled()
+        if not (deterministic or globally):
+            return
         if not (torch.is_grad_enabled() and self.variant.learnable_inputs):
             return
         atomic = self.module.atomic_reads(p.batch, p.heads_q, p.len_q, p.len_k, inputs)
@@ -316,9 +322,18 @@ class Kernel:
                        "that is not b, h, q, k, a constant, or one axis of at most "
                        f"{gradient_owners.MAX_TABLE_SLOTS} entries read through q and k)")
                 fix = "index it plainly (as README's 'Deterministic gradients' lists)"
-            raise CallError(f"deterministic=True, but the gradient of learnable input '{name}' "
-                            f"would be added with fp32 atomics, which are not bit-reproducible: "
-                            f"{why}; {fix}, or call with deterministic=False")
+            if deterministic:
+                raise CallError(f"deterministic=True, but the gradient of learnable input "
+                                f"'{name}' would be added with fp32 atomics, which are not "
+                                f"bit-reproducible: {why}; {fix}, or call with "
+                                "deterministic=False")
+            message = (f"torch.use_deterministic_algorithms(True) is on, but the gradient of "
+                       f"learnable input '{name}' would be added with fp32 atomics, which are "
+                       f"not bit-reproducible: {why}; {fix}, or turn the flag off for this call")
+            if torch.is_deterministic_algorithms_warn_only_enabled():
+                warnings.warn(message, UserWarning, stacklevel=3)
+                return
+            raise CallError(message)
 
     def check_index_lists(self, p, inputs):
         """Index lists must hold distinct tile indices in range. Checking reads the values
@@ -369,8 +384,7 @@ class Kernel:
                                             k_offset=k_offset, tables=tables, layout=layout,
                                             deterministic=deterministic, **inputs)
         p = self._check_call_once(q, k, v, inputs, q_offset, k_offset, layout)
-        if deterministic:
-            self.check_deterministic(p, inputs)
+        self.check_deterministic(p, inputs, deterministic)
         if tables is not None:
             if not isinstance(tables, TileTables):
                 raise CallError(f"tables must come from kernel.tile_tables(...), got "
