@@ -274,6 +274,12 @@ def check_input_names(variant: ir.Variant, inputs: dict):
         if name in SDPA_KEYWORDS:
             raise CallError(f"{name}= is an argument of scaled_dot_product_attention, not of an "
                             f"attncc call: {SDPA_KEYWORDS[name](inputs[name])}")
+    for name in extra:
+        # A keyword of another call (kernel.check(..., return_lse=True), decode's layout=):
+        # the did-you-mean below would offer the very name given.
+        if name in call_keywords():
+            raise CallError(f"{name}= is an option of {call_keywords()[name]}, which this call "
+                            "does not take; leave it out here")
     if extra:
         # A misspelt input or call keyword (`retrun_lse=`, `q_ofset=`) lands here too.
         known = [*declared, *call_keywords()]

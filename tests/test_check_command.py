@@ -207,6 +207,21 @@ def test_kernel_check_on_your_own_inputs(recwarn):
         kernel.check(q, k, v, dout=torch.randn(1, 2, 13, 8), bias=bias)
 
 
+def test_kernel_check_takes_the_calls_offsets_and_layout():
+    """A chunk at q_offset 8 of a windowed causal mask, in (batch, seq, heads, dim): check()
+    refused q_offset= and layout= with "did you mean" the same name. The kernel and both
+    references must read the same positions, or the window's edge differs."""
+    kernel = attncc.compile("attention w { mask q >= k and q - k < 6 }")
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, n, 2, 16, generator=gen) for n in (13, 21, 21))
+    report = kernel.check(q, k, v, q_offset=8, layout="bshd")
+    assert report.ok, report
+    assert [r[0] for r in report.rows] == ["out", "lse", "dq", "dk", "dv"]
+    with pytest.raises(CallError, match=r"return_lse= is an option of the kernel call, which "
+                                        r"this call does not take"):
+        kernel.check(q, k, v, return_lse=True, layout="bshd")
+
+
 def test_a_shape_too_large_to_evaluate_densely_gives_no_warning_rather_than_stalling():
     variant = _window(100_000)
     big = Problem(2, 8, 8, 2048, 4096, 16, 16)  # 8 x 2048 x 4096 pairs: over the cap

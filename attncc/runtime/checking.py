@@ -38,13 +38,13 @@ def poisoned_allocations():
             deterministic.fill_uninitialized_memory = was_fill
 
 
-def _run_attention(fn, variant, q, k, v, inputs, dout):
+def _run_attention(fn, variant, q, k, v, inputs, dout, offsets):
     """(results {name: tensor}) of fn = kernel or reference: out, lse, dq, dk, dv, d<input>."""
     learn = [d.name for d in variant.learnable_inputs]
     kwargs = {"dropout_seed": CHECK_DROPOUT_SEED} if variant.dropout else {}
     # `normalize none` has no LSE (return_lse is refused): only the output is checked.
     with_lse = variant.normalize != ir.UNNORMALIZED
-    result = fn(q, k, v, return_lse=with_lse, layout="bhsd", **kwargs, **inputs)
+    result = fn(q, k, v, return_lse=with_lse, layout="bhsd", **offsets, **kwargs, **inputs)
     out, lse = result if with_lse else (result, None)
     wrt = [q, k, v] + [inputs[n] for n in learn]
     grads = torch.autograd.grad(out, wrt, dout, allow_unused=True)
@@ -59,10 +59,12 @@ def _leaf(t: torch.Tensor, dtype=None, grad=False) -> torch.Tensor:
     return t.requires_grad_(grad)
 
 
-def compare(variant, kernel, q, k, v, dout, inputs, *, progress=None) -> list:
+def compare(variant, kernel, q, k, v, dout, inputs, *, progress=None, q_offset: int = 0,
+            k_offset: int = 0) -> list:
     """Rows (tensor, err_kernel, err_eager, ok) of the kernel's out, lse and gradients
     against attncc.reference in float64, held to twice the error of the reference in
     q's dtype (eager) plus slack. q, k, v: (batch, heads, len, dim)."""
+    offsets = dict(q_offset=q_offset, k_offset=k_offset)
     from ..semantics.reference import reference, scale_value
     dtype, dim = q.dtype, q.shape[-1]
     learnable = {d.name for d in variant.learnable_inputs}
@@ -83,18 +85,18 @@ def compare(variant, kernel, q, k, v, dout, inputs, *, progress=None) -> list:
     def run_kernel():
         (kq, kk, kv), kin = case(dtype, None)
         with poisoned_allocations():  # its first use imports much of torch: timed with it
-            return _run_attention(kernel, variant, kq, kk, kv, kin, dout)
+            return _run_attention(kernel, variant, kq, kk, kv, kin, dout, offsets)
 
     got = timed("kernel", run_kernel)
     (rq, rk, rv), rin = case(torch.float64, torch.float64)
     truth = timed("float64 reference", lambda: _run_attention(ref_fn, variant, rq, rk, rv, rin,
-                                                              dout.double()))
+                                                              dout.double(), offsets))
     (eq, ek, ev), ein = case(dtype, None)
     eager = timed(f"{_dtype_name(dtype)} reference",
-                  lambda: _run_attention(ref_fn, variant, eq, ek, ev, ein, dout))
+                  lambda: _run_attention(ref_fn, variant, eq, ek, ev, ein, dout, offsets))
     scales = gradient_scales(rq, rk, truth["out"], dout, scale_value(variant, dim, v.shape[-1]),
                              q.shape[1] // k.shape[1])
-    scales.update(input_gradient_scales(variant, rq, rk, rv, truth["out"], dout, rin))
+    scales.update(input_gradient_scales(variant, rq, rk, rv, truth["out"], dout, rin, **offsets))
     rows = []
     for name in truth:
         e_k = max_abs_error(got[name], truth[name])
@@ -132,19 +134,26 @@ class CheckReport:
                           verdict])
 
 
-def check_tensors(kernel, q, k, v, inputs: dict, *, dout=None, seed: int = 0) -> CheckReport:
+def check_tensors(kernel, q, k, v, inputs: dict, *, dout=None, seed: int = 0, q_offset: int = 0,
+                  k_offset: int = 0, layout: str | None = None) -> CheckReport:
     """kernel.check: the kernel against the float64 reference on the caller's q, k, v
-    (batch, heads, len, dim) and inputs, with dO drawn from `seed` unless given."""
+    and inputs, at their offsets and in their layout as a call takes them, with dO (q's
+    shape) drawn from `seed` unless given."""
+    from ..arguments import as_bhsd
     from ..errors import CallError
     from ..semantics.unexercised import unexercised_params
-    p = kernel.check_call(q, k, v, inputs, 0, 0)
+    p = kernel.check_call(q, k, v, inputs, q_offset, k_offset, layout)
     if dout is None:
         gen = torch.Generator().manual_seed(seed)
         dout = torch.randn(q.shape, generator=gen, dtype=torch.float64).to(q.dtype).to(q.device)
     elif not isinstance(dout, torch.Tensor) or dout.shape != q.shape:
         raise CallError(f"dout must be a tensor shaped like q {tuple(q.shape)}, got "
                         f"{tuple(dout.shape) if isinstance(dout, torch.Tensor) else type(dout).__name__}")
-    rows = compare(kernel.variant, kernel, q, k, v, dout.to(q.dtype), inputs)
+    # The same attention read as (batch, heads, len, dim) views: what compare() takes.
+    layout = layout or "bhsd"  # a call that did not say, and that check_call let through
+    q, k, v, dout = (as_bhsd(t, layout) for t in (q, k, v, dout))
+    rows = compare(kernel.variant, kernel, q, k, v, dout.to(q.dtype), inputs, q_offset=q_offset,
+                   k_offset=k_offset)
     notes = unexercised_params(kernel.variant, [(p, {n: t.cpu() for n, t in inputs.items()})])
     for note in notes:
         warnings.warn(f"attncc check: {note}", stacklevel=3)

@@ -419,13 +419,16 @@ class Kernel:
         out = as_bhsd(out, layout)
         return (out, lse) if return_lse else out
 
-    def check(self, q, k, v, /, *, dout=None, seed: int = 0, **inputs):
-        """This kernel against attncc.reference (float64) on your own q, k, v (batch,
-        heads, len, dim) and inputs, forward and backward, held to `attncc check`'s rule;
-        dO is drawn from `seed` unless given. Returns a CheckReport (.ok, .failed, .rows;
-        print it for the table) and warns about params these lengths never exercise."""
+    def check(self, q, k, v, /, *, dout=None, seed: int = 0, q_offset: int = 0,
+              k_offset: int = 0, layout: str | None = None, **inputs):
+        """This kernel against attncc.reference (float64) on your own q, k, v and inputs,
+        at the offsets and in the layout a call would take them, forward and backward,
+        held to `attncc check`'s rule; dO (q's shape) is drawn from `seed` unless given.
+        Returns a CheckReport (.ok, .failed, .rows; print it for the table) and warns
+        about params these lengths never exercise."""
         from .checking import check_tensors
-        return check_tensors(self, q, k, v, inputs, dout=dout, seed=seed)
+        return check_tensors(self, q, k, v, inputs, dout=dout, seed=seed, q_offset=q_offset,
+                             k_offset=k_offset, layout=layout)
 
     def tuning_inputs(self, p, inputs: dict, device, tables=None) -> tuple:
         """The tuner's (context, density, shape_density) for a call (tuning.choose).
