@@ -286,12 +286,23 @@ def test_a_bad_block_table_entry_cannot_fault():
     assert bool(torch.isfinite(out).all())
 
 
-def test_decode_builds_no_graph():
-    kernel = attncc.compile(CAUSAL)
+def test_decode_builds_no_graph_and_a_backward_through_it_raises():
+    """Decoding has no gradients. A backward reaching its output left q's and the
+    learnable slopes' .grad silently empty (the rest of the loss still flowed); it
+    raises now. Under no_grad, or with nothing asking, the output has no graph."""
+    kernel = attncc.compile(ALIBI)
     q = torch.randn(1, 2, 1, 16, device=DEVICE, requires_grad=True)
     k, v = torch.randn(1, 2, 16, 16, device=DEVICE), torch.randn(1, 2, 16, 16, device=DEVICE)
-    out = kernel.decode(q, k, v, cache_seqlens=9)
-    assert not out.requires_grad and out.grad_fn is None
+    slopes = torch.rand(2, device=DEVICE)
+    out, lse = kernel.decode(q, k, v, cache_seqlens=9, slopes=slopes, return_lse=True)
+    want = kernel.decode(q.detach(), k, v, cache_seqlens=9, slopes=slopes)
+    assert torch.equal(out.detach(), want) and want.grad_fn is None
+    with pytest.raises(CallError, match="kernel.decode, which is inference only"):
+        (out.sum() + (q ** 2).sum()).backward()
+    with pytest.raises(CallError, match="kernel.decode, which is inference only"):
+        lse.sum().backward()
+    with torch.no_grad():
+        assert kernel.decode(q, k, v, cache_seqlens=9, slopes=slopes).grad_fn is None
 
 
 # ------------------------------------------------------------------------- errors

@@ -480,9 +480,49 @@ class DecodeOptions(CallRecord):
                     rows_before_start=self.rows_before_start)
 
 
+class _NoBackward(torch.autograd.Function):
+    """The output of a decode call some of whose tensors ask for gradients: decoding
+    builds no graph of its own, so a backward reaching it raises instead of leaving their
+    .grad silently empty."""
+
+    @staticmethod
+    def forward(ctx, out, *asking):
+        return out.clone()  # a decode step's output: (B, H, n_q, D), small
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise CallError("a backward reached the output of kernel.decode, which is inference "
+                        "only and has no gradients: call kernel(q, k, v, ...) where gradients "
+                        "are wanted, or decode under torch.no_grad()")
+
+
+def _without_backward(result, return_lse: bool, tensors: list):
+    """`result` (out, or (out, lse)) whose out raises on backward, where grad mode is on
+    and one of `tensors` requires grad; else `result` as it is."""
+    asking = [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not (asking and torch.is_grad_enabled()):
+        return result
+    if return_lse:
+        return _NoBackward.apply(result[0], *asking), _NoBackward.apply(result[1], *asking)
+    return _NoBackward.apply(result, *asking)
+
+
 def decode(kernel, q, k_cache, v_cache, /, *, cache_seqlens=None, k_new=None, v_new=None,
            block_table=None, return_lse: bool = False, num_splits: int | None = None,
            config: dict | None = None, rows_before_start: bool = False, **inputs):
+    """See Kernel.decode: _decode_call's result, whose output raises on backward where a
+    tensor of the call asks for gradients."""
+    result = _decode_call(kernel, q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k_new,
+                          v_new=v_new, block_table=block_table, return_lse=return_lse,
+                          num_splits=num_splits, config=config,
+                          rows_before_start=rows_before_start, **inputs)
+    return _without_backward(result, return_lse is True,
+                             [q, k_cache, v_cache, k_new, v_new, *inputs.values()])
+
+
+def _decode_call(kernel, q, k_cache, v_cache, /, *, cache_seqlens=None, k_new=None, v_new=None,
+                 block_table=None, return_lse: bool = False, num_splits: int | None = None,
+                 config: dict | None = None, rows_before_start: bool = False, **inputs):
     """See Kernel.decode. An eager call like an earlier one (plan_key) runs that call's
     launch plan at once. Otherwise the call is checked here (what torch.compile traces:
     shapes, dtypes, devices and ints, no tensor values); an eager one then makes its plan
