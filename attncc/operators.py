@@ -101,6 +101,15 @@ def arithmetic(node, types, scope):
     return INT if all(t == INT for t in types) else FLOAT
 
 
+def floor_division(node, types, scope):
+    """`//` of integers: Triton's `//` takes no floats (and a float quotient floored is
+    floor(a / b), which says so)."""
+    if arithmetic(node, types, scope) == FLOAT:
+        raise SpecError("'//' takes integers, and one side here is a float; write "
+                        "floor(a / b) for the floor of a float quotient")
+    return INT
+
+
 def true_division(node, types, scope):
     arithmetic(node, types, scope)
     return FLOAT
@@ -506,7 +515,7 @@ OPERATORS = {e.name: e for e in [
             "(({0}) * 1.0 / ({1}))", "(torch.as_tensor({0}) * 1.0 / ({1}))",
             ("__truediv__", "__rtruediv__"), doc="true division, in floating point"),
     # // and % have no derivative, and the loop bounds leave them to the tile classes.
-    _binary("//", arithmetic, _floor_division, None, _floordiv_bounds, "_fdiv({0}, {1})",
+    _binary("//", floor_division, _floor_division, None, _floordiv_bounds, "_fdiv({0}, {1})",
             "_h_fdiv({0}, {1})", ("__floordiv__", "__rfloordiv__"), helpers=("_fdiv",),
             host_helpers=("_h_fdiv",), doc="floor division"),
     _binary("%", arithmetic, _remainder, None, _mod_bounds, "_mod({0}, {1})",

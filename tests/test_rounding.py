@@ -147,6 +147,25 @@ def test_rounding_of_negative_and_positive_numbers_in_kernel_and_reference(fn):
     torch.testing.assert_close(got.double().cpu(), want, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("divided, want", [
+    ("n // 2", -4), ("7 // -2", -4), ("-7 // 2", -4), ("(dim - 21) // 3", -2), ("n % 2 - 2", -1)])
+def test_floor_division_of_constants_floors_once_in_the_kernels(divided, want):
+    """`//` of two compile-time constants (a param, dim, literals): Triton floors those
+    as Python does, and the kernels' helper, written for its truncating `//` on tensors,
+    floored them again (-7 // 2 gave -5). One key per row, k = q + want: row 10 must be
+    v's row 10 + want, as the independent formula says."""
+    spec = f"attention probe {{ param n: int = -7  mask k - q == {divided} }}"
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 1, 20, 16, generator=gen) for _ in range(3))
+    out = attncc.compile(spec)(*(t.to(DEVICE) for t in (q, k, v))).cpu()
+    torch.testing.assert_close(out[0, 0, 10], v[0, 0, 10 + want], rtol=0, atol=1e-6)
+
+
+def test_floor_division_of_a_float_is_refused_with_the_floor_to_write():
+    with pytest.raises(SpecError, match=r"'//' takes integers.*floor\(a / b\)"):
+        attncc.parse("attention f { score s + (q - k) // 2.5 }")
+
+
 def test_a_mask_with_floor_skips_tiles_correctly():
     # Blocks of 5 positions, causal between blocks: the tile classification cannot
     # reason about floor, and must then visit, never skip, the tiles it needs.
