@@ -91,3 +91,26 @@ def test_a_slope_gradient_that_is_exactly_zero_keeps_only_rounding_noise():
     assert torch.equal(ref[-1], torch.zeros(2, dtype=torch.float64))
     _finite("dslope", got[-1])
     assert got[-1].abs().max() < 1e-2  # noise, not a gradient
+
+
+@pytest.mark.parametrize("spec, q_offset", [
+    ("attention quad { score s * (q - k) * (q - k) * 0.0000000001 }", 50_000),
+    ("attention cubic { score s * (q - k) * (q - k) * (q - k) * 0.0000000001 }", 2_000),
+])
+def test_a_derivatives_integer_products_do_not_wrap(spec, q_offset):
+    """d score / d s = 1e-10 (q - k)**2 is a product the forward never forms: printed as
+    an int32 product it wrapped past |q - k| = 46340 (the cube past 1290), and dq, dk were
+    wrong while the forward was right. Against the float64 reference."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 9, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    kernel = attncc.compile(spec)
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    out = kernel(*leaves, q_offset=q_offset)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(out, leaves, dout.float())
+    refs = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(attncc.reference(kernel.variant, *refs, q_offset=q_offset), refs, dout)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        _finite(name, g)
+        torch.testing.assert_close(g.double(), w, rtol=0, atol=1e-4 * (1 + w.abs().max().item()),
+                                   msg=lambda m: f"{name}: {m}")

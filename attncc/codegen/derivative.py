@@ -17,6 +17,7 @@ import sympy
 from .. import ir
 from ..analysis.symbolic import NotSymbolic, ToSympy, operation_of
 from ..errors import SpecError
+from ..frontend.checker import Scope, check_expr
 from ..operators import FUNCTIONS, OPERATORS
 from .elementwise import TritonEmitter
 from .printed import Code, Printer
@@ -38,6 +39,8 @@ class _Score(ToSympy):
         self.learnable = {i.name for i in variant.learnable_inputs}
         self.values: dict = {}  # sympy symbol name -> IR subtree (opaque values)
         self.loads: dict = {}  # symbol -> ir.Load (learnable)
+        self.scope = Scope("score", {p.name: p for p in variant.params},
+                           {i.name: i for i in variant.inputs})
 
     def _depends(self, e) -> bool:
         return any((isinstance(n, ir.Var) and n.name == "s") or
@@ -46,10 +49,16 @@ class _Score(ToSympy):
     def _symbol(self, e, table, prefix):
         for sym, node in table.items():
             if node == e:
-                return sympy.Symbol(sym, real=True)
+                return self._named(sym, node)
         name = f"{prefix}{len(table)}"
         table[name] = e
-        return sympy.Symbol(name, real=True)
+        return self._named(name, e)
+
+    def _named(self, name: str, e):
+        """The symbol of opaque value e: an integer one where the language types it so
+        (the printer forms products of those in float: see _TritonPrinter.Mul)."""
+        integer = not isinstance(e, ir.Load) and check_expr(e, self.scope) == ir.INT
+        return sympy.Symbol(name, integer=True) if integer else sympy.Symbol(name, real=True)
 
     def __call__(self, e):
         if not self._depends(e):
@@ -91,6 +100,15 @@ class _TritonPrinter(Printer):
         self.opaque_code = opaque_code
         self.emit = emit  # spells the language's functions as the forward's code does
         self.computed = computed
+        # Products and powers of integers are new in a derivative ((q - k)**2 from s * (q -
+        # k)**2 / 2): the range analysis never saw them, so they are formed in float, as the
+        # forward's values are, where int32 would wrap. In a comparison they stay exact.
+        self.in_relation = 0
+
+    def _in_float(self, x) -> list:
+        """["1.0"], to start the product x with, where x is a product of integers outside
+        a comparison; else []."""
+        return ["1.0"] if x.is_integer and not self.in_relation else []
 
     def __call__(self, x) -> str:
         if self.computed is not None and x == self.computed[0]:
@@ -123,16 +141,19 @@ class _TritonPrinter(Printer):
         num, den = [], []
         for a in x.args:
             if isinstance(a, sympy.Pow) and a.exp.is_Number and a.exp < 0:
-                den.append(self(sympy.Pow(a.base, -a.exp)))
+                den.append(sympy.Pow(a.base, -a.exp))
             else:
-                num.append(self(a))
-        text = " * ".join(num) if num else "1.0"
-        return f"({text})" if not den else f"({text} / ({' * '.join(den)}))"
+                num.append(a)
+        text = " * ".join(self._in_float(sympy.Mul(*num)) + [self(a) for a in num]) if num else "1.0"
+        if not den:
+            return f"({text})"
+        under = sympy.Mul(*den)
+        return f"({text} / ({' * '.join(self._in_float(under) + [self(a) for a in den])}))"
 
     def Pow(self, x):
         base, e = x.base, x.exp
         if e.is_Integer and 0 < e <= 4:
-            return "(" + " * ".join([self(base)] * int(e)) + ")"
+            return "(" + " * ".join(self._in_float(x) + [self(base)] * int(e)) + ")"
         if e.is_Integer and e < 0:
             return f"(1.0 / {self(sympy.Pow(base, -e))})"
         if e == sympy.Rational(1, 2):
@@ -171,7 +192,11 @@ class _TritonPrinter(Printer):
         """A relation, or a function of the language (exp, Abs, Min, ...)."""
         relation = _RELATIONS.get(type(x).__name__)
         if relation is not None:
-            return OPERATORS[relation].triton.format(self(x.args[0]), self(x.args[1]))
+            self.in_relation += 1
+            try:
+                return OPERATORS[relation].triton.format(self(x.args[0]), self(x.args[1]))
+            finally:
+                self.in_relation -= 1
         entry = operation_of(x)
         if entry is None:
             raise SpecError(f"internal: no Triton form for sympy {type(x).__name__} in a score derivative")
