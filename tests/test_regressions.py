@@ -457,3 +457,13 @@ def test_an_index_list_at_a_checked_lists_address_is_checked_again():
     assert again.data_ptr() == checked.data_ptr() and again._version == checked._version
     with pytest.raises(attncc.CallError, match="top"):
         kernel(q, k, v, top=again)
+
+
+@pytest.mark.parametrize("score", ["s * 2.718281828459045", "2.0 * tanh(s * 0.36787944117144233)",
+                                   "s * 0.7071067811865476"])
+def test_a_float_constant_near_e_or_a_surd_has_a_derivative_to_print(score):
+    """The backward's derivative read float constants through sympy.nsimplify, which made
+    e of 2.718281828459045 (and sqrt(2)/2 of 0.7071...) and then had no Triton form: a
+    SpecError at compile time for a score the reference computes."""
+    compare(attncc.parse(f"attention e {{ mask q >= k  score {score} }}"), B=1, H=2, Lq=19,
+            Lk=19, D=16)

@@ -63,7 +63,9 @@ class _Score(ToSympy):
     def __call__(self, e):
         if not self._depends(e):
             if isinstance(e, ir.Const) and e.type != ir.BOOL:
-                return sympy.nsimplify(e.value) if e.type == ir.FLOAT else sympy.Integer(e.value)
+                # The float's exact value: nsimplify turned 2.718281828459045 into E and
+                # 0.7071... into sqrt(2)/2, which have no Triton form.
+                return sympy.Rational(e.value) if e.type == ir.FLOAT else sympy.Integer(e.value)
             return self._symbol(e, self.values, "_C")
         return super().__call__(e)
 
