@@ -139,6 +139,20 @@ def test_floats_past_float32_are_refused_where_they_are_written():
         attncc.variant(big)
 
 
+@pytest.mark.parametrize("text, shown", [
+    ("attention t { scale 1e20 * 1e20 }", r"`1e\+20 \* 1e\+20` \(1e\+40\)"),
+    ("attention t { score s * exp(100.0) }", r"`exp\(100.0\)` \(2.69e\+43\)"),
+    ("attention t { param c: float = 1e30\n mask q >= k\n score s - c * c * where(q >= k, 0.0, 1.0) }",
+     r"`c \* c` \(1e\+60\)"),
+])
+def test_constant_float_expressions_past_float32_are_refused_too(text, shown):
+    """Not only literals: an operation of constants beyond float32 is inf in the kernels
+    (NaN after) and finite in the reference. Constants within range stay accepted."""
+    with pytest.raises(attncc.SpecError, match=shown + r" is beyond float32's range"):
+        attncc.parse(text)
+    attncc.parse("attention t { scale 1e19 * 1e19 score s * exp(80.0) }")
+
+
 def test_where_and_loads():
     e = score_of("where(q >= k, s + t[h, k], s)", "input t: f32[h, k]")
     assert e == ir.Where(ir.Cmp(">=", Q, K), ir.BinOp("+", S, ir.Load("t", (H, K))), S)

@@ -158,7 +158,28 @@ class _Types(ir.Visitor):
             entry = entry_of(node)
         except (TypeError, KeyError):
             raise SpecError(f"internal: {node!r} is no operation of the language") from None
-        return entry.types(node, child_types, self.scope)
+        t = entry.types(node, child_types, self.scope)
+        if t == ir.FLOAT:
+            _check_constant_float(node, self.scope)
+        return t
+
+
+def _check_constant_float(node, scope: Scope):
+    """A float operation of constants alone (`1e20 * 1e20`, `exp(100.0)`) beyond float32's
+    range is refused as a literal is: the kernels compute it in float32 (inf, and NaN
+    after), the reference in float64."""
+    if ir.free_vars(node) or any(isinstance(n, ir.Load) for n in ir.walk(node)):
+        return
+    from ..semantics.evaluate import evaluate  # imported here: it needs torch
+    env = {"params": {p.name: p.value for p in scope.params.values()}, "inputs": {}}
+    try:
+        if any(isinstance(n, ir.BinOp) and n.op in ("/", "//", "%")
+               and float(evaluate(n.rhs, env)) == 0 for n in ir.walk(node)):
+            return  # a division by zero: the range analysis names it
+        value = float(evaluate(node, env))
+    except (ArithmeticError, ValueError, TypeError):
+        return
+    check_float32(value, f"`{ir.print_expr(node)}` ({value:.3g})")
 
 
 def _type_of_member(node: ir.Member, child_types: list, scope: Scope) -> str:
