@@ -397,3 +397,23 @@ def test_the_cli_shows_tuning_progress(monkeypatch, tmp_path, capsys):
     assert "attncc: tuned logged" in capsys.readouterr().err
     assert not logging.getLogger("attncc").handlers, "the CLI's handler is removed after"
 
+
+
+def test_interpreter_switched_on_after_triton_was_imported_is_named():
+    """The CPU advice (set TRITON_INTERPRET=1) followed after triton is already imported
+    crashed deep in Triton ("0 active drivers", or "Cannot call @triton.jit'd outside of
+    the scope of a kernel"): Triton reads the variable as it imports."""
+    import subprocess
+    script = ("import triton, os\n"
+              "os.environ['TRITON_INTERPRET'] = '1'\n"
+              "import torch, attncc\n"
+              "q = torch.randn(1, 1, 8, 16)\n"
+              "try:\n"
+              "    attncc.compile('attention c { mask q >= k }')(q, q, q)\n"
+              "except attncc.CallError as e:\n"
+              "    print('CallError:', e)\n")
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert "CallError: TRITON_INTERPRET=1 was set after triton was imported" in done.stdout, (
+        done.stdout + done.stderr)

@@ -31,11 +31,24 @@ def check_kernel_device(q) -> None:
         raise CallError("q is on the meta device, which holds no values for a kernel to read; "
                         "for the output's shape and dtype alone, call under "
                         "torch._subclasses.fake_tensor.FakeTensorMode or torch.compile")
+    if q.device.type == "cuda":
+        return
     # Triton itself reads the environment to decide whether CPU tensors can run.
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if os.environ.get("TRITON_INTERPRET") != "1":
         raise CallError(f"q is on {q.device}, but attncc kernels run on CUDA GPUs; move the "
-                        "tensors with .cuda(), or set TRITON_INTERPRET=1 to run the kernels "
-                        "(slowly) under the Triton interpreter on the CPU")
+                        "tensors with .cuda(), or set TRITON_INTERPRET=1 before triton is "
+                        "imported (TRITON_INTERPRET=1 python ..., or os.environ at the top of "
+                        "the script) to run the kernels (slowly) under the Triton interpreter "
+                        "on the CPU")
+    # Triton reads it once, as it imports: its own functions are then interpreted or not.
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+    if not isinstance(standard.sigmoid, InterpretedFunction):
+        raise CallError("TRITON_INTERPRET=1 was set after triton was imported (by attncc, "
+                        "or by a library such as transformers), so the kernels would not run "
+                        "interpreted; set it before the first import, in a new process "
+                        "(TRITON_INTERPRET=1 python ..., or os.environ at the top of the "
+                        "script)")
 
 
 # Tile tables of calls without kept tables: "1" (default) reuses those of the kernel's 32
