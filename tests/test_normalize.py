@@ -324,7 +324,8 @@ def test_printed_and_parsed_back_and_keys_apart():
 
 
 @pytest.mark.parametrize("weight", ["s", "exp(s) - 1.0", "sigmoid(s) * t[h]", "tanh(s)",
-                                    "max(s, 0.0) / (q - k)"])
+                                    "max(s, 0.0) / (q - k)",
+                                    "sqrt(s)"])  # NaN at s < 0, in kernel and reference alike
 def test_sum_refuses_a_weight_it_cannot_prove_non_negative(weight):
     with pytest.raises(SpecError, match="provably >= 0"):
         attncc.parse(f"attention w {{ input t: f32[h]  normalize sum  weight {weight} }}")

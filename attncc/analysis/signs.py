@@ -6,7 +6,7 @@ sub-expression over all values its names can take (s anything, a float input
 anything, positions and sizes at least 0 or 1, params their values) with float
 intervals whose ends may be infinite; the weight is accepted when its lower end is
 >= 0. It is sound, not complete: `exp`, `sigmoid`, `max(x, 0.0)`, `abs`, `x * x`,
-`sqrt`, and sums, products and quotients (by positive values) of those are proven;
+`sqrt` of those, and sums, products and quotients (by positive values) of those are proven;
 what it cannot bound is refused with the sub-expression named.
 """
 from __future__ import annotations
@@ -54,7 +54,8 @@ UNARY = {
     "exp": _increasing(_exp),
     "sigmoid": _increasing(_logistic),
     "tanh": _increasing(math.tanh),
-    "sqrt": lambda a: (math.sqrt(max(a[0], 0.0)), math.sqrt(max(a[1], 0.0))),
+    # NaN below 0, which is not >= 0 either: only an argument proven >= 0 is bounded.
+    "sqrt": lambda a: (math.sqrt(a[0]), math.sqrt(a[1])) if a[0] >= 0 else ANY,
     "abs": lambda a: (0.0 if a[0] <= 0 <= a[1] else min(abs(a[0]), abs(a[1])),
                       max(abs(a[0]), abs(a[1]))),
 }
