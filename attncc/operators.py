@@ -223,9 +223,16 @@ def _absolute(x, *, float_dtype):
 
 def _extreme(tensor_fn, number_fn):
     def f(a, b, *, float_dtype):
-        if _tensors(a, b):
-            return tensor_fn(torch.as_tensor(a), torch.as_tensor(b))
-        return number_fn(a, b)
+        if not _tensors(a, b):
+            return number_fn(a, b)
+        a, b = torch.as_tensor(a), torch.as_tensor(b)
+        value = tensor_fn(a, b)
+        if not (a.requires_grad or b.requires_grad):
+            return value
+        # At a tie neither side takes a gradient, as in the kernels' derivative (a step
+        # that is 0 at 0: `max(s, 0.0)` at s = 0, a zero row of q); torch.maximum would
+        # give each side half.
+        return torch.where(a == b, value.detach(), value)
     return f
 
 

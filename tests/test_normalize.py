@@ -652,3 +652,27 @@ def test_a_softcap_score_takes_one_mufu_op_for_its_tanh_on_sm90(tmp_path):
     assert bf16["EX2"] - bf16["TANH"] < 64, bf16  # the row rescales' ex2s beside one a score
     assert "TANH" not in fp32 and fp32.get("RCP", 0) >= 64, fp32
     assert fp32["EX2"] >= 2 * bf16["TANH"], fp32
+
+
+@pytest.mark.parametrize("weight", ["max(s, 0.0)", "min(s, 0.0) + 1.0", "max(0.0, s)"])
+def test_a_tie_in_max_or_min_passes_no_gradient_in_kernel_and_reference(weight):
+    """A zero row of q gives s = 0 exactly, a tie of max(s, 0.0): the kernels' derivative
+    is a step that is 0 there, torch.maximum gave half to each side, so the reference's
+    dq differed (0.46 against 0) and `attncc check` failed a correct kernel. The formula:
+    ReLU's derivative 0 at 0, as torch.relu has it."""
+    spec = f"attention tie {{ normalize none  weight {weight} }}"
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 9, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    q[:, :, 3] = 0.0
+    dout = torch.randn(1, 2, 9, 16, generator=gen, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = attncc.reference(attncc.parse(spec), *leaves)
+    dq_ref = torch.autograd.grad(ref, leaves[0], dout)[0]
+    s = q @ k.transpose(-1, -2) / 4
+    relu_slope = {"max(s, 0.0)": s > 0, "max(0.0, s)": s > 0, "min(s, 0.0) + 1.0": s < 0}[weight]
+    dq_formula = ((dout @ v.transpose(-1, -2)) * relu_slope / 4) @ k
+    torch.testing.assert_close(dq_ref, dq_formula)
+    kq = q.float().requires_grad_()
+    out = attncc.compile(spec)(kq, k.float(), v.float())
+    dq = torch.autograd.grad(out, kq, dout.float())[0]
+    torch.testing.assert_close(dq.double(), dq_formula, rtol=0, atol=1e-4)
