@@ -417,3 +417,20 @@ def test_interpreter_switched_on_after_triton_was_imported_is_named():
                           text=True, timeout=120)
     assert "CallError: TRITON_INTERPRET=1 was set after triton was imported" in done.stdout, (
         done.stdout + done.stderr)
+
+
+def test_torch_func_transforms_and_forward_ad_are_refused_by_name():
+    """vmap, func.grad and func.jvp failed inside PyTorch ("Cannot access data pointer of
+    Tensor that doesn't have storage"); a dual tensor's tangent was silently lost."""
+    import torch.autograd.forward_ad as fwAD
+    kernel = attncc.compile("attention c { mask q >= k }")
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    for transform in (lambda: torch.vmap(lambda x: kernel(x, k, v))(torch.stack([q, q])),
+                      lambda: torch.func.grad(lambda x: kernel(x, k, v).sum())(q),
+                      lambda: torch.func.jvp(lambda x: kernel(x, k, v), (q,), (q,))):
+        with pytest.raises(CallError, match="torch.func transforms .* cannot run attncc"):
+            transform()
+    with fwAD.dual_level():
+        with pytest.raises(CallError, match="forward-mode AD"):
+            kernel(fwAD.make_dual(q, torch.randn_like(q)), k, v)
+        kernel(q, k, v)  # no dual tensor: runs

@@ -370,6 +370,8 @@ class Kernel:
         # Python on shapes, dtypes and devices, no tensor data read.
         if positional:
             refuse_positional(self.variant, positional)
+        if not torch.compiler.is_compiling():
+            _refuse_transforms((q, k, v, *inputs.values()))
         check_return_lse(self.variant, return_lse)
         if not isinstance(training, bool):
             raise CallError(f"training must be True or False, got {training!r}")
@@ -600,6 +602,26 @@ def _signature(t) -> tuple:
     if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
         raise TypeError
     return type(t), t.shape, t.dtype, t.device
+
+
+def _refuse_transforms(tensors):
+    """A CallError for what the kernels have no rule for: torch.func's transforms (vmap,
+    grad, jvp wrap the tensors; PyTorch failed inside with "Cannot access data pointer")
+    and forward-mode AD's dual tensors (whose tangent the output silently lost)."""
+    from torch.autograd import forward_ad
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if torch._C._functorch.is_functorch_wrapped_tensor(t):
+            raise CallError("torch.func transforms (vmap, grad, jacrev, jvp) cannot run attncc "
+                            "kernels: call them outside the transform (a batch dimension is "
+                            "the kernels' own: stack it into batch or heads), and take "
+                            "gradients with torch.autograd")
+        if forward_ad._current_level >= 0 and forward_ad.unpack_dual(t).tangent is not None:
+            raise CallError("forward-mode AD (a dual tensor from torch.autograd.forward_ad) "
+                            "is not supported by attncc kernels: their output would carry "
+                            "no tangent; use reverse mode (backward, torch.autograd.grad), "
+                            "or attncc.reference for a directional derivative")
 
 
 def _state(t: torch.Tensor) -> tuple:
