@@ -345,7 +345,9 @@ def random_index_lists(shape: tuple, n_tiles: int, gen: torch.Generator) -> torc
 
 
 def check_return_lse(variant: ir.Variant, return_lse: bool):
-    """`normalize none` divides by nothing, so it has no LSE to return."""
+    """return_lse is a bool; `normalize none` divides by nothing, so it has no LSE to return."""
+    if not isinstance(return_lse, bool):
+        raise CallError(f"return_lse must be True or False, got {return_lse!r}")
     if return_lse and variant.normalize == ir.UNNORMALIZED:
         raise CallError(f"return_lse=True: variant '{variant.name}' has `normalize none`, which "
                         "divides by nothing, so there is no normaliser to return; use `normalize "

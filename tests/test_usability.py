@@ -434,3 +434,13 @@ def test_torch_func_transforms_and_forward_ad_are_refused_by_name():
         with pytest.raises(CallError, match="forward-mode AD"):
             kernel(fwAD.make_dual(q, torch.randn_like(q)), k, v)
         kernel(q, k, v)  # no dual tensor: runs
+
+
+def test_return_lse_must_be_a_bool():
+    """return_lse="no" returned a tuple (a truthy string), where training= and
+    deterministic= are checked."""
+    kernel = attncc.compile("attention c { mask q >= k }")
+    q = torch.randn(1, 1, 8, 16)
+    for call in (kernel, lambda *t, **kw: attncc.reference(kernel.variant, *t, **kw)):
+        with pytest.raises(CallError, match="return_lse must be True or False, got 'no'"):
+            call(q, q, q, return_lse="no")

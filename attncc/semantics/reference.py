@@ -96,6 +96,7 @@ def reference(variant: ir.Variant, q, k, v, /, *positional, return_lse: bool = F
     """
     if positional:
         refuse_positional(variant, positional)
+    check_return_lse(variant, return_lse)
     if not training and variant.dropout:
         variant = dataclasses.replace(variant, dropout=None)
     p = bind(variant, q, k, v, inputs, q_offset=q_offset, k_offset=k_offset,
