@@ -395,6 +395,8 @@ def test_a_call_with_kept_tables_passes_their_density_to_the_tuner(monkeypatch):
     # Refused at import as well, not only by the first call that tunes (none does under
     # the interpreter).
     ("ATTNCC_TUNE", "2", "ATTNCC_TUNE='2' is not a tuning mode; use 0 (no timing"),
+    ("ATTNCC_TUNE_CANDIDATES", "many",
+     "ATTNCC_TUNE_CANDIDATES='many': expected a whole number of tile configs"),
 ])
 def test_an_unknown_setting_is_refused_by_name_at_import(name, value, says):
     env = dict(os.environ, **{name: value})

@@ -32,7 +32,15 @@ from .configs import density_bucket, length_bucket  # noqa: F401 - tuning keys u
 # Candidates timed per key and backend: compiles dominate cold-start time.
 # ATTNCC_TUNE_CANDIDATES raises it (to search more widely once; the winner is cached
 # either way).
-TUNE_AT_MOST = int(os.environ.get("ATTNCC_TUNE_CANDIDATES", "4"))
+def _candidates_setting() -> int:
+    text = os.environ.get("ATTNCC_TUNE_CANDIDATES", "4")
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"ATTNCC_TUNE_CANDIDATES={text!r}: expected a whole number of tile "
+                         "configs to time per tuning key, at least 1 (default 4)")
+    return int(text)
+
+
+TUNE_AT_MOST = _candidates_setting()
 TUNE_WARMUP_MS, TUNE_REP_MS = 25, 100  # per candidate; do_bench's own defaults
 # Under the interpreter nothing is timed, and small tiles keep it fast.
 INTERPRETER_CONFIG = TileConfig(16, 16, 4, 1)
