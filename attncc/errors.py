@@ -7,7 +7,7 @@ import sys
 import warnings
 
 # Hostile input can make a message or a source line megabytes long; show a window of it.
-MAX_MESSAGE = 400
+MAX_MESSAGE = 600  # attncc's own longest hints (the decorator's list of functions) fit
 MAX_SHOWN_LINE = 100
 
 

@@ -221,3 +221,23 @@ def test_an_input_named_like_a_call_keyword_is_refused(name):
     # kernel(q, k, v, training=...) could never pass such an input: say so at compile time.
     with pytest.raises(attncc.SpecError, match=f"cannot be named '{name}'.*{name}="):
         attncc.variant(name="clash", inputs={name: "f32[h]"})(lambda q, k: q >= k)
+
+
+def test_a_precedence_slip_with_ampersand_names_the_parentheses():
+    """`q >= k & (q - k < 5)` is `q >= (k & (...))` in Python: the message spoke of `and`
+    only, which the user never wrote."""
+    with pytest.raises(attncc.SpecError, match=r"here `and` is `&`.*parenthesize each comparison"):
+        @attncc.variant
+        def m(q, k):
+            return q >= k & (q - k < 5)
+
+
+def test_the_hint_listing_attncc_functions_is_not_cut():
+    """The decorator's list of functions was cut in the middle by the message limit."""
+    import math
+    with pytest.raises(attncc.SpecError) as err:
+        @attncc.variant
+        class m:
+            def score(s):
+                return 30.0 * math.tanh(s / 30.0)
+    assert " ... " not in str(err.value) and "attncc.where" in str(err.value)

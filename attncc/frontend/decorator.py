@@ -312,7 +312,18 @@ def build_variant(name: str, *, mask=None, score=None, layout=None, scale=None, 
     try:
         return checker.check_variant(v)
     except SpecError as err:
-        raise SpecError(f"variant '{name}': {err.message}") from None
+        raise SpecError(f"variant '{name}': {err.message}{_precedence_hint(err.message)}") from None
+
+
+def _precedence_hint(message: str) -> str:
+    """The likely cause of `and`/`or` of a number in a decorated function: Python applies
+    `&` and `|` (which build them) before comparisons."""
+    for word, symbol in (("and", "&"), ("or", "|")):
+        if message.startswith(f"`{word}` needs conditions"):
+            return (f" (here `{word}` is `{symbol}`, which Python applies before comparisons: "
+                    f"`q >= k {symbol} (q - k < 5)` is `q >= (k {symbol} (q - k < 5))`; "
+                    f"parenthesize each comparison, `(q >= k) {symbol} (q - k < 5)`)")
+    return ""
 
 
 def variant(_obj=None, *, name=None, heads=None, params=None, inputs=None, learnable=(),
