@@ -124,7 +124,10 @@ def comparison(node, types, scope):
     lt, rt = types
     if node.op in ("==", "!=") and lt == rt == BOOL:
         return BOOL
-    _refuse_conditions(types, f"'{node.op}' compares numbers, not conditions")
+    # One side a condition, the other a number: most likely a chain, read as Python does.
+    chain = (" (comparisons chain as in Python, `a >= b == c` being `a >= b and b == c`: "
+             "parenthesize a condition to compare it, `(a >= b) == c`)") if lt != rt else ""
+    _refuse_conditions(types, f"'{node.op}' compares numbers, not conditions{chain}")
     return BOOL
 
 

@@ -293,3 +293,16 @@ def _fold(e):
 def test_float_constants_print_exactly():
     for x in (0.1, 1e-300, 123456789.123, 2.0 ** -30, 1e22):
         assert score_of(print_expr(ir.BinOp("*", S, ir.Const(x, ir.FLOAT)))).rhs.value == x
+
+
+@pytest.mark.parametrize("text, says", [
+    ("mask q => k", r":1:22: .*`=>` is not an operator; did you mean `>=`\?"),
+    ("mask q =< k", r"`=<` is not an operator; did you mean `<=`\?"),
+    ("mask (k < 30) == not (q > 3)", r"`not` cannot follow a comparison operator: parenthesize"),
+    ("mask q - k >= -3 == (q < 50)", r"comparisons chain as in Python"),
+])
+def test_slips_in_comparisons_name_the_fix(text, says):
+    """These said "expected a declaration ... or '}'", "unknown function 'not' ... did you
+    mean 'int'?", or only that '==' compares numbers."""
+    with pytest.raises(attncc.SpecError, match=says):
+        attncc.parse(f"attention a {{ {text} }}")

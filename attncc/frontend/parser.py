@@ -179,6 +179,10 @@ def _syntax_error(e, text, lines, path) -> SpecError:
         return SpecError(_unexpected_character(ch), path=path, line=line, column=col,
                          source_line=src)
     token = _whole_name(text, getattr(e, "token", None))
+    if token is not None and str(token) == "=" and text[token.end_pos:token.end_pos + 1] in "<>":
+        written = "=" + text[token.end_pos]
+        return SpecError(f"`{written}` is not an operator; did you mean `{written[::-1]}`?",
+                         path=path, line=line, column=col, source_line=src, width=2)
     glued = _glued_word(text, token)
     if glued:
         # `1.2.3` or `12ab` lex as two tokens; name the whole word instead of its tail.
@@ -582,6 +586,11 @@ class _Builder:
         if entry is None:
             if fn in self.inputs:
                 raise self.fail(f"'{fn}' is a tensor; index it with [ ], not ( )", fn_tok)
+            if fn in ("not", "and", "or"):
+                # `x == not (c)`: after a comparison `not` is read as a call, as in Python,
+                # which refuses it too.
+                raise self.fail(f"`{fn}` cannot follow a comparison operator: parenthesize "
+                                f"the condition, as in `x == ({fn} c)`", fn_tok)
             raise self.fail(f"unknown function '{fn}': the functions are {', '.join(FUNCTIONS)}"
                             f"{did_you_mean(fn, FUNCTIONS)}", fn_tok)
         problem = entry.arity_problem(len(arg_trees))
