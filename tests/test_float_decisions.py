@@ -32,6 +32,10 @@ def _warnings(spec: str) -> list:
     ("input g: f64[k]\n mask g[k] > 0.5", "`g[k] > 0.5` compares floats"),
     ("mask floor(q / 3.0) == k // 3", "`floor(q / 3.0)` rounds a float to an integer with floor()"),
     ("block 16\n layout qb * 0.3 < kb", "in `layout`, `qb * 0.3 < kb` compares floats"),
+    # A score that decides on such a float: entry 63 in float32, 62 in float64 at k - q = 90.
+    ("input t: f32[100]\n score s + t[min(max(int((k - q) * 0.7), 0), 99)]",
+     "in `score`, `int((k - q) * 0.7)` rounds a float"),
+    ("score where((q - k) * 0.3 >= -15.0, s, s - 5.0)", "in `score`, `(q - k) * 0.3 >= -15.0`"),
     ("mask k <= q * 0.5 / 3.0", "`k <= q * 0.5 / 3.0` compares floats"),  # 3: no power of two
 ])
 def test_a_decision_on_rounded_floats_warns_where_it_is(body, words):
@@ -46,6 +50,7 @@ def test_a_decision_on_rounded_floats_warns_where_it_is(body, words):
     "param r: float = 0.25\n mask where(q > k, 1.0, r) > 0.5",
     "mask 11 * k <= 10 * q",                      # the integer form the warning offers
     "mask q >= k\n score s / 1.1 + q * 0.1",      # a score's float only rounds
+    "score where(s * 1.1 > 0.3, s, 0.0)",          # a decision on the score itself
     "mask k <= q * 0.5 and k >= q / 4.0",          # scaled by powers of two: exact in both
 ])
 def test_decisions_both_precisions_take_alike_are_silent(body):

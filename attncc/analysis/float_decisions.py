@@ -16,9 +16,10 @@ float the two precisions may hold differently: one computed by arithmetic or a f
 function, a constant or param float32 cannot hold, an f64 input. A float input of 32
 bits or fewer, a constant such as 0.5, min, max, abs or where of them, and such a value
 scaled by a power of two are the same in both, so `gate[k] > 0.5` and `k <= q * 0.5`
-give no warning. Integers past 2**24, which float32
-rounds, are left alone: positions that large are rare. Scores, sinks and weights are
-not judged: a value that stays a value only rounds.
+give no warning. Integers past 2**24, which float32 rounds, are left alone: positions that large are rare. Scores, sinks and weights are
+judged where they decide on such a float (a table index, a `where` condition), not
+where a value stays a value (it only rounds), a decision reads the score itself, or a
+table index rounds a float function (T5's log buckets: _decides_a_value says why).
 """
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ from types import SimpleNamespace
 from .. import ir
 from ..operators import conditional, entry_of, rounding, same_kind
 
-DECISIONS = ("mask", "layout")
+# Where a decision picks pairs (mask, layout) or values (a table entry, a where branch in
+# a score, sink or weight: `t[int((k - q) * 0.7)]` read entry 63 in float32, 62 in float64).
+DECISIONS = ("mask", "layout", "score", "sink", "weight")
 
 
 @dataclass(frozen=True)
@@ -45,10 +48,13 @@ class FloatDecision:
         else:
             what = f"rounds a float to an integer with {self.node.fn}()"
             example = "`floor(q / 8.0)` as `q // 8`"
+        differs = ("can be kept by one and dropped by the other, and `attncc check` then "
+                   "fails whole rows" if decl in ("mask", "layout") else
+                   "can take one value in the kernels and another in the reference (another "
+                   "table entry, the other branch), and `attncc check` then fails")
         return (f"in `{decl}`, `{text}` {what}: the kernels compute its floats in float32 (on "
                 "a GPU with fused multiply-adds) and attncc.reference in float64, so a pair "
-                "that sits on its boundary can be kept by one and dropped by the other, and "
-                f"`attncc check` then fails whole rows. Write it in integers (for example, "
+                f"that sits on its boundary {differs}. Write it in integers (for example, "
                 f"{example})")
 
 
@@ -68,9 +74,26 @@ def float_decisions(variant: ir.Variant) -> list:
             kids = ir.children(node)
             decides = (isinstance(node, ir.Cmp)
                        or (isinstance(node, ir.Call) and entry_of(node).types is rounding))
+            if decides and decl not in ("mask", "layout") and not _decides_a_value(node):
+                continue
             if decides and any(_rounded(k, variant, types) for k in kids):
                 found.append((decl, FloatDecision(node)))
     return found
+
+
+def _decides_a_value(node) -> bool:
+    """In a score, sink or weight: whether a decision is judged. Not one on the score itself
+    (`where(s > 0.0, s, 0.0)` rounds with the score, which the check's tolerance is for),
+    nor a rounding of a float function's value (T5's log buckets: their thresholds are
+    irrational, and positions land on them only where both precisions agree, as at
+    powers of the base); a comparison, or a rounding of arithmetic (`int((k - q) * 0.7)`,
+    an integer at k - q = 90), is."""
+    if "s" in ir.free_vars(node):
+        return False
+    if isinstance(node, ir.Cmp):
+        return True
+    return not any(isinstance(n, ir.Call) and entry_of(n).types not in (same_kind, conditional)
+                   and entry_of(n).types is not rounding for n in ir.walk(node.args[0]))
 
 
 def _rounded(e, variant: ir.Variant, types: dict) -> bool:
