@@ -11,8 +11,8 @@ with V twice as wide as the query and key heads, a per-head RMS norm scaled by
 
 A difference of two softmaxes is not one normaliser, so it is a recipe around the kernel
 rather than a variant: the two softmaxes are two heads per output head of one causal
-kernel call, and since v's head dim must equal q's, V's two halves are heads of their
-own (four head blocks per call). λ is an ordinary tensor computed from its four vectors,
+kernel call, each reading the whole 2d-wide V (v's head dim is its own). λ is an
+ordinary tensor computed from its four vectors,
 so autograd gives their gradients through the kernel's. docs/recipes.md shows the same
 recipe; tests/test_normalize.py checks this module against the paper's formula in
 float64, the gradients of λ's vectors included.
@@ -46,11 +46,9 @@ def differential_lambda(lq1, lk1, lq2, lk2, lam_init: float):
 def differential_attention(kernel, q1, k1, q2, k2, v, lam, lam_init: float):
     """q1, k1, q2, k2: (batch, heads, seq, d); v: (batch, heads, seq, 2d). The heads'
     normalised differences, (batch, heads, seq, 2d)."""
-    va, vb = v.chunk(2, dim=-1)
-    out = kernel(torch.cat([q1, q1, q2, q2], 1), torch.cat([k1, k1, k2, k2], 1),
-                 torch.cat([va, vb, va, vb], 1))  # four head blocks: (1 or 2) x (V's half)
-    a1, b1, a2, b2 = out.chunk(4, dim=1)
-    attn = torch.cat([a1, b1], -1) - lam * torch.cat([a2, b2], -1)
+    out = kernel(torch.cat([q1, q2], 1), torch.cat([k1, k2], 1), torch.cat([v, v], 1))
+    first, second = out.chunk(2, dim=1)  # softmax 1 and softmax 2, each over all of V
+    attn = first - lam * second
     return F.rms_norm(attn, attn.shape[-1:]) * (1 - lam_init)
 
 
