@@ -243,3 +243,11 @@ def test_each_unexercised_param_gets_its_own_warning():
     left_at, far_at = (int(w.split("it matters at length ")[1].split(" ")[0]) for w in warnings)
     assert left_at == 40 and not torch.equal(mask(40), mask(40, left=39))
     assert far_at >= 93 and not torch.equal(mask(far_at), mask(far_at, far=89))
+
+
+def test_a_param_past_the_searched_lengths_is_not_called_unused():
+    """chunked_local's chunk = 8192 matters from length 8193, past the search's longest
+    length: the warning asked "(is it used?)" of a param the mask reads."""
+    variant = attncc.parse("attention c { param chunk: int = 8192\n mask q // chunk == k // chunk }")
+    [warning] = unexercised.unexercised_params(variant, _checked(variant, (30, 30)))
+    assert "is it used" not in warning and "--len 8193" in warning

@@ -120,6 +120,12 @@ def unexercised_params(variant: ir.Variant, checked: list) -> list:
                 f"{decl.name} = {others}, so an error in how the kernel applies it cannot show; ")
         if shown_at is not None:
             text += f"it matters at length {shown_at} (check with --len {shown_at})"
+        elif isinstance(decl.value, int) and not isinstance(decl.value, bool) \
+                and abs(decl.value) >= tried:
+            # chunked_local's chunk of 8192: it matters from length 8193, past the search.
+            text += (f"its value is past the longest length this search evaluates ({tried}), "
+                     f"so it likely matters only beyond it (check with --len "
+                     f"{abs(decl.value) + 1} where that fits)")
         else:
             text += f"it matters at no length up to {tried} either (is it used?)"
         warnings.append(text)
