@@ -13,7 +13,7 @@ class PortableBackend:
     name = "triton"
     title = "portable"
     auto_reason = "the portable kernels run every variant, on every GPU and under the interpreter"
-    module_note = "imports only torch and triton"
+    module_note = "imports only torch, triton and the standard library"
     forced_note = "forward and backward, on every GPU and under the interpreter"
     auto_note = "forward and backward, on every GPU"
 
