@@ -177,8 +177,8 @@ def _check_constant_float(node, scope: Scope):
                and float(evaluate(n.rhs, env)) == 0 for n in ir.walk(node)):
             return  # a division by zero: the range analysis names it
         value = float(evaluate(node, env))
-    except (ArithmeticError, ValueError, TypeError):
-        return
+    except (ArithmeticError, ValueError, TypeError, RuntimeError):
+        return  # a division by zero further in (`0 // 0`): the range analysis names it
     check_float32(value, f"`{ir.print_expr(node)}` ({value:.3g})")
 
 
