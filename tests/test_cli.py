@@ -151,6 +151,7 @@ def test_compile_bad_spec_exits_2_with_a_located_message(tmp_path, capsys):
 TABLE_ROW = re.compile(r"^\s+(out|lse|dq|dk|dv)\s+\S+\s+\S+\s+\S+\s+OK$", re.M)
 
 
+@pytest.mark.slow  # a process of its own; the next test runs `attncc check` by default
 def test_check_runs_under_the_interpreter():
     r = run_cli("check", str(EXAMPLES / "causal.attn"), "--len", "20,33",
                 env_extra={"TRITON_INTERPRET": "1"})

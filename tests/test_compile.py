@@ -87,7 +87,7 @@ def no_graph_breaks():
 
 
 # ------------------------------------------------------------------ results and compiles
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", [pytest.param("aot_eager", marks=pytest.mark.slow), "inductor"])
 def test_compiled_call_equals_eager_for_every_length_with_one_compile(backend):
     kernel = attncc.compile(WINDOW)
     call = lambda q, k, v: kernel(q, k, v, return_lse=True)

@@ -22,7 +22,7 @@ parsing the text gives the same IR, and so does building it with the decorator f
 Python functions that spell the same expressions.
 
 CI runs a seeded, bounded number of examples (derandomized: the same examples every
-run): the first of the five kernel shards (16 examples), the others with `-m slow`.
+run): the first of the eight kernel shards (10 examples), the others with `-m slow`.
 Run far more with
 
     ATTNCC_FUZZ_EXAMPLES=1000 python -m pytest -n 2 -m "" tests/test_fuzz.py
@@ -49,7 +49,7 @@ from attncc.frontend.decorator import build_variant
 from attncc.ir import print_variant
 from test_kernels import compare
 
-KERNEL_SHARDS = 5  # parametrized, so `pytest -n 2` spreads the kernel examples over workers
+KERNEL_SHARDS = 8  # parametrized, so `pytest -n 2` spreads the kernel examples over workers
 KERNEL_EXAMPLES = int(os.environ.get("ATTNCC_FUZZ_EXAMPLES", "80"))
 FRONT_END_EXAMPLES = 5 * KERNEL_EXAMPLES if "ATTNCC_FUZZ_EXAMPLES" in os.environ else 300
 

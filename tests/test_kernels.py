@@ -114,8 +114,9 @@ def compare(variant, *, B=2, H=None, Hkv=None, Lq=37, Lk=45, D=32, dtype=torch.f
 # (GQA at small head counts runs by default in the shape sweep and the decode tests).
 # relative_bias's 511-entry table takes 9 s; its reads run by default in
 # test_relative_reads.py (T5, the clipped table and the 511-entry one against the
-# reference and an independent formula, on both paths).
-SLOW_EXAMPLES = {"gqa_causal", "relative_bias"}
+# reference and an independent formula, on both paths). gpt_oss_sinks runs by default in
+# test_recipes.py and test_sinks.py, against gpt-oss's own formula.
+SLOW_EXAMPLES = {"gqa_causal", "relative_bias", "gpt_oss_sinks"}
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.slow] if p.stem in SLOW_EXAMPLES else [])

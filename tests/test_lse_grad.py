@@ -417,6 +417,7 @@ def cp_rank(rank: int, world: int, init_file: str, out_dir: str):
         raise
 
 
+@pytest.mark.slow  # two gloo processes; test_distributed.py runs context parallelism by default
 @pytest.mark.skipif(torch.cuda.is_available(),
                     reason="the gloo ranks pass CPU tensors, which the kernels take only under "
                            "the Triton interpreter (without a GPU)")

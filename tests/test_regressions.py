@@ -46,6 +46,7 @@ def test_tuning_file_with_bytes_that_are_not_utf8_is_rebuilt(tmp_path):
     assert tuning._load(path) == {"dq-d32": tuning.Choice.from_json(entry, "t")}
 
 
+@pytest.mark.slow  # two fresh processes; test_caches.py's damaged modules run by default
 def test_module_file_with_bytes_that_are_not_utf8_is_rewritten(tmp_path):
     # A torn write left a module that no process could rewrite (same cause as above).
     cache = tmp_path / "cache"
