@@ -475,7 +475,8 @@ class Kernel:
         refused; a tensor's lengths are clamped to [0, capacity] and block-table entries
         to [0, num_pages) (not read on the host), as decode_reference reads them. An
         operator of its own (torch.compile traces it whole). Inference only: no autograd
-        graph, no dropout. num_splits
+        graph (a backward reaching the output raises where a tensor asks for gradients),
+        no dropout. num_splits
         or config={"BLOCK_N", "num_warps", "num_stages", "num_splits"} pin what is
         otherwise tuned (attncc/runtime/decoding.py)."""
         from .decoding import decode
