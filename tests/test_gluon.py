@@ -1224,3 +1224,13 @@ def test_the_backward_folds_the_score_slope_into_p_before_the_wait_for_dp(kernel
         score 30.0 * tanh((s + bias[h, k]) / 30.0) }""")
     dkdv = _kernel_source(owned, "attn_bwd_dkdv")
     assert "p_ds" not in dkdv and "ds = p * (dp - delta" in dkdv
+
+
+def test_a_relative_table_in_a_weight_is_named_as_left_to_the_portable_dq():
+    """Under `sum` or `none` a table through q - k stays on the portable dQ (its slopes are
+    summed per row only); the refusal called it a table while listing "relative table"
+    among the kinds the Gluon dQ owns."""
+    variant = attncc.parse("attention t { learnable input tab: f32[h, 33]  normalize none  "
+                           "weight sigmoid(s + tab[h, min(max(q - k, -16), 16) + 16]) }")
+    why = gluon_backend.kernel_unsupported(variant, "dq", 64)
+    assert "tab (table)" in why and "relative under softmax only" in why

@@ -217,7 +217,9 @@ def kernel_unsupported(variant: ir.Variant, kind: str, head_dim: int,
         return (f"variant '{variant.name}' reads learnable inputs ({', '.join(unowned)}) whose "
                 f"gradients the portable {name} kernel owns; the Gluon {name} kernel owns those "
                 f"of {_listed(OWNED_KINDS[kind])} reads only (analysis/gradient_owners.py "
-                "names the kinds)")
+                "names the kinds"
+                + ("; a table read through q - k counts as relative under softmax only"
+                   if variant.normalize != ir.SOFTMAX else "") + ")")
     entries = _diagonal_table_entries(variant) if kind == "dq" else 0
     if not any(tiles.dq_fits_registers(c, head_dim, entries) for c in tiles.dq_candidates(head_dim)):
         return (f"head dim {head_dim}: the Gluon dQ kernel sums a relative table of {entries} "
