@@ -148,7 +148,11 @@ DOCS = """attention docs {
 
 def test_one_launch_and_sequential_backwards_give_the_same_bits(monkeypatch):
     # Tile tables (a document mask): one portable launch (what the default, auto, runs
-    # where no other backend takes both roles); ATTNCC_BACKWARD=sequential runs dQ then dK/dV. Same config, so the same programs own the same partials.
+    # where no other backend takes both roles); ATTNCC_BACKWARD=sequential runs dQ then
+    # dK/dV. Same config, so the same programs own the same partials, added in the same
+    # order: the same bits under the interpreter. On a GPU the two schedules are different
+    # compiled kernels, whose fp32 arithmetic ptxas contracts differently (an H200 read
+    # differences of 3e-7 in dq and dk, dv equal, each schedule bit-identical over repeats).
     from attncc.runtime import settings
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(1, 2, 24, 16, generator=gen)
@@ -164,7 +168,10 @@ def test_one_launch_and_sequential_backwards_give_the_same_bits(monkeypatch):
         results.append(_grads(kernel, q, k, v, do, inputs, fixed={"doc": doc}))
         assert set(kernel.last_backward) == ran
     for a, b in zip(*results):
-        assert torch.equal(a, b)
+        if DEVICE == "cpu":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6 * (1 + b.abs().max().item()))
 
 
 # The fast suite checks T5's table gradient against the same formula in test_rounding.py.

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import attncc
-from test_kernels import compare
+from test_kernels import DEVICE, compare
 
 LEARNED_ALIBI = """attention learned_alibi {
     learnable input sl: f32[h]
@@ -62,13 +62,14 @@ def test_derivative_that_is_nan_past_the_mask_contributes_nothing():
     q, k, v, do = (torch.randn(B, H, n, D, generator=gen) for n in (Lq, Lk, Lk, Lq))
     x = torch.randn(H, generator=gen)
     for bad, good, inputs in ((nan_past_mask, finite, {}), (learn, learn_finite, {"x": x})):
-        def grads(fn, dtype):
-            qkv = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-            ins = {n: t.to(dtype).requires_grad_() for n, t in inputs.items()}
+        def grads(fn, dtype, device):
+            qkv = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+            ins = {n: t.to(device, dtype).requires_grad_() for n, t in inputs.items()}
             out = fn(*qkv, **ins)
-            return [out, *torch.autograd.grad(out, qkv + list(ins.values()), do.to(dtype))]
-        got = grads(attncc.compile(bad), torch.float32)
-        want = grads(lambda *a, **kw: attncc.reference(good, *a, **kw), torch.float64)
+            got = [out, *torch.autograd.grad(out, qkv + list(ins.values()), do.to(device, dtype))]
+            return [t.cpu() for t in got]
+        got = grads(attncc.compile(bad), torch.float32, DEVICE)
+        want = grads(lambda *a, **kw: attncc.reference(good, *a, **kw), torch.float64, "cpu")
         for name, g, w in zip(["out", "dq", "dk", "dv", "dx"], got, want):
             _finite(f"{bad.name} {name}", g)
             torch.testing.assert_close(g.double(), w, atol=2e-4 * max(1.0, w.abs().max().item()),
@@ -88,7 +89,7 @@ def test_a_slope_gradient_that_is_exactly_zero_keeps_only_rounding_noise():
     slopes = torch.tensor([-3.7, 2.9])
     got, ref = compare(variant, B=2, H=2, Lq=59, Lk=1, D=48, seed=58, inputs={"slope": slopes},
                        q_offset=2_147_483_555, k_offset=2_147_483_548)
-    assert torch.equal(ref[-1], torch.zeros(2, dtype=torch.float64))
+    assert torch.equal(ref[-1].cpu(), torch.zeros(2, dtype=torch.float64))
     _finite("dslope", got[-1])
     assert got[-1].abs().max() < 1e-2  # noise, not a gradient
 
@@ -104,10 +105,10 @@ def test_a_derivatives_integer_products_do_not_wrap(spec, q_offset):
     gen = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(1, 2, 9, 16, generator=gen, dtype=torch.float64) for _ in range(3))
     kernel = attncc.compile(spec)
-    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    leaves = [t.to(DEVICE, torch.float32).requires_grad_() for t in (q, k, v)]
     out = kernel(*leaves, q_offset=q_offset)
     dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
-    got = torch.autograd.grad(out, leaves, dout.float())
+    got = [g.cpu() for g in torch.autograd.grad(out, leaves, dout.to(DEVICE, torch.float32))]
     refs = [t.clone().requires_grad_() for t in (q, k, v)]
     want = torch.autograd.grad(attncc.reference(kernel.variant, *refs, q_offset=q_offset), refs, dout)
     for name, g, w in zip(("dq", "dk", "dv"), got, want):

@@ -379,7 +379,7 @@ def test_a_sink_needs_a_softmax(normalize):
 
 def test_return_lse_under_none_is_refused_everywhere():
     gen = torch.Generator().manual_seed(7)
-    q, k, v = (torch.randn(1, 1, 8, 16, generator=gen, device=DEVICE) for _ in range(3))
+    q, k, v = (torch.randn(1, 1, 8, 16, generator=gen).to(DEVICE) for _ in range(3))
     variant = attncc.parse(RELU)
     with pytest.raises(CallError, match="divides by nothing"):
         attncc.compile(variant)(q, k, v, return_lse=True)
@@ -672,7 +672,7 @@ def test_a_tie_in_max_or_min_passes_no_gradient_in_kernel_and_reference(weight):
     relu_slope = {"max(s, 0.0)": s > 0, "max(0.0, s)": s > 0, "min(s, 0.0) + 1.0": s < 0}[weight]
     dq_formula = ((dout @ v.transpose(-1, -2)) * relu_slope / 4) @ k
     torch.testing.assert_close(dq_ref, dq_formula)
-    kq = q.float().requires_grad_()
-    out = attncc.compile(spec)(kq, k.float(), v.float())
-    dq = torch.autograd.grad(out, kq, dout.float())[0]
-    torch.testing.assert_close(dq.double(), dq_formula, rtol=0, atol=1e-4)
+    kq = q.to(DEVICE, torch.float32).requires_grad_()
+    out = attncc.compile(spec)(kq, k.to(DEVICE, torch.float32), v.to(DEVICE, torch.float32))
+    dq = torch.autograd.grad(out, kq, dout.to(DEVICE, torch.float32))[0]
+    torch.testing.assert_close(dq.double().cpu(), dq_formula, rtol=0, atol=1e-4)

@@ -21,6 +21,7 @@ from attncc.codegen.elementwise import TritonEmitter
 from attncc.frontend import decorator
 from attncc.semantics.evaluate import evaluate
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 GRAMMAR = (Path(__file__).parent.parent / "grammar" / "attn.lark").read_text()
 COLUMNS = [f.name for f in dataclasses.fields(operators.Operation)]
 ENTRIES = [*operators.OPERATORS.values(), *operators.FUNCTIONS.values()]
@@ -156,9 +157,9 @@ def test_sigmoid_in_a_score_against_its_formula_where_its_argument_is_huge():
     v = torch.randn(2, 3, 53, 16, generator=gen, dtype=torch.float32)
     dout = torch.randn(2, 3, 37, 16, generator=gen, dtype=torch.float32)
     kernel = attncc.compile(SIGMOID)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    leaves = [t.detach().to(DEVICE).requires_grad_() for t in (q, k, v)]
     out = kernel(*leaves)
-    out.backward(dout)
+    out.backward(dout.to(DEVICE))
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     s = q64 @ k64.transpose(-1, -2) / 4.0  # the default scale, 1/sqrt(16)
     assert s.abs().max() * 60.0 > 150.0  # the argument is huge somewhere
@@ -167,8 +168,9 @@ def test_sigmoid_in_a_score_against_its_formula_where_its_argument_is_huge():
     want = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1) @ v64
     want.backward(dout.double())
     for got, ref in ((out, want), *zip((t.grad for t in leaves), (q64.grad, k64.grad, v64.grad))):
+        got = got.detach().double().cpu()
         assert torch.isfinite(got).all()
-        error = (got.double() - ref).abs().max().item()
+        error = (got - ref).abs().max().item()
         assert error <= 1e-3 * (1.0 + ref.abs().max().item()), error
 
 
@@ -184,8 +186,8 @@ def test_rounding_a_constant_runs_in_the_kernels(spec, factor):
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 2, 19, 16, generator=gen) for _ in range(3))
     table = torch.randn(4, generator=gen)
-    inputs = {"t": table} if "t:" in spec else {}
-    out = attncc.compile(spec)(q, k, v, **inputs)
+    inputs = {"t": table.to(DEVICE)} if "t:" in spec else {}
+    out = attncc.compile(spec)(*(t.to(DEVICE) for t in (q, k, v)), **inputs).cpu()
     factor = float(table[3]) if factor is None else factor
     scores = q.double() @ k.double().transpose(-1, -2) / 4.0 * factor
     want = torch.softmax(scores, -1) @ v.double()

@@ -444,18 +444,17 @@ def test_decoding_has_the_same_integers_and_names(spec, inputs):
 
 def test_an_index_list_at_a_checked_lists_address_is_checked_again():
     """The index-list check is kept per tensor, not per address: a new tensor over the
-    same memory (here two numpy-backed tensors; in practice a freed list's address
-    reused) with version 0 and the same shape once skipped its check."""
-    import numpy as np
+    same memory (in practice a freed list's address reused by the allocator; here one
+    made by DLPack, which starts its own version counter) with version 0 and the same
+    shape once skipped its check."""
     kernel = attncc.compile("attention t { input top: i32[b, h, qb, 2]\n"
                             "layout kb in top[b, h, qb]\n block 16 }")
-    q, k, v = (torch.randn(1, 2, 48, 16) for _ in range(3))
-    lists = np.array([[[[0, -1], [0, 1], [1, 2]]] * 2], dtype=np.int32)   # [b, h, qb, 2]
-    checked = torch.from_numpy(lists)
+    q, k, v = (torch.randn(1, 2, 48, 16, device=DEVICE) for _ in range(3))
+    checked = torch.tensor([[[[0, -1], [0, 1], [1, 2]]] * 2], dtype=torch.int32, device=DEVICE)
     kernel(q, k, v, top=checked)
-    lists[0, 0, 2, 1] = 7                 # out of range: there are 3 key tiles
-    again = torch.from_numpy(lists)       # same address, version 0, shape and strides
-    assert again.data_ptr() == checked.data_ptr() and again._version == checked._version
+    checked[0, 0, 2, 1] = 7               # out of range: there are 3 key tiles
+    again = torch.from_dlpack(checked)    # same address, version 0, shape and strides
+    assert again.data_ptr() == checked.data_ptr() and again._version == 0
     with pytest.raises(attncc.CallError, match="top"):
         kernel(q, k, v, top=again)
 

@@ -367,6 +367,7 @@ def _fake_tuning(monkeypatch, tmp_path):
     from types import SimpleNamespace
     from attncc.arguments import Problem
     monkeypatch.setenv("ATTNCC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("ATTNCC_TUNE", "1")  # GPU runs set 0 for correctness
     monkeypatch.setattr(settings, "interpreting", lambda: False)
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: 1.0)
     monkeypatch.setattr(tuning, "_MEMORY", {})
@@ -424,7 +425,7 @@ def test_torch_func_transforms_and_forward_ad_are_refused_by_name():
     Tensor that doesn't have storage"); a dual tensor's tangent was silently lost."""
     import torch.autograd.forward_ad as fwAD
     kernel = attncc.compile("attention c { mask q >= k }")
-    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 8, 16, device=DEVICE) for _ in range(3))
     for transform in (lambda: torch.vmap(lambda x: kernel(x, k, v))(torch.stack([q, q])),
                       lambda: torch.func.grad(lambda x: kernel(x, k, v).sum())(q),
                       lambda: torch.func.jvp(lambda x: kernel(x, k, v), (q,), (q,))):

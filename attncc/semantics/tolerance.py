@@ -81,8 +81,12 @@ def input_gradient_scales(variant, q, k, v, out, dout, inputs: dict, q_offset: i
     per_pair = variant.score if variant.normalize == "softmax" else variant.weighted
     if not learnable or per_pair is None:
         return {}
+    # Everything is read where q is: a caller may hold its float64 copies on the CPU and
+    # its inputs, out and dout where the kernel ran.
     q, k, v = (t.detach().double() for t in (q, k, v))
-    values = {n: (t.detach().double() if t.is_floating_point() else t) for n, t in inputs.items()}
+    values = {n: (t.detach().double() if t.is_floating_point() else t.detach()).to(q.device)
+              for n, t in inputs.items()}
+    out, dout = out.detach().to(q.device), dout.detach().to(q.device)
     p = bind(variant, q, k, v, values, q_offset=q_offset, k_offset=k_offset,
              exact_float_inputs=False)
     noise = (dout.detach().double() * out.detach().double()).norm(dim=-1)  # [B, H, Lq]
