@@ -223,3 +223,35 @@ def test_bad_calls_are_refused(overrides, words):
     with pytest.raises(CallError) as err:
         _call(**overrides)
     assert words in str(err.value)
+
+
+def test_strided_cache_seqlens_are_read_by_row():
+    """A column of a per-row table (stride 2) and an expanded scalar (stride 0) were read
+    as if contiguous: lengths [5, 111, 30] for [5, 30, 12], wrong outputs, and the new
+    keys written at the wrong places. numpy's integers count as an int."""
+    import numpy as np
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(3, 1, 4, 16, generator=gen).to(DEVICE)
+    k_new, v_new = (torch.randn(3, 1, 2, 16, generator=gen).to(DEVICE) for _ in range(2))
+    table = torch.tensor([[5, 111], [30, 222], [12, 333]], dtype=torch.int32)
+    cases = [(table[:, 0].to(DEVICE), [5, 30, 12]),
+             (torch.tensor([9], dtype=torch.int32, device=DEVICE).expand(3), [9, 9, 9]),
+             (np.int32(9), [9, 9, 9])]
+    for passed, lengths in cases:
+        kc, vc = (torch.randn(3, 48, 2, 16, generator=gen).to(DEVICE) for _ in range(2))
+        ref, _ = kvcache_semantics(q.double(), kc.double(), vc.double(), k_new.double(),
+                                   v_new.double(), torch.tensor(lengths), None, causal=True)
+        out = flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=passed, causal=True)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+        for b, n in enumerate(lengths):
+            torch.testing.assert_close(kc[b, n], k_new[b, 0], rtol=0, atol=0)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's refusal")
+def test_bfloat16_decoding_is_refused_under_the_interpreter():
+    """The interpreter's tl.dot computes bfloat16 wrongly: calls refused it, decoding
+    returned values off by 1e8."""
+    with pytest.raises(CallError, match="bfloat16 cannot run under the Triton interpreter"):
+        _call(q=torch.randn(2, 1, 4, 16, dtype=torch.bfloat16),
+              k_cache=torch.randn(2, 32, 2, 16, dtype=torch.bfloat16),
+              v_cache=torch.randn(2, 32, 2, 16, dtype=torch.bfloat16))

@@ -16,6 +16,7 @@ beside a 512-wide v), the Gluon MLA decode of backends/gluon/templates/decode_ml
 from __future__ import annotations
 
 import functools
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -137,11 +138,12 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
     """(DecodeProblem, cache_seqlens as a (B,) int32 tensor); raises CallError naming what is
     wrong. Never reads a tensor's values (no host synchronisation)."""
     from .settings import (MAX_HEAD_DIM_DECODE, MAX_HEAD_DIM_V, MIN_HEAD_DIM, SUPPORTED_DTYPES,
-                           check_kernel_device)
+                           check_interpretable_dtype, check_kernel_device)
     _check_tensor("q", q, "(batch, heads, new tokens, dim)")
     check_kernel_device(q)
     if q.dtype not in SUPPORTED_DTYPES:
         raise CallError(f"q has dtype {q.dtype}; decoding takes float16, bfloat16 or float32")
+    check_interpretable_dtype(q)
     B, Hq, n_q, D = q.shape
     if B == 0 or Hq == 0:
         raise CallError(f"q has shape {_shape(q)}: batch and heads must be at least 1")
@@ -234,6 +236,8 @@ def _seqlens(cache_seqlens, batch: int, device, capacity: int, n_new: int) -> to
     if cache_seqlens is None:
         raise CallError("decode needs cache_seqlens=: the number of keys each batch row's cache "
                         "holds (before k_new), an int or a (batch,) int32 tensor")
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = int(cache_seqlens)  # numpy's integers too
     if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.Tensor)):
         raise CallError(f"cache_seqlens must be an int or a (batch,) int32 tensor, got "
                         f"{type(cache_seqlens).__name__}")
@@ -248,7 +252,9 @@ def _seqlens(cache_seqlens, batch: int, device, capacity: int, n_new: int) -> to
                         "(convert it with .int())")
     if cache_seqlens.device != device:
         raise CallError(f"cache_seqlens is on {cache_seqlens.device} but q is on {device}")
-    return cache_seqlens
+    # The kernels read length b at b: a strided view (a column of a table, an expanded
+    # scalar) is copied, B int32s, rather than read at the wrong places.
+    return cache_seqlens.contiguous()
 
 
 # ---------------------------------------------------------------------------- configs

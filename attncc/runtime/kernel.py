@@ -28,7 +28,7 @@ from ..arguments import (_shape, as_bhsd, axis_extent, bind, check_return_lse, c
 from .cache import load_generated
 from .call_options import NO_TABLES, CallOptions
 from .settings import (MAX_HEAD_DIM, MAX_HEAD_DIM_V, MIN_HEAD_DIM, SUPPORTED_DTYPES,
-                       check_kernel_device, interpreting)
+                       check_interpretable_dtype, check_kernel_device, interpreting)
 
 
 class Kernel:
@@ -234,10 +234,7 @@ class Kernel:
         if q.dtype not in SUPPORTED_DTYPES:
             raise CallError(f"q, k, v have dtype {q.dtype}; the kernels take float16, bfloat16 "
                             "or float32 (attncc.reference computes in any dtype, float64 included)")
-        if q.dtype == torch.bfloat16 and interpreting():
-            raise CallError("bfloat16 cannot run under the Triton interpreter: it computes tl.dot "
-                            "on bfloat16 wrongly, so the results would be garbage; use float16 "
-                            "or float32 on the CPU, or run on a GPU")
+        check_interpretable_dtype(q)
         if not (MIN_HEAD_DIM <= p.dim <= MAX_HEAD_DIM):
             raise CallError(f"head dim {p.dim} is not supported: the kernels take head dims "
                             f"{MIN_HEAD_DIM} to {MAX_HEAD_DIM} (q has shape {_shape(q)})")

@@ -22,6 +22,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def check_interpretable_dtype(q) -> None:
+    """Refuse bfloat16 under the interpreter, whose tl.dot computes it wrongly: every
+    kernel entry point (calls and decoding) asks, so none returns garbage."""
+    if q.dtype == torch.bfloat16 and interpreting():
+        from ..errors import CallError
+        raise CallError("bfloat16 cannot run under the Triton interpreter: it computes tl.dot "
+                        "on bfloat16 wrongly, so the results would be garbage; use float16 "
+                        "or float32 on the CPU, or run on a GPU")
+
+
 def check_kernel_device(q) -> None:
     """Refuse a call whose tensors are where no kernel can run: the meta device (no
     values), or anything but a CUDA GPU outside the interpreter. Reads q's device only:
