@@ -33,11 +33,13 @@ import itertools
 import math
 import numbers
 import operator
+import struct
 from collections import OrderedDict
 
 import torch
 
 from .errors import CallError
+from .frontend.checker import FLOAT32_MAX
 
 CACHE_SIZE = 64  # compiled combinations kept; a workload rarely uses more than a few
 _KERNELS: OrderedDict = OrderedDict()  # options key -> the name of its kernel in _KEPT
@@ -152,6 +154,17 @@ def _window(window_size, seqlen_k) -> tuple:
     return tuple(sides)
 
 
+def _check_float32(name: str, x: float, zero: str):
+    """The kernels compute in float32: a value past its range would be inf, one below it 0,
+    where the float64 reference keeps it."""
+    if abs(x) > FLOAT32_MAX:
+        raise CallError(f"{name}={x!r} is beyond float32's range (at most 3.4e38), which the "
+                        "kernels compute in")
+    if x != 0 and struct.unpack("f", struct.pack("f", x))[0] == 0:
+        raise CallError(f"{name}={x!r} is below float32's range (at least 1.4e-45), which "
+                        f"the kernels compute in, so they would read it as 0; pass {zero}")
+
+
 def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
              deterministic, return_attn_probs, seqlen_k, learnable_sink=None) -> dict:
     """Check flash-attn's keyword arguments; the variant_text keywords they select.
@@ -165,6 +178,7 @@ def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slope
         if not math.isfinite(softmax_scale):
             raise CallError(f"softmax_scale must be None (1 / sqrt(headdim)) or a finite "
                             f"number, got {softmax_scale!r}")
+        _check_float32("softmax_scale", softmax_scale, "0.0")
     for name, flag in (("causal", causal), ("deterministic", deterministic),
                        ("return_attn_probs", return_attn_probs)):
         if not isinstance(flag, bool):
@@ -177,6 +191,8 @@ def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slope
     softcap = _real("softcap", softcap, "a finite number (0.0 turns it off)")
     if not math.isfinite(softcap):
         raise CallError(f"softcap must be a finite number (0.0 turns it off), got {softcap!r}")
+    if softcap > 0:
+        _check_float32("softcap", softcap, "0.0, which turns it off")
     alibi = None
     if alibi_slopes is not None:
         if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dim() not in (1, 2):

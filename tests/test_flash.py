@@ -408,6 +408,19 @@ def test_return_attn_probs_with_dropout_is_refused():
         flash_attn_qkvpacked_func(torch.stack([q, q, q], 2), dropout_p=0.1, return_attn_probs=True)
 
 
+@pytest.mark.parametrize("options, words", [
+    (dict(softmax_scale=1e-46), r"softmax_scale=1e-46 is below float32's range.*pass 0.0"),
+    (dict(softcap=1e300), r"softcap=1e\+300 is beyond float32's range"),
+    (dict(softcap=1e-300), r"softcap=1e-300 is below float32's range.*pass 0.0, which turns it off"),
+])
+def test_options_past_float32_are_refused_in_flash_attns_terms(options, words):
+    """A scale of 1e-46 gave NaN rows without an error; a softcap of 1e300 a SpecError
+    quoting a variant the caller never wrote."""
+    q = _q(1, 4, 2, 16)
+    with pytest.raises(CallError, match=words):
+        flash_attn_func(q, q, q, **options)
+
+
 # ---------------------------------------------------------------- torch.compile
 
 def compiled_equals_eager(attend, dynamic, calls):

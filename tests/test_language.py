@@ -153,6 +153,19 @@ def test_constant_float_expressions_past_float32_are_refused_too(text, shown):
     attncc.parse("attention t { scale 1e19 * 1e19 score s * exp(80.0) }")
 
 
+@pytest.mark.parametrize("text, shown", [
+    ("attention t { scale 1e-46 }", r"the number 1e-46"),
+    ("attention t { score s * (1e-30 * 1e-30) }", r"`1e-30 \* 1e-30` \(1e-60\)"),
+    ("attention t { param c: float = -1e-50\n score s + c }", r"the number 1e-50"),
+])
+def test_floats_below_float32_are_refused_too(text, shown):
+    """A nonzero constant under float32's smallest subnormal is 0 in the kernels and not in
+    the float64 reference: a scale of 1e-46 gave NaN rows. Subnormals stay accepted."""
+    with pytest.raises(attncc.SpecError, match=shown + r" is below float32's range.*write 0.0"):
+        attncc.parse(text)
+    attncc.parse("attention t { scale 1e-40 score s * 0.0 }")
+
+
 def test_where_and_loads():
     e = score_of("where(q >= k, s + t[h, k], s)", "input t: f32[h, k]")
     assert e == ir.Where(ir.Cmp(">=", Q, K), ir.BinOp("+", S, ir.Load("t", (H, K))), S)

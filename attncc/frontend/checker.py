@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 
 from .. import ir
 from ..operators import FUNCTIONS, entry_of
@@ -399,6 +400,12 @@ def check_float32(value: float, what: str):
     if abs(value) > FLOAT32_MAX:
         raise SpecError(f"{what} is beyond float32's range (at most 3.4e38 in size), which the "
                         "kernels compute in; scale it down")
+    # Below float32's smallest subnormal a number is 0 in the kernels and not in the
+    # float64 reference: a scale of 1e-46 gave NaN rows.
+    if value != 0 and struct.unpack("f", struct.pack("f", value))[0] == 0:
+        raise SpecError(f"{what} is below float32's range (at least 1.4e-45 in size), so the "
+                        "kernels, which compute in float32, would read it as 0; write 0.0, or "
+                        "scale it up")
 
 
 def check_param_value(p: ir.ParamDecl):
