@@ -40,6 +40,7 @@ import torch
 
 from .errors import CallError
 from .frontend.checker import FLOAT32_MAX
+from .runtime.settings import MAX_HEAD_DIM, MAX_HEAD_DIM_DECODE, MAX_HEAD_DIM_V, MIN_HEAD_DIM
 
 CACHE_SIZE = 64  # compiled combinations kept; a workload rarely uses more than a few
 _KERNELS: OrderedDict = OrderedDict()  # options key -> the name of its kernel in _KEPT
@@ -292,6 +293,17 @@ def _check_qkv(q, k, v, packed: bool):
         raise CallError(f"nheads ({nheads}) must be a multiple of nheads_k ({nheads_k}) "
                         f"(q {tuple(q.shape)}, k {tuple(k.shape)}): each key/value head "
                         f"serves a whole group of query heads")
+    _check_headdims(q, v, MAX_HEAD_DIM)
+
+
+def _check_headdims(q, v, largest: int):
+    """The kernels' head dims, named in flash-attn's shapes, not the kernels' views."""
+    if not MIN_HEAD_DIM <= q.shape[-1] <= largest:
+        raise CallError(f"headdim {q.shape[-1]} is not supported (q {tuple(q.shape)}): attncc "
+                        f"takes headdims {MIN_HEAD_DIM} to {largest} here")
+    if v is not None and not MIN_HEAD_DIM <= v.shape[-1] <= MAX_HEAD_DIM_V:
+        raise CallError(f"v's headdim {v.shape[-1]} is not supported (v {tuple(v.shape)}): "
+                        f"attncc takes v headdims {MIN_HEAD_DIM} to {MAX_HEAD_DIM_V}")
 
 
 def _alibi_inputs(alibi_slopes, batch: int | None, nheads: int) -> dict:
@@ -348,10 +360,18 @@ def _check_kvcache(q, k_cache, v_cache, k, v, paged: bool):
         raise CallError(f"nheads ({nheads}) must be a multiple of nheads_k ({nheads_k}) "
                         f"(q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}): each key/value "
                         "head serves a whole group of query heads")
+    _check_headdims(q, None, MAX_HEAD_DIM_DECODE)
+    if q.shape[0] == 0:
+        raise CallError(f"q has batch size 0 (q {tuple(q.shape)}): decoding takes at least one "
+                        "row")
     if (k is None) != (v is None):
         raise CallError("pass both k and v (the new tokens' keys and values) or neither")
     if k is None:
         return
+    for name, t in (("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and t.dtype != q.dtype:
+            raise CallError(f"{name} has dtype {t.dtype} but q has {q.dtype}: q, the caches and "
+                            "the new k and v must have one dtype")
     for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
         _check_layout(name, t, "(batch, seqlen_new, nheads_k, headdim)", 4)
         want = (q.shape[0], t.shape[1], nheads_k, cache.shape[3])
@@ -381,7 +401,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_seqlens[b] + seqlen_new keys and query i sits at position L - seqlen_q + i
     (causal masks and windows aligned to the bottom-right corner); a query before
     position 0 (L < seqlen_q) attends the keys its window or the absence of a mask
-    gives it, as in flash-attn. num_splits: 0 tunes the split count, n >= 1 pins it.
+    gives it, as in flash-attn. num_splits: 0 tunes the split count, n from 1 to 256 pins it.
     Returns out (batch, seqlen_q, nheads, headdim), and with return_softmax_lse the
     natural LSE (batch, nheads, seqlen_q) in float32 (-inf for a row that attends to
     nothing, where flash-attn writes +inf). rotary_cos/rotary_sin, cache_batch_idx and

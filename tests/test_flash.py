@@ -11,6 +11,7 @@ to nothing giving 0.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -406,6 +407,16 @@ def test_return_attn_probs_with_dropout_is_refused():
         flash_attn_func(q, q, q, dropout_p=0.1, return_attn_probs=True)
     with pytest.raises(CallError, match=r"return_attn_probs=True with dropout_p > 0"):
         flash_attn_qkvpacked_func(torch.stack([q, q, q], 2), dropout_p=0.1, return_attn_probs=True)
+
+
+def test_head_dims_are_named_in_flash_attns_shapes():
+    """The kernels' message named the (batch, heads, seq, dim) view: (1, 2, 9, 8) for a q of
+    (1, 9, 2, 8), and a batch of 1 the varlen call never had."""
+    cu = torch.tensor([0, 9], dtype=torch.int32, device=DEVICE)
+    for call, shape in ((lambda t: flash_attn_func(t, t, t), (1, 9, 2, 8)),
+                        (lambda t: flash_attn_varlen_func(t, t, t, cu, cu, 9, 9), (9, 2, 8))):
+        with pytest.raises(CallError, match=re.escape(f"headdim 8 is not supported (q {shape})")):
+            call(torch.randn(*shape, device=DEVICE))
 
 
 @pytest.mark.parametrize("options, words", [

@@ -218,6 +218,13 @@ def _call(**overrides):
     (dict(q=torch.randn(2, 1, 4, 32)), "same headdim, got q (2, 1, 4, 32) and k_cache (2, 32, 2, 16)"),
     (dict(q=torch.randn(3, 1, 4, 16)), "same batch size, got q (3, 1, 4, 16) and k_cache (2, 32, 2, 16)"),
     (dict(v_cache=torch.randn(2, 28, 2, 16)), "got k_cache (2, 32, 2, 16) and v_cache (2, 28, 2, 16)"),
+    # Said in flash-attn's shapes and names, not decoding's (b, h, s, d) views and k_new.
+    (dict(q=torch.randn(2, 1, 4, 8), k_cache=torch.randn(2, 32, 2, 8), v_cache=torch.randn(2, 32, 2, 8)),
+     "headdim 8 is not supported (q (2, 1, 4, 8))"),
+    (dict(q=torch.randn(0, 1, 4, 16), k_cache=torch.randn(0, 32, 2, 16), v_cache=torch.randn(0, 32, 2, 16),
+          cache_seqlens=torch.zeros(0, dtype=torch.int32)), "q has batch size 0 (q (0, 1, 4, 16))"),
+    (dict(k=torch.randn(2, 1, 2, 16).half(), v=torch.randn(2, 1, 2, 16).half()),
+     "k has dtype torch.float16 but q has torch.float32"),
 ])
 def test_bad_calls_are_refused(overrides, words):
     with pytest.raises(CallError) as err:

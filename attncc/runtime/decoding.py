@@ -497,9 +497,10 @@ class _NoBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        raise CallError("a backward reached the output of kernel.decode, which is inference "
-                        "only and has no gradients: call kernel(q, k, v, ...) where gradients "
-                        "are wanted, or decode under torch.no_grad()")
+        raise CallError("a backward reached the output of kernel.decode (or of "
+                        "flash_attn_with_kvcache, which decodes), which is inference only and "
+                        "has no gradients: call kernel(q, k, v, ...) (flash_attn_func) where "
+                        "gradients are wanted, or decode under torch.no_grad()")
 
 
 def _without_backward(result, return_lse: bool, tensors: list):
@@ -721,5 +722,6 @@ def _check_latent_append(k_cache, v_cache, k_new, v_new):
     if v_new.data_ptr() != k_new.data_ptr() or v_new.stride() != k_new.stride():
         raise CallError("v_cache is a view of k_cache's first columns (one latent cache, as in "
                         "MLA), so the new values are the new keys' first columns: pass "
-                        f"v_new=k_new[..., :{v_cache.shape[-1]}]; a separate v_new would "
-                        "overwrite the keys")
+                        f"v_new=k_new[..., :{v_cache.shape[-1]}] (flash_attn_with_kvcache: "
+                        f"v=k[..., :{v_cache.shape[-1]}]); a separate one would overwrite the "
+                        "keys")
