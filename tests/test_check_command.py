@@ -207,8 +207,19 @@ def test_kernel_check_on_your_own_inputs(recwarn):
     assert "OK: every tensor within tolerance" in str(report)
     with pytest.raises(CallError, match="input 'bias' has shape"):
         kernel.check(q, k, v, bias=torch.randn(4, device=DEVICE))
-    with pytest.raises(CallError, match="dout must be a tensor shaped like q"):
+    with pytest.raises(CallError, match=r"dout must be a tensor shaped like the output \(1, 2, 13, 16\)"):
         kernel.check(q, k, v, dout=torch.randn(1, 2, 13, 8, device=DEVICE), bias=bias)
+
+
+def test_kernel_check_where_v_has_its_own_head_dim():
+    """dO was drawn in q's shape, so check() crashed in the backward wherever v's head dim
+    differs from q's, and refused a dout shaped like the output."""
+    kernel = attncc.compile("attention narrow_v { mask q >= k }")
+    gen = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(1, 3, n, 32, generator=gen).to(DEVICE) for n in (37, 41))
+    v = torch.randn(1, 3, 41, 16, generator=gen).to(DEVICE)
+    assert kernel.check(q, k, v).ok
+    assert kernel.check(q, k, v, dout=torch.randn(1, 3, 37, 16, device=DEVICE)).ok
 
 
 def test_kernel_check_takes_the_calls_offsets_and_layout():

@@ -137,17 +137,19 @@ class CheckReport:
 def check_tensors(kernel, q, k, v, inputs: dict, *, dout=None, seed: int = 0, q_offset: int = 0,
                   k_offset: int = 0, layout: str | None = None) -> CheckReport:
     """kernel.check: the kernel against the float64 reference on the caller's q, k, v
-    and inputs, at their offsets and in their layout as a call takes them, with dO (q's
-    shape) drawn from `seed` unless given."""
+    and inputs, at their offsets and in their layout as a call takes them, with dO (the
+    output's shape) drawn from `seed` unless given."""
     from ..arguments import as_bhsd
     from ..errors import CallError
     from ..semantics.unexercised import unexercised_params
     p = kernel.check_call(q, k, v, inputs, q_offset, k_offset, layout)
+    out_shape = (*q.shape[:-1], v.shape[-1])  # the output's: q's, with v's head dim
     if dout is None:
         gen = torch.Generator().manual_seed(seed)
-        dout = torch.randn(q.shape, generator=gen, dtype=torch.float64).to(q.dtype).to(q.device)
-    elif not isinstance(dout, torch.Tensor) or dout.shape != q.shape:
-        raise CallError(f"dout must be a tensor shaped like q {tuple(q.shape)}, got "
+        dout = torch.randn(out_shape, generator=gen, dtype=torch.float64).to(q.dtype).to(q.device)
+    elif not isinstance(dout, torch.Tensor) or tuple(dout.shape) != out_shape:
+        raise CallError(f"dout must be a tensor shaped like the output {out_shape} (q's shape "
+                        f"with v's head dim), got "
                         f"{tuple(dout.shape) if isinstance(dout, torch.Tensor) else type(dout).__name__}")
     # The same attention read as (batch, heads, len, dim) views: what compare() takes.
     layout = layout or "bhsd"  # a call that did not say, and that check_call let through
