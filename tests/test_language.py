@@ -319,3 +319,19 @@ def test_slips_in_comparisons_name_the_fix(text, says):
     mean 'int'?", or only that '==' compares numbers."""
     with pytest.raises(attncc.SpecError, match=says):
         attncc.parse(f"attention a {{ {text} }}")
+
+
+@pytest.mark.parametrize("text", [
+    "attention t { learnable input gate: f32[h, k]\n mask q >= k and gate[h, k] > 0.0 }",
+    "attention t { learnable input gate: f32[h, kb]\n layout gate[h, kb] > 0.0\n block 16 }",
+    "attention t { learnable input gate: f32[h, k]\n mask q >= k }",
+])
+def test_a_learnable_input_that_no_score_weight_or_sink_reads_is_refused(text):
+    """Its gradient had nowhere to come from: the backward raised a bare KeyError after a
+    forward that ran. The refusal names the plain declaration and .detach()."""
+    with pytest.raises(attncc.SpecError, match=r":1:15: .*learnable input 'gate' is read by no score, "
+                                               r"weight or sink.*input gate: f32\[h, k?b?\]` and "
+                                               r"pass gate.detach\(\)"):
+        attncc.parse(text)
+    attncc.parse("attention t { learnable input z: f32[h]\n sink z[h] }")
+    attncc.parse("attention t { learnable input g: f32[k]\n normalize sum\n weight max(s, 0.0) * abs(g[k]) }")

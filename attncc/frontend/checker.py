@@ -465,3 +465,18 @@ def check_structure(v: ir.Variant):
     for i in v.inputs:
         if any(a in ir.TILE_VARS for a in i.axes if isinstance(a, str)) and v.block is None:
             raise SpecError(f"input '{i.name}' has a tile axis (qb or kb), which needs `block N`")
+    check_learnable_reads(v)
+
+
+def check_learnable_reads(v: ir.Variant):
+    """A learnable input's gradient flows through the score, the weight and the sink. One
+    that none of them reads (a mask's or layout's yes/no has no slope) would get none:
+    the backward had no entry for it."""
+    differentiable = [e for e in (v.score, v.weight, v.sink) if e is not None]
+    read = {n.tensor for e in differentiable for n in ir.walk(e) if isinstance(n, ir.Load)}
+    for i in v.inputs:
+        if i.learnable and i.name not in read:
+            raise SpecError(f"learnable input '{i.name}' is read by no score, weight or sink, so "
+                            "it would get no gradient (a mask or layout holds or not, with no "
+                            f"slope); declare it `input {i.name}: {i.dtype}"
+                            f"[{', '.join(map(str, i.axes))}]` and pass {i.name}.detach()")

@@ -342,7 +342,12 @@ class _Builder:
             checker.check_structure(v)
         except SpecError as err:
             culprit = seen.get("block") or seen.get("layout") or seen.get("dropout") or tree
-            if err.message.startswith("`sink`"):
+            if err.message.startswith("learnable input '"):  # its declaration
+                name = err.message.split("'")[1]
+                culprit = next((d for d in decls if d.data == "input_decl" and any(
+                    isinstance(t, Token) and t.type == "NAME" and str(t) == name
+                    for t in d.children)), tree)
+            elif err.message.startswith("`sink`"):
                 culprit = seen["sink"]
             elif "weight" in err.message or "normalize" in err.message:
                 culprit = seen.get("weight") or seen.get("normalize") or tree
