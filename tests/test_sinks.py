@@ -473,3 +473,37 @@ def test_a_tiny_gpt_oss_model_matches_eager_attention():
     assert max_abs_error(ours, eager) < 1e-4
     for mine, theirs in zip(our_grads, eager_grads):
         assert max_abs_error(mine, theirs) <= 1e-3 * theirs.abs().max().item() + slack(torch.float32)
+
+
+def test_a_sink_read_past_its_table_is_clamped_in_the_backward_as_in_the_forward():
+    """`sink t[h, q - 2]` over a table of 4: the kernels clamp the index (the SpecWarning
+    says so) and the forward ran, but the sink's gradient went through the reference's
+    evaluator, which raises out of range: the training step died in .backward(). Against
+    a float64 formula with the clamped index; row 0 sees no key (mask q >= k + 1)."""
+    with pytest.warns(attncc.SpecWarning):
+        kernel = attncc.compile("attention clamped_sink { learnable input t: f32[h, 4]\n"
+                                " mask q >= k + 1\n sink t[h, q - 2] }")
+    gen = torch.Generator().manual_seed(12)
+    H, Lq, Lk, D = 3, 21, 18, 16
+    q, do = (torch.randn(1, H, Lq, D, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, H, Lk, D, generator=gen) for _ in range(2))
+    t = torch.randn(H, 4, generator=gen) * 3
+    leaves = [x.to(DEVICE).requires_grad_() for x in (q, k, v, t)]
+    out, lse = kernel(*leaves[:3], t=leaves[3], return_lse=True)
+    got = [out, lse, *torch.autograd.grad((out * do.to(DEVICE)).sum() + lse.sum(), leaves)]
+
+    q64, k64, v64, t64 = (x.double().requires_grad_() for x in (q, k, v, t))
+    rows = torch.arange(Lq)
+    sink = t64[:, (rows - 2).clamp(0, 3)]                                 # [H, Lq]
+    s = q64 @ k64.transpose(-1, -2) / math.sqrt(D)
+    s = s.masked_fill(~(rows[:, None] >= torch.arange(Lk)[None, :] + 1), float("-inf"))
+    logits = torch.cat([s, sink[None, :, :, None]], dim=-1)
+    want_lse = torch.logsumexp(logits, -1)
+    want_out = torch.softmax(logits, -1)[..., :Lk] @ v64
+    want = [want_out, want_lse, *torch.autograd.grad((want_out * do.double()).sum()
+                                                     + want_lse.sum(), (q64, k64, v64, t64))]
+    for name, g, w in zip(["out", "lse", "dq", "dk", "dv", "dt"], got, want):
+        g = g.detach().cpu().double()
+        assert not torch.isnan(g).any(), name
+        torch.testing.assert_close(g, w, rtol=0, atol=2e-4 * (1 + w.abs().max().item()),
+                                   msg=lambda m: f"{name}: {m}")

@@ -96,7 +96,8 @@ def sinks_at(variant: ir.Variant, problem: Problem, values: dict, device, positi
     env = index_env(variant, problem, values, device, torch.float32)
     if positions is not None:
         env["q"] = positions.to(device).view(1, 1, -1, 1)
-    return sink_logits(variant, env, problem, torch.float32, gather=gather)[..., 0]
+    # Reads clamped as the kernels clamp them: the forward ran with those values.
+    return sink_logits(variant, env, problem, torch.float32, gather=gather, clamp=True)[..., 0]
 
 
 def row_sinks(variant: ir.Variant, problem: Problem, values: dict, like: torch.Tensor):

@@ -31,7 +31,8 @@ def check_index_list(name: str, tensor: torch.Tensor, n_tiles: int):
                         "name distinct tiles (pad with -1)")
 
 
-def evaluate(e, env: dict, *, float_dtype=torch.float64, gather=None, gate=None):
+def evaluate(e, env: dict, *, float_dtype=torch.float64, gather=None, gate=None,
+             clamp: bool = False):
     """Evaluate `e`. `env` maps index names to tensors or numbers, and holds
     `params` (name -> value) and `inputs` (name -> tensor). `gather(tensor, indices)`,
     where given, reads a tensor's elements at broadcast index tensors instead of
@@ -42,13 +43,18 @@ def evaluate(e, env: dict, *, float_dtype=torch.float64, gather=None, gate=None)
     leaves (s, float inputs) are read detached, so a value that is not used adds exactly
     nothing to a gradient even where its derivative is inf or NaN (0 * inf would be NaN:
     `where(q == k, 0.0, s / (q - k))`, a masked pair's score), as the kernels' derivative
-    selects rather than multiplies. The values are the same with or without it."""
-    return _Evaluator(env, float_dtype, gather, gate).run(e)
+    selects rather than multiplies. The values are the same with or without it.
+
+    An index out of its axis raises a CallError (the reference's rule), or with `clamp`
+    is clamped into it, as the kernels read: what runs beside them (a sink's gradient)
+    must read the same elements."""
+    return _Evaluator(env, float_dtype, gather, gate, clamp).run(e)
 
 
 class _Evaluator(ir.Visitor):
-    def __init__(self, env, float_dtype, gather=None, gate=None):
+    def __init__(self, env, float_dtype, gather=None, gate=None, clamp=False):
         self.env = env
+        self.clamp = clamp
         self.float_dtype = float_dtype
         self.gather = gather or (lambda tensor, indices: tensor[indices])
         self.gate = gate
@@ -80,6 +86,8 @@ class _Evaluator(ir.Visitor):
     def Load(self, e):
         tensor = self.env["inputs"][e.tensor]
         idx = [self.run(i).long() for i in e.indices]
+        if self.clamp:
+            idx = [i.clamp(0, n - 1) for i, n in zip(idx, tensor.shape)]
         for axis, (i, n) in enumerate(zip(idx, tensor.shape)):
             if i.numel() and (int(i.min()) < 0 or int(i.max()) >= n):
                 bad = int(i.min()) if int(i.min()) < 0 else int(i.max())

@@ -73,11 +73,12 @@ def allowed_pairs(variant: ir.Variant, p: Problem, inputs: dict, device,
     return allowed
 
 
-def sink_logits(variant: ir.Variant, env: dict, p: Problem, dtype, gather=None) -> torch.Tensor:
+def sink_logits(variant: ir.Variant, env: dict, p: Problem, dtype, gather=None,
+                clamp: bool = False) -> torch.Tensor:
     """The sink σ of every row, [B, H, Lq, 1] in `dtype`: `variant.sink` over the index
-    grid of `env` (its b, h and q), differentiable in the inputs it reads (`gather`:
-    evaluate()'s)."""
-    sink = evaluate(variant.sink, env, float_dtype=dtype, gather=gather)
+    grid of `env` (its b, h and q), differentiable in the inputs it reads (`gather`,
+    `clamp`: evaluate()'s)."""
+    sink = evaluate(variant.sink, env, float_dtype=dtype, gather=gather, clamp=clamp)
     device = env["b"].device
     return torch.as_tensor(sink, device=device).to(dtype).expand(p.batch, p.heads_q, p.len_q, 1)
 
