@@ -35,6 +35,8 @@ ESCAPING = {
                           " score s + bias[h, q - k + w]",
                           r"below 0 and past 510 once a size or position reaches 257"),
     "every call": ("input t: f32[4]\n score s + t[-1]", r"goes below 0 on every call"),
+    "declared heads, a table too small": ("heads 6 / 2\n learnable input t: f32[1]\n sink t[h // 3]",
+                                          r"goes past 0 .*\(it ranges over \[0, 1\]\)"),
     "in a mask": ("input keep: bool[7]\n mask keep[q - k + 3]", r"in `mask`, `keep\[q - k \+ 3\]`"),
     "in a layout": ("input on: bool[4]\n block 16\n layout on[qb - kb]",
                     r"in `layout`, `on\[qb - kb\]`.*reaches 17"),
@@ -82,6 +84,10 @@ SAFE = {
     # The compared expression itself as the branch, a min/max around it: both narrowed.
     "where on the clamp itself": ("input t: f32[h, 32]\n score s + t[h, where(max(q - k, 0) < 16, "
                                   "max(q - k, 0), 31)]"),
+    # A per-kv-head table under declared heads: h // 3 stays below 2 (it warned that the
+    # index reached 715827882, so every per-kv-head sink or bias warned).
+    "declared heads": "heads 6 / 2\n learnable input t: f32[2]\n sink t[h // 3]",
+    "declared heads in a score": "heads 4 / 4\n input t: f32[4, 8]\n score s + t[h, min(max(q - k, 0), 7)]",
     "t5 causal buckets": ("input table: f32[h, 32]\n mask q >= k\n score s + table[h, where(q - k < 16, "
                           "max(q - k, 0), min(16 + int(log(max(q - k, 16) / 16.0) / log(128.0 / 16.0) "
                           "* 16.0), 31))]"),

@@ -7,7 +7,8 @@ know which, every integer node gets the interval of values it can take on any ca
   * positions, lengths, the batch and head indices and `dim` lie below the call's
     *extent* E = max(q_offset + len_q, k_offset + len_k, batch, heads, dim), which the
     runtime checks against MAX_EXTENT = 2**31 - 1 (lengths are at least 1: the kernels
-    and the reference return early on empty calls);
+    and the reference return early on empty calls); h also below the declared `heads`,
+    where the variant declares them (a call with other heads is refused);
   * `qb` and `kb` below ceil(E / block);
   * a read of an integer input anywhere in its dtype's range;
   * constants and params exactly;
@@ -69,11 +70,12 @@ class _Analysis(ir.Visitor):
     """Ranges of every integer node of one expression at one extent: visiting a node
     with its children's ranges gives its own Range, or None (not an integer)."""
 
-    def __init__(self, params: dict, inputs: dict, block, extent: int):
+    def __init__(self, params: dict, inputs: dict, block, extent: int, heads=None):
         self.params = params  # name -> value
         self.inputs = inputs  # name -> InputDecl
         self.block = block
         self.extent = extent
+        self.heads = heads  # the declared query heads (`heads 6 / 2`): h's bound, or None
         self.ranges: dict = {}  # id(node) -> Range, for integer nodes
         self.problems: list = []  # (node, message): division by zero, 64-bit overflow
 
@@ -85,6 +87,8 @@ class _Analysis(ir.Visitor):
 
     def _var(self, name: str) -> Range:
         E = self.extent
+        if name == "h" and self.heads is not None:  # a call must have the declared heads
+            return Range(0, min(E, self.heads) - 1)
         if name in ("q", "k", "b", "h"):
             return Range(0, E - 1)
         if name in ("len_q", "len_k", "dim", "dim_v"):  # dim_v: in `scale` only, host-side
@@ -350,6 +354,10 @@ def _context(variant: ir.Variant):
             variant.block)
 
 
+def _heads(variant: ir.Variant):
+    return variant.heads.q if variant.heads else None
+
+
 def check(e, params: dict, inputs: dict, block=None, on_error=None):
     """Refuse `e` (a SpecError) where a division can be by zero or an expression can
     leave 64 bits without reading i64 data. `on_error(node, err)` may locate the error
@@ -378,7 +386,7 @@ def check_variant(v: ir.Variant):
 
 def ranges_at(e, variant: ir.Variant, extent: int = MAX_EXTENT) -> dict:
     """{id(node): Range} for the integer nodes of `e` at `extent`."""
-    analysis = _Analysis(*_context(variant), extent)
+    analysis = _Analysis(*_context(variant), extent, _heads(variant))
     analysis.run(e)
     return analysis.ranges
 
