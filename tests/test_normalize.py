@@ -318,7 +318,7 @@ def test_context_parallel_on_two_ranks(tmp_path):
 def test_printed_and_parsed_back_and_keys_apart():
     v = attncc.parse(SIGMOID)
     assert attncc.parse(str(v)) == v and "normalize none" in str(v)
-    softmax = attncc.parse("attention sigmoid_bias { learnable input bias: f32[h]  mask q >= k }")
+    softmax = attncc.parse("attention sigmoid_bias { learnable input bias: f32[h]  mask q >= k  score s + bias[h] }")
     assert v.key() != softmax.key()
     assert v.key() != attncc.parse(SIGMOID.replace("none", "sum")).key()
 
@@ -333,9 +333,29 @@ def test_sum_refuses_a_weight_it_cannot_prove_non_negative(weight):
 
 @pytest.mark.parametrize("weight", ["exp(s)", "sigmoid(s - 3.0)", "max(s, 0.0) * max(s, 0.0)",
                                     "abs(s) / len_k", "s * s + 1.0", "sqrt(abs(s)) * exp(t[h])",
-                                    "where(q >= k, exp(s), 0.5)"])
+                                    "where(q >= k, exp(s), 0.5)",
+                                    # % and // by a positive constant, log of at least 1:
+                                    # refused as "can be negative" before.
+                                    "sigmoid(s) * (q % 3)", "sigmoid(s) * (q // 3)",
+                                    "sigmoid(s) * log(len_k * 1.0)", "exp(s) * floor(len_k / 2.0)"])
 def test_sum_takes_a_weight_it_can_prove_non_negative(weight):
     attncc.parse(f"attention w {{ input t: f32[h]  normalize sum  weight {weight} }}")
+
+
+def test_a_weight_of_positions_modulo_a_constant_against_its_formula():
+    """sigmoid(s) · (q mod 3), summed to 1 per row: rows q ≡ 0 (mod 3) weigh every key 0,
+    so they give 0 (an empty row); the others the weighted mean of v."""
+    kernel = attncc.compile("attention mod3 { mask q >= k  normalize sum  weight sigmoid(s) * (q % 3) }")
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 3, 23, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    out = kernel(*(t.to(DEVICE, torch.float32) for t in (q, k, v))).cpu().double()
+    rows = torch.arange(23)
+    w = torch.sigmoid(q @ k.transpose(-1, -2) / 4) * (rows % 3)[:, None]
+    w = w * (rows[:, None] >= rows[None, :])
+    total = w.sum(-1, keepdim=True)
+    want = torch.where(total > 0, (w @ v) / total.clamp_min(1e-300), 0.0)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("spec, words", [

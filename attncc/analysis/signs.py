@@ -6,7 +6,8 @@ sub-expression over all values its names can take (s anything, a float input
 anything, positions and sizes at least 0 or 1, params their values) with float
 intervals whose ends may be infinite; the weight is accepted when its lower end is
 >= 0. It is sound, not complete: `exp`, `sigmoid`, `max(x, 0.0)`, `abs`, `x * x`,
-`sqrt` of those, and sums, products and quotients (by positive values) of those are proven;
+`sqrt` of those, `log` of values >= 1, `x % c` and `x // c` of positive c, the roundings,
+and sums, products and quotients (by positive values) of those are proven;
 what it cannot bound is refused with the sub-expression named.
 """
 from __future__ import annotations
@@ -49,8 +50,22 @@ def _logistic(x: float) -> float:
     return 1.0 / (1.0 + _exp(-x)) if x > -709 else 0.0
 
 
+def _log(x: float) -> float:
+    return math.log(x) if x > 0 else -math.inf
+
+
+def _rounded(fn):
+    """floor, ceil and int (toward 0) are non-decreasing: the image of the ends."""
+    return _increasing(lambda x: x if math.isinf(x) else float(fn(x)))
+
+
 # Functions of one argument by the image of their argument's interval.
 UNARY = {
+    # Increasing on (0, inf), NaN below 0: only an argument proven > 0 is bounded.
+    "log": lambda a: (_log(a[0]), _log(a[1])) if a[0] > 0 else ANY,
+    "floor": _rounded(math.floor),
+    "ceil": _rounded(math.ceil),
+    "int": _rounded(math.trunc),
     "exp": _increasing(_exp),
     "sigmoid": _increasing(_logistic),
     "tanh": _increasing(math.tanh),
@@ -99,9 +114,13 @@ class _Bounds(ir.Visitor):
             return _interval(a[0] - b[1], a[1] - b[0])
         if e.op == "*":
             return _product(a, b)
-        if e.op == "/" and b[0] > 0:
-            return _product(a, (1.0 / b[1] if b[1] != math.inf else 0.0, 1.0 / b[0]))
-        return ANY  # //, %, or a divisor that may be <= 0
+        if e.op in ("/", "//") and b[0] > 0:
+            quotient = _product(a, (1.0 / b[1] if b[1] != math.inf else 0.0, 1.0 / b[0]))
+            # Floor division is the quotient's floor, which keeps its order.
+            return quotient if e.op == "/" else _rounded(math.floor)(quotient)
+        if e.op == "%" and b[0] > 0:  # takes the divisor's sign, as in Python
+            return (0.0, b[1])
+        return ANY  # a divisor that may be <= 0
 
     def Call(self, e):
         args = [self(a) for a in e.args]
@@ -136,9 +155,10 @@ def why_not_nonnegative(e: ir.Expr, variant: ir.Variant) -> str | None:
             break
         culprit = negative[0]
     lo = bounds(e)[0]
-    shown = "unbounded below" if lo == -math.inf else f"as low as {lo:g}"
-    part = "" if culprit is e else f" (its part `{ir.print_expr(culprit)}` can be negative)"
-    return f"`{ir.print_expr(e)}` is {shown}{part}"
+    # What the proof found, not a claim about the values: it is sound, not complete.
+    shown = "no lower bound" if lo == -math.inf else f"a lower bound of {lo:g}"
+    part = "" if culprit is e else f" and cannot show that its part `{ir.print_expr(culprit)}` is >= 0"
+    return f"the proof gives `{ir.print_expr(e)}` {shown}{part}"
 
 
 def scale_is_positive(variant: ir.Variant) -> bool:
