@@ -467,3 +467,19 @@ def test_a_float_constant_near_e_or_a_surd_has_a_derivative_to_print(score):
     SpecError at compile time for a score the reference computes."""
     compare(attncc.parse(f"attention e {{ mask q >= k  score {score} }}"), B=1, H=2, Lq=19,
             Lk=19, D=16)
+
+
+def test_a_per_head_float_gate_in_a_mask_runs_and_gates():
+    """`t[h] > 0.0` is one value per tile: under the interpreter a float scalar's
+    comparison is kept as float data, and `&` with the tile's mask raised inside Triton.
+    Head 0 is causal, head 1 (gate below 0) sees nothing: output 0, LSE -inf."""
+    kernel = attncc.compile("attention gated { input t: f32[h]\n mask q >= k and t[h] > 0.0 }")
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 21, 16, generator=gen) for _ in range(3))
+    out, lse = kernel(*(x.to(DEVICE) for x in (q, k, v)), return_lse=True,
+                      t=torch.tensor([0.5, -0.5], device=DEVICE))
+    s = q[0, 0].double() @ k[0, 0].double().T / 4
+    s = s.masked_fill(torch.ones(21, 21, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(out[0, 0].cpu().double(), torch.softmax(s, -1) @ v[0, 0].double(),
+                               rtol=0, atol=1e-4)
+    assert torch.equal(out[0, 1].cpu(), torch.zeros(21, 16)) and torch.isneginf(lse[0, 1]).all()

@@ -52,12 +52,21 @@ def _int_literal(v: int) -> str:
     return f"tl.cast({v}, tl.int64)"
 
 
+# Index names that vary across a tile's pairs; a node reading none is one value per tile.
+_PER_PAIR = {"q", "k", "qb", "kb", "s"}
+
+
 class TritonEmitter(Printer):
     """Emits an expression as one Triton expression string. `wide`: None (integers fit
     32 bits), "WIDE" (64 bits on wide calls) or "True" (always 64 bits). `var_code`
     overrides index names' code: a name, or Code (an expression, with what it uses)."""
 
     cast = "({}) * 1.0"  # an operand an operation takes as a float
+    # A comparison the same for the whole tile (a per-head gate `t[h] > 0.0`): Triton's
+    # interpreter keeps a float scalar's comparison as float data, which `&` with the
+    # tile's mask then refuses; the round trip makes it a bool there and compiles to
+    # nothing on a GPU.
+    tile_constant_bool = "({}).to(tl.int32).to(tl.int1)"
 
     def __init__(self, variant: ir.Variant, var_code: dict | None = None, wide: str | None = None):
         super().__init__()
@@ -142,7 +151,10 @@ class TritonEmitter(Printer):
         spelling = self.spelling(entry)
         if callable(spelling):
             return spelling(self, e, operands)
-        return spelling.format(*operands, int=self.int_type)
+        code = spelling.format(*operands, int=self.int_type)
+        if self.tile_constant_bool and isinstance(e, ir.Cmp) and not ir.free_vars(e) & _PER_PAIR:
+            code = self.tile_constant_bool.format(code)
+        return code
 
 
 class ScoreEmitter(TritonEmitter):

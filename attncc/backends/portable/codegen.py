@@ -53,6 +53,7 @@ class TorchEmitter(TritonEmitter):
     operations in the `host` spelling of attncc/operators.py."""
 
     cast = "torch.as_tensor({}) * 1.0"
+    tile_constant_bool = None  # torch's comparisons are bools already
 
     def __init__(self, variant, var_code):
         super().__init__(variant, var_code)
