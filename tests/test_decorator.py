@@ -185,7 +185,10 @@ def test_tensor_used_without_an_index():
 
 def test_learnable_name_that_is_not_an_input():
     msg = _error(lambda: attncc.variant(lambda q, k: q >= k, name="v", learnable=["bias"]))
-    assert "learnable names ['bias'] are not inputs" in msg
+    assert "learnable names ['bias'] are not inputs; declare them in inputs=" in msg
+    msg = _error(lambda: attncc.variant(lambda q, k, s, biases: s + biases[0], name="v",
+                                        inputs={"biases": "f32[4]"}, learnable=["bias"]))
+    assert "learnable names ['bias'] are not inputs; did you mean 'biases'?" in msg
 
 
 def test_class_with_an_unknown_member():

@@ -280,7 +280,10 @@ def build_variant(name: str, *, mask=None, score=None, layout=None, scale=None, 
     input_decls = tuple(_parse_input_type(n, t, n in learnable) for n, t in (inputs or {}).items())
     unknown = set(learnable) - {i.name for i in input_decls}
     if unknown:
-        raise SpecError(f"learnable names {sorted(unknown)} are not inputs")
+        first = sorted(unknown)[0]
+        declared = [i.name for i in input_decls]
+        raise SpecError(f"learnable names {sorted(unknown)} are not inputs"
+                        f"{did_you_mean(first, declared) if declared else '; declare them in inputs='}")
     pmap = {p.name: p for p in param_decls}
     imap = {i.name: i for i in input_decls}
     fields = {}

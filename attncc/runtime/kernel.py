@@ -322,8 +322,8 @@ class Kernel:
             if deterministic:
                 raise CallError(f"deterministic=True, but the gradient of learnable input "
                                 f"'{name}' would be added with fp32 atomics, which are not "
-                                f"bit-reproducible: {why}; {fix}, or call with "
-                                "deterministic=False")
+                                f"bit-reproducible: {why}; {fix}, or leave deterministic= "
+                                "out (or False) to allow them")
             message = (f"torch.use_deterministic_algorithms(True) is on, but the gradient of "
                        f"learnable input '{name}' would be added with fp32 atomics, which are "
                        f"not bit-reproducible: {why}; {fix}, or turn the flag off for this call")
