@@ -51,7 +51,8 @@ class Problem:
 def _shape(t) -> str:
     # An f-string, not str(): under torch.compile the checks run at trace time, where
     # sizes are symbolic, and Dynamo formats those but cannot call str() on them.
-    return "(" + ", ".join(f"{s}" for s in t.shape) + ")"
+    inner = ", ".join(f"{s}" for s in t.shape)
+    return f"({inner},)" if len(t.shape) == 1 else f"({inner})"  # Python's spelling
 
 
 # How q, k, v (and the output) lay out their axes. "bhsd" is scaled_dot_product_attention's

@@ -82,7 +82,7 @@ def test_inputs_file_that_is_missing_or_not_torch(tmp_path):
 def test_inputs_that_do_not_fit_a_checked_shape_are_refused_before_anything_runs():
     given = {"doc_q": torch.zeros(20, dtype=torch.int32), "doc_k": torch.zeros(45, dtype=torch.int32)}
     check_command.check_inputs_fit(DOCUMENT, given, "f.pt", Problem(2, 3, 3, 20, 45, 16, 16))
-    with pytest.raises(AttnccError, match=r"len_q 37, len_k 45: input 'doc_q' has shape \(20\)"):
+    with pytest.raises(AttnccError, match=r"len_q 37, len_k 45: input 'doc_q' has shape \(20,\)"):
         check_command.check_inputs_fit(DOCUMENT, given, "f.pt", Problem(2, 3, 3, 37, 45, 16, 16))
     wrong_dtype = dict(given, doc_k=torch.zeros(45))
     with pytest.raises(AttnccError, match="'doc_k' has dtype torch.float32"):
@@ -189,7 +189,7 @@ def test_check_command_with_given_inputs_and_uneven_lengths_reports_progress(tmp
     # The same file at a length it does not fit: refused at once, exit 2, naming the input.
     assert main(["check", str(EXAMPLES / "document.attn"), "--len", "19", "--dim", "16",
                  "--inputs", path]) == 2
-    assert "input 'doc_k' has shape (45)" in capsys.readouterr().err
+    assert "input 'doc_k' has shape (45,)" in capsys.readouterr().err
 
 
 def test_kernel_check_on_your_own_inputs(recwarn):

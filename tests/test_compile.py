@@ -203,7 +203,7 @@ def bad_calls():
     doc = torch.zeros(40, dtype=torch.int32, device=DEVICE)
     other = lambda *shape: torch.randn(*shape, device=DEVICE)
     return [((q, k, v, doc.long()), "input 'doc' has dtype torch.int64"),
-            ((q, k, v, doc[:-1]), r"input 'doc' has shape \(39\), expected \(40,\) \(q=40\)"),
+            ((q, k, v, doc[:-1]), r"input 'doc' has shape \(39,\), expected \(40,\) \(q=40\)"),
             ((other(1, 3, 40, 16), k, v, doc), "q has 3 heads, which is not a multiple of the 2"),
             ((q, k, other(1, 2, 40, 8), doc), r"v's head dim 8 is not supported: .* \(1, 2, 40, 8\)"),
             ((q[..., :8], k[..., :8], v[..., :8], doc), r"head dim 8 is not supported: .* \(1, 2, 40, 8\)")]

@@ -220,7 +220,7 @@ def test_offsets_are_positions_of_a_longer_sequence():
     whole = attncc.reference(variant, q, k, v, doc_q=doc, doc_k=doc)
     part = attncc.reference(variant, q[:, :, off:], k, v, q_offset=off, doc_q=doc, doc_k=doc)
     close(part, whole[:, :, off:])
-    with pytest.raises(attncc.CallError, match=r"input 'doc_q' has shape \(30\), expected \(50,\)"):
+    with pytest.raises(attncc.CallError, match=r"input 'doc_q' has shape \(30,\), expected \(50,\)"):
         attncc.reference(variant, q[:, :, off:], k, v, q_offset=off, doc_q=doc[off:], doc_k=doc)
 
 
@@ -449,7 +449,7 @@ def test_call_errors_for_inputs():
     assert "unexpected input 'x': the variant 'c' declares no inputs" in \
         _call_error(CAUSAL, q, k, v, x=slopes)
     msg = _call_error(TABLE, q, k, v, slopes=slopes, doc=doc[:8])
-    assert msg.startswith("input 'doc' has shape (8), expected (10,) (k=10)")
+    assert msg.startswith("input 'doc' has shape (8,), expected (10,) (k=10)")
     msg = _call_error(TABLE, q, k, v, slopes=slopes.double(), doc=doc)
     assert msg.startswith("input 'slopes' has dtype torch.float64, but the variant declares f32")
     assert "input 'slopes' must be a torch.Tensor, got list" in \

@@ -117,7 +117,8 @@ def decode_problem(q, k_cache, v_cache, k_new, block_table, v_is_k: bool = False
 
 
 def _shape(t) -> str:
-    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+    inner = ", ".join(str(s) for s in t.shape)
+    return f"({inner},)" if len(t.shape) == 1 else f"({inner})"  # Python's spelling
 
 
 def _check_tensor(name: str, t, layout: str, q=None):
