@@ -211,6 +211,19 @@ def test_kernel_check_on_your_own_inputs(recwarn):
         kernel.check(q, k, v, dout=torch.randn(1, 2, 13, 8, device=DEVICE), bias=bias)
 
 
+def test_check_command_takes_vs_head_dim(capsys, monkeypatch):
+    """`attncc check` drew v at q's head dim: a variant whose v is narrower (differential
+    attention's is wider) could not be checked at its own shapes."""
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert main(["check", str(EXAMPLES / "causal.attn"), "--len", "21", "--dim", "32",
+                 "--dim-v", "16", "--heads", "2", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "dim 32, dim_v 16" in out and "OK: every tensor within tolerance" in out
+    assert main(["check", str(EXAMPLES / "causal.attn"), "--dim-v", "0"]) == 2
+    assert "--dim-v 0: v's head dim must be a positive number" in capsys.readouterr().err
+
+
 def test_kernel_check_where_v_has_its_own_head_dim():
     """dO was drawn in q's shape, so check() crashed in the backward wherever v's head dim
     differs from q's, and refused a dout shaped like the output."""

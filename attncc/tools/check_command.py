@@ -43,17 +43,19 @@ def _check_interpreted(kernel):
 
 
 def check_shape(variant, kernel, *, batch, heads, len_q, len_k, dim, dtype, device, seed,
-                inputs=None, progress=None) -> list:
+                inputs=None, progress=None, dim_v=None) -> list:
     """One comparison on random q, k, v and dO (and the variant's inputs: `inputs`, else
     invented by sample_inputs): rows (tensor, err_kernel, err_eager, ok) for every result
-    tensor. `progress(stage, seconds)` is told as each of the three runs ends."""
+    tensor. `progress(stage, seconds)` is told as each of the three runs ends. `dim_v`:
+    v's head dim (dim's by default), the output's too."""
     hq, hkv = heads
+    dim_v = dim if dim_v is None else dim_v
     gen = torch.Generator().manual_seed(seed)
     randn = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
-    q, k, v = randn(batch, hq, len_q, dim), randn(batch, hkv, len_k, dim), randn(batch, hkv, len_k, dim)
-    dout = randn(batch, hq, len_q, dim)
+    q, k, v = randn(batch, hq, len_q, dim), randn(batch, hkv, len_k, dim), randn(batch, hkv, len_k, dim_v)
+    dout = randn(batch, hq, len_q, dim_v)
     if inputs is None:
-        inputs = sample_inputs(variant, Problem(batch, hq, hkv, len_q, len_k, dim, dim), seed=seed,
+        inputs = sample_inputs(variant, Problem(batch, hq, hkv, len_q, len_k, dim, dim_v), seed=seed,
                                device=device)
     else:
         inputs = {n: t.to(device) for n, t in inputs.items()}
@@ -164,10 +166,10 @@ def check_inputs_fit(variant, inputs: dict, path: str, problem) -> None:
     from ..arguments import bind
     from ..errors import CallError
     p = problem
-    fake = lambda h, n: torch.empty(p.batch, h, n, p.dim, device="meta")
+    fake = lambda h, n, d: torch.empty(p.batch, h, n, d, device="meta")
     try:
-        bind(variant, fake(p.heads_q, p.len_q), fake(p.heads_kv, p.len_k),
-             fake(p.heads_kv, p.len_k), {n: t.to("meta") for n, t in inputs.items()})
+        bind(variant, fake(p.heads_q, p.len_q, p.dim), fake(p.heads_kv, p.len_k, p.dim),
+             fake(p.heads_kv, p.len_k, p.dim_v), {n: t.to("meta") for n, t in inputs.items()})
     except CallError as e:
         raise AttnccError(f"--inputs {path} at batch {p.batch}, heads {p.heads_q}/{p.heads_kv}, "
                           f"len_q {p.len_q}, len_k {p.len_k}: {e}. Given inputs are used at every "
@@ -202,9 +204,15 @@ def check_command(args) -> int:
         raise AttnccError(f"--dim {args.dim}: the head dim must be a positive number (the "
                           "kernels take 16 to 256)")
     dim = args.dim if args.dim is not None else (64 if on_gpu else 32)
+    dim_v = getattr(args, "dim_v", None)
+    if dim_v is not None and dim_v < 1:
+        raise AttnccError(f"--dim-v {dim_v}: v's head dim must be a positive number (the "
+                          "kernels take 16 to 512)")
+    dim_v = dim if dim_v is None else dim_v
+    dims = f"dim {dim}" if dim_v == dim else f"dim {dim}, dim_v {dim_v}"
     shapes = check_lengths(args, on_gpu)
     batch = 2
-    problems = [Problem(batch, heads[0], heads[1], lq, lk, dim, dim) for lq, lk in shapes]
+    problems = [Problem(batch, heads[0], heads[1], lq, lk, dim, dim_v) for lq, lk in shapes]
     kernel = attncc.compile(variant)
     given = load_inputs(args.inputs, variant) if args.inputs else None
     if given is not None:
@@ -230,14 +238,15 @@ def check_command(args) -> int:
     failed, diagnosed = 0, False
     for i, p in enumerate(problems):
         what = (f"batch {batch}, heads {heads[0]}/{heads[1]}, len_q {p.len_q}, len_k {p.len_k}, "
-                f"dim {dim}, {_dtype_name(dtype)} ({where})")
+                f"{dims}, {_dtype_name(dtype)} ({where})")
         print(f"\n{what}", flush=True)
         _progress(f"[{i + 1}/{len(problems)}] {what}: running the kernel and the references")
         stages = []
         start = time.perf_counter()
         rows = check_shape(variant, kernel, batch=batch, heads=heads, len_q=p.len_q,
-                           len_k=p.len_k, dim=dim, dtype=dtype, device=device, seed=args.seed + i,
-                           inputs=inputs[i], progress=lambda stage, s: stages.append(f"{stage} {s:.1f} s"))
+                           len_k=p.len_k, dim=dim, dim_v=dim_v, dtype=dtype, device=device,
+                           seed=args.seed + i, inputs=inputs[i],
+                           progress=lambda stage, s: stages.append(f"{stage} {s:.1f} s"))
         _progress(f"[{i + 1}/{len(problems)}] len_q {p.len_q}, len_k {p.len_k} done in "
                   f"{time.perf_counter() - start:.1f} s ({', '.join(stages)})")
         print(format_table(rows))

@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: invented from --seed; the output says how)")
     check.add_argument("--dim", type=int, default=None, help="head dim (default: 64 on a GPU, "
                        "32 under the interpreter)")
+    check.add_argument("--dim-v", type=int, default=None, help="v's head dim, where it differs "
+                       "from q's and k's (default: --dim)")
     check.add_argument("--heads", type=_heads, default=None, help=HEADS_HELP + "; default: the "
                        "declared heads, else 3")
     check.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
