@@ -209,3 +209,76 @@ def test_packed_sequence_ids_of_an_inference_tensor_are_read_each_call():
         ids[0, 3:] = torch.tensor([3, 4, 0, 1, 2])
         first = 5
         assert hf._packed_sequence_ids(info, ids, 1, 8, 8).tolist() == [[0, 0, 0, 0, 0, 1, 1, 1]]
+
+
+def test_a_bidirectional_sliding_window_matches_eager():
+    """A bidirectional layer's `sliding_window` W is exclusive, as a causal one's is
+    (ModernBERT passes its mask's inclusive window + 1): read as abs(q - k) <= W, the
+    window was one key too wide; check_masks refused it blaming the model, and with
+    check_masks=False the logits were off by 1e-3."""
+    config = transformers.ModernBertConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, local_attention=4, global_attn_every_n_layers=2, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    ours, ref = twins(transformers.ModernBertForMaskedLM, config, reference="eager")
+    ids = torch.randint(3, 64, (2, 13), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    with torch.no_grad():
+        got, want = (m.eval()(ids, attention_mask=mask).logits[mask.bool()] for m in (ours, ref))
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+
+
+def _attend(name, info=None, **kwargs):
+    """The attention function registered under `name`, called as a model's layer calls
+    it: (batch 1, heads 2, 5 queries, head dim 16) against 5 keys."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 5, 16, generator=gen).to(DEVICE) for _ in range(3))
+    return hf._REGISTERED[name](torch.nn.Module(), q, k, v, info, **kwargs)
+
+
+def test_a_tensor_the_model_passes_and_attncc_does_not_read_is_refused(registered):
+    """MiniMax-M3's sparse layers pass `block_indices=` (DeepSeek-V3.2 `indices=`), which
+    transformers turns into a block mask only for eager and sdpa: attncc ran such layers
+    densely, silently. Known tensors (position_ids, flash's cu_seq_lens) still pass."""
+    with pytest.raises(CallError, match="passes `block_indices` to its attention"):
+        _attend(registered, block_indices=torch.zeros(1, 2, 5, 1, dtype=torch.long))
+    _attend(registered, position_ids=torch.arange(5)[None], output_hidden_states=True,
+            cu_seq_lens_q=torch.tensor([0, 5], dtype=torch.int32))
+
+
+def test_output_attentions_and_a_replaced_scale_warn():
+    """output_attentions=True got None weights without a word (transformers' sdpa warns);
+    a registered variant's `scale` replaced the model's scaling (Gemma2's
+    query_pre_attn_scalar) silently."""
+    name = hf.register("attncc_scaled", "attention scaled { scale 1.0 / sqrt(dim) }")
+    with pytest.warns(UserWarning, match="output_attentions=True: attncc computes no attention"):
+        out, weights = _attend(name, output_attentions=True)
+    assert weights is None
+    with pytest.warns(UserWarning, match=r"declares `scale`, which replaces the model's scaling "
+                                         r"0.125 \(the variant's is 0.25 at head dim 16\)"):
+        _attend(name, scaling=0.125)
+
+
+def test_a_model_that_computes_with_its_mask_gets_a_clear_error():
+    """Bloom, MPT, Gemma4 with shared KV layers and others index or add to the mask
+    themselves: they crashed inside transformers on attncc's MaskInfo ('unsupported
+    operand', 'not subscriptable')."""
+    info = hf.attncc_mask(1, 5, 5)
+    for use in (lambda: info[:, :, :3], lambda: info + 1.0, lambda: info.to(torch.float32),
+                lambda: info.size(-1), lambda: ~info):
+        with pytest.raises(CallError, match="computes with its attention mask itself"):
+            use()
+    assert info.shape == (1, 1, 5, 5) and info.ndim == 4
+
+
+def test_a_layout_variant_at_a_caches_offset_is_named():
+    """generate() decodes at the cache's offset, which a layout's tiles cannot start at:
+    the message named a q_offset the user never passed."""
+    name = hf.register("attncc_blocks", "attention blocks { layout kb <= qb\n block 16 }")
+    with pytest.raises(CallError, match=r"'blocks' has a layout \(block 16\).*queries start at "
+                                        r"position 12.*register a variant without a layout"):
+        gen = torch.Generator().manual_seed(5)
+        q = torch.randn(1, 2, 1, 16, generator=gen).to(DEVICE)
+        kv = torch.randn(1, 2, 13, 16, generator=gen).to(DEVICE)
+        hf._REGISTERED[name](torch.nn.Module(), q, kv, kv, hf.attncc_mask(1, 1, 13, q_offset=12))

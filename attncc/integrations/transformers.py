@@ -9,8 +9,9 @@ attention function turns the layer's arguments into one attncc variant per kind 
 layer, with no S x S mask:
 
   * causal (`is_causal`, else the module's), with absolute positions from the offsets;
-  * `sliding_window` W: `q - k < W` when causal, `abs(q - k) <= W` when not, as
-    transformers' masks define it;
+  * `sliding_window` W: `q - k < W` when causal, `abs(q - k) < W` when not. The
+    attention functions' W is exclusive on both sides (flash-attention's window is W - 1;
+    a bidirectional model passes its mask's inclusive window + 1);
   * padding: `keep[b, k]`, only when some key is padded;
   * packed sequences (`position_ids` restarting inside a row, where transformers'
     mask keeps them apart: it does so without a padding mask and a cache):
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 import weakref
 from collections import OrderedDict
 from typing import Callable
@@ -50,6 +52,11 @@ from ..frontend.parser import parse
 _RESERVED = ("sdpa", "flex_attention", "flash_attention")
 _REGISTERED: dict = {}  # name -> _Attention
 KEEP, SEQ = "hf_keep", "hf_seq"  # the inputs the model's masks add to a variant
+# Tensors models pass their attention that attncc reads (position_ids, s_aux) or that
+# say what the mask already says (flash-attention's packed-sequence lengths, the cache's
+# positions); any other tensor is refused.
+_READ_OR_REDUNDANT = {"position_ids", "s_aux", "cu_seq_lens_q", "cu_seq_lens_k",
+                      "cache_position"}
 SINKS = "hf_sinks"  # the input gpt-oss's s_aux becomes
 # torch dtype -> the language's name of it, for the input s_aux becomes.
 _DTYPE_WORDS = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32",
@@ -100,6 +107,17 @@ class MaskInfo:
     def shape(self) -> tuple:
         return (self.batch_size, 1, self.q_length, self.kv_length)
 
+    def _used_as_a_tensor(self, *args, **kwargs):
+        raise CallError("the model computes with its attention mask itself (indexes, adds or "
+                        "converts it), but attncc's transformers integration hands it a "
+                        "description of the mask (MaskInfo), not a tensor; this model's "
+                        "attention does not go through transformers' attention interface "
+                        "alone: use another attn_implementation for it")
+
+    __getitem__ = __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = \
+        __and__ = __rand__ = __or__ = __ror__ = __invert__ = _used_as_a_tensor
+    to = size = dim = float = bool = masked_fill = expand = _used_as_a_tensor
+
 
 def attncc_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
                 mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
@@ -139,7 +157,9 @@ def _packed_sequence_ids(info: MaskInfo, position_ids, batch: int, q_len: int, k
     # while that same tensor, unchanged, is the one passed.
     given = position_ids
     # An inference tensor has no version counter to see a write by: never reused.
-    key = None if given.is_inference() else (id(given), given._version)
+    # Under torch.compile nothing is kept (Dynamo traces neither is_inference nor _version).
+    key = None if torch.compiler.is_compiling() or given.is_inference() else (
+        id(given), given._version)
     entry = info.sequence_ids.get(key) if key is not None else None
     if entry is None or entry[0]() is not given:
         position_ids = position_ids.expand(batch, -1)
@@ -181,11 +201,17 @@ class _Attention:
     def __call__(self, module, query, key, value, attention_mask, dropout: float = 0.0,
                  scaling: float | None = None, is_causal: bool | None = None,
                  sliding_window: int | None = None, softcap: float | None = None, **kwargs):
-        for unsupported in ("position_bias", "sinks"):
-            if kwargs.get(unsupported) is not None:
+        for unsupported, given in kwargs.items():
+            # A tensor the model hands its attention says something about it (a bias, a
+            # block selection, a head mask): one attncc does not read would be dropped.
+            if (unsupported in ("position_bias", "sinks") and given is not None) or (
+                    isinstance(given, torch.Tensor) and unsupported not in _READ_OR_REDUNDANT):
                 raise CallError(f"the model passes `{unsupported}` to its attention, which "
                                 f"attncc's transformers integration does not implement; use "
                                 f"another attn_implementation for this model")
+        if kwargs.get("output_attentions"):
+            _warn_once("output_attentions=True: attncc computes no attention weights (no S x S "
+                       "matrix exists); the model gets None for them, as with sdpa")
         if attention_mask is not None and not isinstance(attention_mask, MaskInfo):
             shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else None
             raise CallError(
@@ -206,6 +232,14 @@ class _Attention:
         else:
             # No mask at all: the queries are the last ones (a KV cache), as in SDPA's path.
             q_offset, k_offset = (kv_len - q_len if causal and kv_len > q_len else 0), 0
+        block = self.variant.block if self.variant is not None and self.variant.layout else None
+        if block and (q_offset % block or k_offset % block):
+            raise CallError(f"the registered variant '{self.variant.name}' has a layout (block "
+                            f"{block}), whose tiles start at multiples of {block}, but this "
+                            f"layer's queries start at position {q_offset} and its keys at "
+                            f"{k_offset} (a KV cache's offsets, as in generate): a layout "
+                            "cannot decode through a cache here; register a variant without "
+                            "a layout for generation")
         sequence_ids = _packed_sequence_ids(info, kwargs.get("position_ids"), batch, q_len, kv_len)
         keep = info.keep if info is not None else None
         if sliding_window is not None and (not isinstance(sliding_window, int)
@@ -213,6 +247,9 @@ class _Attention:
             raise CallError(f"sliding_window must be a positive int or None, got "
                             f"{sliding_window!r}")
         p = self.variant.dropout if self.variant is not None and self.variant.dropout else dropout
+        if self.variant is not None and self.variant.dropout and dropout and dropout != p:
+            _warn_once(f"the registered variant '{self.variant.name}' declares dropout {p:g}, "
+                       f"which replaces the model's attention dropout {dropout:g}")
         reading = (bool(causal), sliding_window, keep is not None, sequence_ids is not None)
         sinks = _sinks(kwargs.get("s_aux"), heads, self.variant)
         kernel = self._kernel(reading, softcap, scaling, dim, float(p or 0.0),
@@ -272,6 +309,13 @@ class _Attention:
         if scale is None and scaling is not None and not math.isclose(scaling, dim ** -0.5,
                                                                      rel_tol=1e-12):
             scale = ir.Const(float(scaling), ir.FLOAT)
+        elif scale is not None and scaling is not None:
+            from ..semantics.reference import scale_value
+            own = scale_value(base, dim)
+            if not math.isclose(own, scaling, rel_tol=1e-6):
+                _warn_once(f"the registered variant '{base.name}' declares `scale`, which "
+                           f"replaces the model's scaling {scaling:g} (the variant's is "
+                           f"{own:g} at head dim {dim}); leave `scale` out to keep the model's")
         inputs, sink, name = base.inputs + model.inputs, base.sink, f"{base.name}_{model.name}"
         if sink_dtype is not None:
             inputs += (ir.InputDecl(SINKS, sink_dtype, ("h",), learnable=True),)
@@ -280,6 +324,15 @@ class _Attention:
             base, name=name, mask=mask, score=score, scale=scale,
             inputs=inputs, dropout=dropout_p or None, sink=sink)
         return check_variant(variant)
+
+
+_WARNED: set = set()
+
+
+def _warn_once(message: str):
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(f"attncc (transformers): {message}", UserWarning, stacklevel=4)
 
 
 def _sinks(s_aux, heads: int, variant: ir.Variant | None):
@@ -309,7 +362,7 @@ def model_mask_variant(causal: bool, sliding_window: int | None, padded: bool,
         mask.append("k <= q")
     if sliding_window is not None:
         name.append(f"window{sliding_window}")
-        mask.append(f"q - k < {sliding_window}" if causal else f"abs(q - k) <= {sliding_window}")
+        mask.append(f"q - k < {sliding_window}" if causal else f"abs(q - k) < {sliding_window}")
     if padded:
         name.append("padded")
         inputs.append(f"input {KEEP}: bool[b, k]")
