@@ -65,6 +65,61 @@ def test_compile_writes_a_standalone_module(name, tmp_path, capsys):
     assert "written" in out
 
 
+def _written_module(spec: str, tmp_path):
+    """The file `attncc compile` writes for `spec`, imported as a user would."""
+    import importlib.util
+    variant = attncc.load(spec)
+    path = tmp_path / f"{variant.name}.py"
+    path.write_text(generate(variant).source)
+    found = importlib.util.spec_from_file_location(f"written_{variant.name}", path)
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    return module
+
+
+SHARED_SINK = """attention shared_sink {
+    learnable input t: f32[h]
+    mask q >= k
+    score s + t[h]
+    sink t[h] }"""
+
+
+@pytest.mark.parametrize("spec", [SHARED_SINK, str(EXAMPLES / "gpt_oss_sinks.attn")])
+def test_the_written_modules_backward_adds_the_sinks_gradient(spec, tmp_path):
+    """The sink's share of a learnable input's gradient is added outside the kernels; the
+    written file left it out: `t[h]` added to every logit and to the sink changes
+    nothing, yet the file gave dt = [0.36, -0.26], and gpt-oss's `sinks` had no entry."""
+    module = _written_module(spec, tmp_path)
+    variant = attncc.load(spec)
+    (name,) = [d.name for d in variant.learnable_inputs]
+    heads = variant.heads.q if variant.heads else 2
+    kv_heads = variant.heads.kv if variant.heads else 2
+    gen = torch.Generator().manual_seed(6)
+    q, dout = (torch.randn(1, heads, 20, 16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, kv_heads, 23, 16, generator=gen) for _ in range(2))
+    inputs = {name: torch.randn(heads, generator=gen) * 2}
+    config = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    out, lse = module.forward(q, k, v, inputs, config=config)
+    *_, grads = module.backward(q, k, v, out, lse, dout, inputs, config_dkdv=config,
+                                config_dq=config)
+    leaves = [x.double().requires_grad_() for x in (q, k, v, inputs[name])]
+    want = reference(variant, *leaves[:3], **{name: leaves[3]})
+    (want_grad,) = torch.autograd.grad(want, leaves[3], dout.double())
+    torch.testing.assert_close(grads[name].double(), want_grad, rtol=0,
+                               atol=1e-4 * (1 + want_grad.abs().max().item()))
+
+
+def test_the_written_module_refuses_a_sink_expressions_gradient(tmp_path):
+    module = _written_module("attention scaled_sink { learnable input t: f32[h]\n"
+                             " sink 2.0 * t[h] }", tmp_path)
+    q = torch.randn(1, 2, 5, 16)
+    config = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    out, lse = module.forward(q, q, q, {"t": torch.zeros(2)}, config=config)
+    with pytest.raises(NotImplementedError, match="reads learnable inputs t through an expression"):
+        module.backward(q, q, q, out, lse, q, {"t": torch.zeros(2)}, config_dkdv=config,
+                        config_dq=config)
+
+
 @pytest.mark.parametrize("schedule,want", [("one-launch", "bwd "), ("sequential", "dq ")])
 def test_compile_reports_the_backward_the_runtime_runs(schedule, want, tmp_path, capsys,
                                                        monkeypatch):

@@ -21,6 +21,7 @@ import functools
 import torch
 
 from .. import ir
+from ..analysis import gradient_owners
 from ..arguments import Problem
 from ..semantics.reference import index_env, sink_logits
 
@@ -136,13 +137,9 @@ def _per_variant(decide):
     return functools.wraps(decide)(decided)
 
 
-@_per_variant
-def sink_learnables(variant: ir.Variant) -> tuple:
-    """The learnable inputs the sink reads, in declared order."""
-    if variant.sink is None:
-        return ()
-    read = ir.loaded_tensors(variant.sink)
-    return tuple(d.name for d in variant.learnable_inputs if d.name in read)
+# Remembered per variant: every backward of a sink asks.
+sink_learnables = _per_variant(gradient_owners.sink_learnables)
+_direct_form = _per_variant(gradient_owners.direct_sink_read)
 
 
 def add_sink_gradients(variant: ir.Variant, problem: Problem, values: dict, lse: torch.Tensor,
@@ -174,8 +171,7 @@ def add_sink_gradients(variant: ir.Variant, problem: Problem, values: dict, lse:
     return out
 
 
-# Where a row's index names sit in lse's [B, H, Lq].
-_ROW_AXES = {"b": 0, "h": 1}
+_ROW_AXES = gradient_owners.ROW_AXES
 
 
 def _direct_read(variant: ir.Variant, problem: Problem, values: dict):
@@ -191,21 +187,6 @@ def _direct_read(variant: ir.Variant, problem: Problem, values: dict):
     if tuple(values[form[0]].shape) != tuple(sizes[a] for a in form[1]):
         return None
     return form
-
-
-@_per_variant
-def _direct_form(variant: ir.Variant):
-    """(input, its row axes) where the variant's sink has _direct_read's form, else None:
-    the part of that decision the call's values leave alone, made once per variant."""
-    read = variant.sink
-    if not isinstance(read, ir.Load):
-        return None
-    decl = next((d for d in variant.learnable_inputs if d.name == read.tensor), None)
-    axes = tuple(getattr(i, "name", None) for i in read.indices)
-    if decl is None or tuple(decl.axes) != axes or len(set(axes)) != len(axes) \
-            or not all(a in _ROW_AXES for a in axes):
-        return None
-    return read.tensor, axes
 
 
 def _add_direct_gradient(variant, values, lse, delta, dinputs, direct) -> dict:

@@ -22,7 +22,8 @@ import jinja2
 from ... import dropout, ir
 from ...analysis import bounds, intervals, ranges
 from ...analysis.signs import scale_is_positive
-from ...analysis.gradient_owners import GradientOwner, gradient_owners
+from ...analysis.gradient_owners import (GradientOwner, direct_sink_read, gradient_owners,
+                                         sink_learnables)
 from ...codegen.derivative import score_gradients
 from ...ir import print_variant
 from ...codegen import helpers, interface, parameters, templating
@@ -408,6 +409,10 @@ def template_context(variant: ir.Variant, code: VariantCode | None = None) -> di
         # the sink reads takes its gradient from runtime/sinks.py alone.
         kernel_grad_names=[i.name for i in variant.learnable_inputs
                            if any(g.name == i.name for g in code.input_grads)],
+        # The sink's learnable reads: the file's backward adds a direct read's gradient
+        # (sinks[h]) itself, and refuses an expression's, which needs attncc's runtime.
+        sink_learnables=list(sink_learnables(variant)),
+        sink_direct=direct_sink_read(variant),
         dropout=bool(variant.dropout),
         dropout_p=repr(float(variant.dropout or 0.0)),
         dropout_threshold=dropout.threshold(variant.dropout or 0.0),
