@@ -109,6 +109,25 @@ def test_the_written_modules_backward_adds_the_sinks_gradient(spec, tmp_path):
                                atol=1e-4 * (1 + want_grad.abs().max().item()))
 
 
+def test_the_written_module_refuses_tiles_wider_than_an_index_lists_block(tmp_path):
+    """An index list turns whole blocks on; a 64x64 tile over blocks of 32 read one list
+    entry for two blocks: the file ran the README's own config 0.68 off, where
+    attncc.compile refuses it."""
+    module = _written_module("attention top { input top: i32[b, h, qb, 2]\n"
+                             " layout kb in top[b, h, qb]\n block 32 }", tmp_path)
+    q = torch.randn(1, 2, 64, 16)
+    top = torch.tensor([[[[0, -1], [0, 1]]] * 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="tiles of 64x64 do not nest in the layout's blocks of 32"):
+        module.forward(q, q, q, {"top": top}, config=dict(BLOCK_M=64, BLOCK_N=64, num_warps=4,
+                                                          num_stages=1))
+    out, _ = module.forward(q, q, q, {"top": top}, config=dict(BLOCK_M=32, BLOCK_N=16,
+                                                               num_warps=4, num_stages=1))
+    want = reference(attncc.load("attention top { input top: i32[b, h, qb, 2]\n"
+                                 " layout kb in top[b, h, qb]\n block 32 }"),
+                     q.double(), q.double(), q.double(), top=top)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-4)
+
+
 def test_the_written_module_refuses_a_sink_expressions_gradient(tmp_path):
     module = _written_module("attention scaled_sink { learnable input t: f32[h]\n"
                              " sink 2.0 * t[h] }", tmp_path)

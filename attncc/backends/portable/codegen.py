@@ -26,6 +26,7 @@ from ...analysis.gradient_owners import (GradientOwner, direct_sink_read, gradie
                                          sink_learnables)
 from ...codegen.derivative import score_gradients
 from ...ir import print_variant
+from ..tile_config import needs_tiles_within_block
 from ...codegen import helpers, interface, parameters, templating
 from ...codegen.decode import decode_context, decode_layout
 from ...codegen.elementwise import (ScoreEmitter, TritonEmitter, WeightEmitter, grad_arg_name,
@@ -412,6 +413,8 @@ def template_context(variant: ir.Variant, code: VariantCode | None = None) -> di
         # The sink's learnable reads: the file's backward adds a direct read's gradient
         # (sinks[h]) itself, and refuses an expression's, which needs attncc's runtime.
         sink_learnables=list(sink_learnables(variant)),
+        # An index-list layout turns whole blocks on: every tile must nest in one.
+        tiles_within_block=variant.block if needs_tiles_within_block(variant) else None,
         sink_direct=direct_sink_read(variant),
         dropout=bool(variant.dropout),
         dropout_p=repr(float(variant.dropout or 0.0)),
