@@ -166,6 +166,14 @@ def test_floats_below_float32_are_refused_too(text, shown):
     attncc.parse("attention t { scale 1e-40 score s * 0.0 }")
 
 
+@pytest.mark.parametrize("text, shown", [("attention t { score sqrt(-1.0) + s }", r"`sqrt\(-1.0\)`"),
+                                         ("attention t { score log(-1.0) * s }", r"`log\(-1.0\)`")])
+def test_a_constant_that_is_not_a_number_is_refused(text, shown):
+    """NaN passed the range test (NaN > 3.4e38 is false), and every tensor came out NaN."""
+    with pytest.raises(attncc.SpecError, match=shown + r" is not a number \(NaN\) for every call"):
+        attncc.parse(text)
+
+
 def test_where_and_loads():
     e = score_of("where(q >= k, s + t[h, k], s)", "input t: f32[h, k]")
     assert e == ir.Where(ir.Cmp(">=", Q, K), ir.BinOp("+", S, ir.Load("t", (H, K))), S)

@@ -180,6 +180,9 @@ def _check_constant_float(node, scope: Scope):
         value = float(evaluate(node, env))
     except (ArithmeticError, ValueError, TypeError, RuntimeError):
         return  # a division by zero further in (`0 // 0`): the range analysis names it
+    if math.isnan(value):  # sqrt(-1.0), log(-1.0): NaN in every pair it reaches
+        raise SpecError(f"`{ir.print_expr(node)}` is not a number (NaN) for every call; the "
+                        "function is undefined at that constant")
     check_float32(value, f"`{ir.print_expr(node)}` ({value:.3g})")
 
 
