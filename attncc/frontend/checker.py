@@ -183,7 +183,7 @@ def _check_constant_float(node, scope: Scope):
     if math.isnan(value):  # sqrt(-1.0), log(-1.0): NaN in every pair it reaches
         raise SpecError(f"`{ir.print_expr(node)}` is not a number (NaN) for every call; the "
                         "function is undefined at that constant")
-    check_float32(value, f"`{ir.print_expr(node)}` ({value:.3g})")
+    check_float32(value, f"`{ir.print_expr(node)}` ({value:.3g})", underflow=False)
 
 
 def _type_of_member(node: ir.Member, child_types: list, scope: Scope) -> str:
@@ -399,13 +399,14 @@ def check_name_free(name: str, taken: set):
 FLOAT32_MAX = 3.4028234663852886e38
 
 
-def check_float32(value: float, what: str):
+def check_float32(value: float, what: str, underflow: bool = True):
     if abs(value) > FLOAT32_MAX:
         raise SpecError(f"{what} is beyond float32's range (at most 3.4e38 in size), which the "
                         "kernels compute in; scale it down")
-    # Below float32's smallest subnormal a number is 0 in the kernels and not in the
-    # float64 reference: a scale of 1e-46 gave NaN rows.
-    if value != 0 and struct.unpack("f", struct.pack("f", value))[0] == 0:
+    # Below float32's smallest subnormal a written number is 0 in the kernels and not in
+    # the float64 reference: a scale of 1e-46 gave NaN rows. (A product of constants that
+    # underflows is 0 in both, to within what either can tell apart: not refused.)
+    if underflow and value != 0 and struct.unpack("f", struct.pack("f", value))[0] == 0:
         raise SpecError(f"{what} is below float32's range (at least 1.4e-45 in size), so the "
                         "kernels, which compute in float32, would read it as 0; write 0.0, or "
                         "scale it up")
