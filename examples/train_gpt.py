@@ -381,11 +381,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bench", action="store_true",
                     help="GPU: tokens/s of attncc, flex, flex_flash (FlashAttention-4), SDPA")
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=None, help="training steps (3; --bench: 20)")
+    ap.add_argument("--warmup", type=int, default=3, help="--bench: untimed steps first")
     ap.add_argument("--seq", type=int, default=None, help="tokens per row (--bench: 4096)")
     ap.add_argument("--batch", type=int, default=None)
     args = ap.parse_args(argv)
+    for name in ("steps", "seq", "batch"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if not args.bench and args.warmup != 3:
+        ap.error("--warmup sets --bench's untimed steps; without --bench it does nothing")
     if args.bench:
         if not torch.cuda.is_available():
             print("train_gpt.py --bench needs a CUDA GPU", file=sys.stderr)

@@ -27,6 +27,7 @@ from attncc.semantics.reference import allowed_pairs, reference, scale_value
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ALL_EXAMPLES = sorted(EXAMPLES.glob("*.attn"))
 
 
@@ -438,3 +439,62 @@ def test_bench_table_formats_skips_and_ratios():
            "sdpa-flash": {"skipped": "not expressible"}}
     text = bench_command.format_bench(meta, res)
     assert "1.50x" in text and "sdpa-flash  skipped: not expressible" in text
+
+
+# ------------------------------------------------------------------ user errors, one line each
+@pytest.mark.parametrize("argv, words", [
+    (["check", "SPEC", "--seed", str(2 ** 64)], "--seed 18446744073709551616: a seed is an integer"),
+    (["check", "SPEC", "--dim", "100000000000"], "--dim 100000000000: the kernels take head dims 16 to 256"),
+    (["show", "SPEC", "--len", "64"], "--len size the drawing of --plot, which was not asked for"),
+    (["show", "SPEC", "--plot", "mask.txt"], "the drawing is a PNG; name the file FILE.png"),
+    (["compile", "attention triton { mask q >= k }"], "would hide the module 'triton'"),
+    (["compile", "attention import { mask q >= k }"], "a Python keyword"),
+])
+def test_out_of_range_and_ignored_arguments_are_one_line_errors(argv, words, capsys):
+    """--seed past 64 bits and --dim 1e11 crashed with tracebacks (exit 1, the code of a
+    failed check); show's sizes without --plot did nothing; a variant named triton wrote
+    triton.py, after which `import triton` failed in that directory."""
+    argv = [str(EXAMPLES / "causal.attn") if a == "SPEC" else a for a in argv]
+    assert main(argv) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_lengths_past_the_commands_limit_are_refused(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["check", str(EXAMPLES / "causal.attn"), "--len", "3000000000"])
+    assert exit_.value.code == 2 and "lengths must be at most 65536" in capsys.readouterr().err
+
+
+def test_compile_into_a_file_says_it_is_not_a_directory(tmp_path, capsys):
+    target = tmp_path / "afile"
+    target.write_text("")
+    assert main(["compile", str(EXAMPLES / "causal.attn"), "-o", str(target)]) == 2
+    assert f"-o {target}: not a directory" in capsys.readouterr().err
+
+
+def test_a_warning_raised_as_an_error_and_a_closed_pipe_end_without_a_traceback(tmp_path):
+    """python -W error turned a SpecWarning into a traceback; `compile ... | head -1` gave
+    a BrokenPipeError traceback; warnings were prefixed `<frozen runpy>:88:`."""
+    spec = "attention escaping { input bias: f32[h, 10]\n score s + bias[h, q - k] }"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    raised = subprocess.run([sys.executable, "-W", "error", "-m", "attncc", "show", spec],
+                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert raised.returncode == 2 and "Traceback" not in raised.stderr
+    assert "error (a warning, raised under -W error)" in raised.stderr
+    shown = run_cli("show", spec)
+    assert shown.returncode == 0 and "attncc: SpecWarning: " in shown.stderr
+    assert "<frozen runpy>" not in shown.stderr
+    piped = subprocess.run(f"{sys.executable} -m attncc compile {EXAMPLES / 'causal.attn'} "
+                           f"-o {tmp_path} | head -1", shell=True, capture_output=True, text=True,
+                           env=env, cwd=ROOT, timeout=120)
+    assert piped.stdout.startswith("variant") and "Traceback" not in piped.stderr
+
+
+def test_check_warns_when_every_length_lies_in_one_layout_block(capsys, monkeypatch):
+    """The interpreter's default lengths (37; 20 x 45) are below every example layout's
+    block (64 or 128): each layout reduced to one tile, and check printed OK silently."""
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert main(["check", str(EXAMPLES / "bigbird.attn"), "--len", "20", "--dim", "16",
+                 "--heads", "2", "--dtype", "float32"]) == 0
+    assert "warning: every length checked lies within one layout block (128)" in capsys.readouterr().out

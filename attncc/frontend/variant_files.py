@@ -53,7 +53,9 @@ def load_python_variant(text: str) -> ir.Variant:
     if not isinstance(obj, ir.Variant):
         fix = ("decorate it with @attncc.variant" if callable(obj)
                else "name one made with @attncc.variant")
-        raise SpecError(f"'{name}' in {path} is a {type(obj).__name__}, not a variant: {fix}")
+        kind = type(obj).__name__
+        article = "an" if kind[:1].lower() in "aeiou" else "a"
+        raise SpecError(f"'{name}' in {path} is {article} {kind}, not a variant: {fix}")
     return obj
 
 

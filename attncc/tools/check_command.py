@@ -152,7 +152,9 @@ def load_inputs(path: str, variant) -> dict:
             raise AttnccError(f"--inputs {path}: {name!r} is not an input of '{variant.name}', "
                               f"which declares {', '.join(declared)}")
         if not isinstance(t, torch.Tensor):
-            raise AttnccError(f"--inputs {path}: '{name}' is a {type(t).__name__}, not a tensor")
+            kind = type(t).__name__
+            article = "an" if kind[:1].lower() in "aeiou" else "a"
+            raise AttnccError(f"--inputs {path}: '{name}' is {article} {kind}, not a tensor")
     missing = [n for n in declared if n not in data]
     if missing:
         raise AttnccError(f"--inputs {path}: missing {', '.join(repr(n) for n in missing)}; the "
@@ -200,14 +202,17 @@ def check_command(args) -> int:
                               "of the key/value heads")
     else:
         heads = default_heads(variant, 3)
-    if args.dim is not None and args.dim < 1:
-        raise AttnccError(f"--dim {args.dim}: the head dim must be a positive number (the "
-                          "kernels take 16 to 256)")
+    from ..runtime.settings import MAX_HEAD_DIM, MAX_HEAD_DIM_V, MIN_HEAD_DIM
+    if args.dim is not None and not MIN_HEAD_DIM <= args.dim <= MAX_HEAD_DIM:
+        raise AttnccError(f"--dim {args.dim}: the kernels take head dims {MIN_HEAD_DIM} to "
+                          f"{MAX_HEAD_DIM}")
+    if not 0 <= args.seed < 2 ** 63:
+        raise AttnccError(f"--seed {args.seed}: a seed is an integer from 0 to 2**63 - 1")
     dim = args.dim if args.dim is not None else (64 if on_gpu else 32)
     dim_v = getattr(args, "dim_v", None)
-    if dim_v is not None and dim_v < 1:
-        raise AttnccError(f"--dim-v {dim_v}: v's head dim must be a positive number (the "
-                          "kernels take 16 to 512)")
+    if dim_v is not None and not MIN_HEAD_DIM <= dim_v <= MAX_HEAD_DIM_V:
+        raise AttnccError(f"--dim-v {dim_v}: the kernels take v head dims {MIN_HEAD_DIM} to "
+                          f"{MAX_HEAD_DIM_V}")
     dim_v = dim if dim_v is None else dim_v
     dims = f"dim {dim}" if dim_v == dim else f"dim {dim}, dim_v {dim_v}"
     shapes = check_lengths(args, on_gpu)
@@ -235,6 +240,11 @@ def check_command(args) -> int:
     from ..semantics.unexercised import unexercised_params
     for warning in unexercised_params(variant, list(zip(problems, inputs))):
         print(f"warning: {warning}")
+    if variant.block is not None and max(max(p.len_q, p.len_k) for p in problems) <= variant.block:
+        # Every length inside one block: the layout decides one tile, never its pattern.
+        print(f"warning: every length checked lies within one layout block ({variant.block}), "
+              f"so the layout is checked at one tile only; pass --len {4 * variant.block} (or "
+              "longer) to check its pattern")
     failed, diagnosed = 0, False
     for i, p in enumerate(problems):
         what = (f"batch {batch}, heads {heads[0]}/{heads[1]}, len_q {p.len_q}, len_k {p.len_k}, "

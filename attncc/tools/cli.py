@@ -10,7 +10,11 @@ import contextlib
 import logging
 import sys
 
-from ..errors import AttnccError, SpecError
+from ..errors import AttnccError, SpecError, SpecWarning
+
+# The longest sequence `check` and `bench` take: the float64 reference holds len_q x len_k
+# scores per head (at 65536, 32 GiB a head), and the kernels' positions are int32.
+MAX_COMMAND_LENGTH = 65536
 
 
 def _lengths(text: str) -> list:
@@ -20,6 +24,9 @@ def _lengths(text: str) -> list:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"lengths must be positive, got {text!r}")
+    if max(values) > MAX_COMMAND_LENGTH:
+        raise argparse.ArgumentTypeError(f"lengths must be at most {MAX_COMMAND_LENGTH}, got "
+                                         f"{max(values)}")
     return values
 
 
@@ -46,9 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("spec", help=SPEC_HELP)
     show.add_argument("--plot", metavar="PNG", help="draw the mask and its tile classes (needs "
                       "attncc[plot])")
-    show.add_argument("--len", type=int, default=512, help="sequence length for --plot")
+    show.add_argument("--len", type=int, default=None, help="sequence length for --plot "
+                      "(default 512)")
     show.add_argument("--len-k", type=int, default=None, help="key length for --plot (default --len)")
-    show.add_argument("--tile", type=int, default=64, help="tile size for --plot")
+    show.add_argument("--tile", type=int, default=None, help="tile size for --plot (default 64)")
 
     comp = sub.add_parser("compile", help="write the generated Triton module")
     comp.add_argument("spec", help=SPEC_HELP)
@@ -108,15 +116,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    with _progress_on_stderr():
+    with _progress_on_stderr(), _warnings_as_lines():
         try:
             return COMMANDS[args.command](args)
         except SpecError as err:
             print(str(err), file=sys.stderr)
             return 2
+        except SpecWarning as err:  # python -W error: the warning raised, as asked
+            print(f"error (a warning, raised under -W error): {err}", file=sys.stderr)
+            return 2
         except AttnccError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
+        except BrokenPipeError:
+            # The reader left (`attncc compile ... | head -1`): nothing more to say. stdout
+            # points at /dev/null so that the interpreter's final flush raises nothing.
+            import os
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+
+
+@contextlib.contextmanager
+def _warnings_as_lines():
+    """A warning as one line on stderr, `attncc: SpecWarning: ...`, not Python's
+    `<frozen runpy>:88: SpecWarning:` with the line of code that warned."""
+    import warnings
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"attncc: {category.__name__}: {message}", file=sys.stderr)
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 @contextlib.contextmanager
@@ -140,6 +173,13 @@ def _progress_on_stderr():
 
 def cmd_show(args) -> int:
     from .. import load
+    sized = [f"--{n.replace('_', '-')}" for n in ("len", "len_k", "tile")
+             if getattr(args, n) is not None]
+    if sized and not args.plot:
+        raise AttnccError(f"{', '.join(sized)} size the drawing of --plot, which was not asked "
+                          "for; add --plot FILE.png, or leave them out")
+    if args.plot and not str(args.plot).lower().endswith(".png"):
+        raise AttnccError(f"--plot {args.plot}: the drawing is a PNG; name the file FILE.png")
     variant = load(args.spec)
     if args.plot:
         from .extras import require_plotting
@@ -147,8 +187,10 @@ def cmd_show(args) -> int:
     print(variant, end="")
     if args.plot:
         from .plot import plot_variant
-        summary = plot_variant(variant, args.plot, len_q=args.len, len_k=args.len_k or args.len,
-                               tile=args.tile)
+        len_q = 512 if args.len is None else args.len
+        summary = plot_variant(variant, args.plot, len_q=len_q,
+                               len_k=len_q if args.len_k is None else args.len_k,
+                               tile=64 if args.tile is None else args.tile)
         print(f"wrote {args.plot}: {summary}")
     return 0
 

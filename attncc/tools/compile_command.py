@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -70,8 +71,26 @@ def _configs_text(chosen: dict) -> str:
     return ", ".join(f"{d} {c.sentence()}" for d, c in chosen.items())
 
 
+# Modules a written NAME.py would hide from imports in its directory (itself importing
+# torch and triton), besides the standard library's.
+_IMPORTED = {"torch", "triton", "attncc", "numpy", "jinja2", "sympy", "lark", "transformers"}
+
+
+def check_module_name(name: str) -> None:
+    """NAME.py must import as `import NAME` and hide no module beside it."""
+    import keyword
+    if keyword.iskeyword(name) or keyword.issoftkeyword(name):
+        raise AttnccError(f"the variant is named '{name}', a Python keyword, so {name}.py "
+                          "cannot be imported as `import " + name + "`; rename the variant")
+    if name in _IMPORTED or name in sys.stdlib_module_names:
+        raise AttnccError(f"the variant is named '{name}', so {name}.py would hide the module "
+                          f"'{name}' from imports in its directory (the file itself imports "
+                          "torch and triton); rename the variant")
+
+
 def compile_command(args) -> int:
     variant = load(args.spec)
+    check_module_name(variant.name)
     if args.len is not None and not 1 <= args.len <= MAX_COMPILE_ESTIMATE_LEN:
         raise AttnccError(f"--len {args.len}: the tile estimate evaluates the dense mask, so it "
                           f"takes lengths 1 to {MAX_COMPILE_ESTIMATE_LEN}; at longer ones, "
@@ -88,6 +107,9 @@ def compile_command(args) -> int:
                               f"--backend auto or {portable.name}")
     gen = portable.render(variant)
     out_dir = Path(args.out)
+    if out_dir.exists() and not out_dir.is_dir() or out_dir.is_symlink() and not out_dir.exists():
+        raise AttnccError(f"-o {out_dir}: not a directory; name a directory to write "
+                          f"{variant.name}.py into (it is made if missing)")
     created = not out_dir.exists()  # -o makes a missing directory, parents included
     path = out_dir / f"{variant.name}.py"
     try:
