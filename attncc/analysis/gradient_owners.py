@@ -179,33 +179,3 @@ def learnable_reads(variant: ir.Variant) -> list:
         return []
     found = [n for n in ir.walk(variant.score) if isinstance(n, ir.Load) and n.tensor in learnable]
     return list(dict.fromkeys(found))
-
-
-# ------------------------------------------------------------------ the sink's reads
-# Where a row's index names sit in an LSE's [B, H, Lq].
-ROW_AXES = {"b": 0, "h": 1}
-
-
-def sink_learnables(variant: ir.Variant) -> tuple:
-    """The learnable inputs the sink reads, in declared order: their gradient through the
-    sink is added outside the kernels (runtime/sinks.py), from the LSE and delta."""
-    if variant.sink is None:
-        return ()
-    read = ir.loaded_tensors(variant.sink)
-    return tuple(d.name for d in variant.learnable_inputs if d.name in read)
-
-
-def direct_sink_read(variant: ir.Variant):
-    """(input, its row axes) where the sink is one learnable input read as-is at distinct
-    row index names that are also its declared axes (gpt-oss's `sinks[h]`, `s[b, h]`), else
-    None. Such a sink's gradient is dσ summed over the rows' other axes: no expression to
-    differentiate."""
-    read = variant.sink
-    if not isinstance(read, ir.Load):
-        return None
-    decl = next((d for d in variant.learnable_inputs if d.name == read.tensor), None)
-    axes = tuple(getattr(i, "name", None) for i in read.indices)
-    if decl is None or tuple(decl.axes) != axes or len(set(axes)) != len(axes) \
-            or not all(a in ROW_AXES for a in axes):
-        return None
-    return read.tensor, axes

@@ -21,7 +21,7 @@ import functools
 import torch
 
 from .. import ir
-from ..analysis import gradient_owners
+from ..analysis import sink_reads
 from ..arguments import Problem
 from ..semantics.reference import index_env, sink_logits
 
@@ -138,8 +138,8 @@ def _per_variant(decide):
 
 
 # Remembered per variant: every backward of a sink asks.
-sink_learnables = _per_variant(gradient_owners.sink_learnables)
-_direct_form = _per_variant(gradient_owners.direct_sink_read)
+sink_learnables = _per_variant(sink_reads.sink_learnables)
+_direct_form = _per_variant(sink_reads.direct_sink_read)
 
 
 def add_sink_gradients(variant: ir.Variant, problem: Problem, values: dict, lse: torch.Tensor,
@@ -171,7 +171,7 @@ def add_sink_gradients(variant: ir.Variant, problem: Problem, values: dict, lse:
     return out
 
 
-_ROW_AXES = gradient_owners.ROW_AXES
+_ROW_AXES = sink_reads.ROW_AXES
 
 
 def _direct_read(variant: ir.Variant, problem: Problem, values: dict):

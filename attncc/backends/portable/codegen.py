@@ -22,8 +22,8 @@ import jinja2
 from ... import dropout, ir
 from ...analysis import bounds, intervals, ranges
 from ...analysis.signs import scale_is_positive
-from ...analysis.gradient_owners import (GradientOwner, direct_sink_read, gradient_owners,
-                                         sink_learnables)
+from ...analysis.gradient_owners import GradientOwner, gradient_owners
+from ...analysis.sink_reads import direct_sink_read, sink_learnables
 from ...codegen.derivative import score_gradients
 from ...ir import print_variant
 from ..tile_config import needs_tiles_within_block
