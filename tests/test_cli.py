@@ -100,13 +100,15 @@ def test_the_written_modules_backward_adds_the_sinks_gradient(spec, tmp_path):
     k, v = (torch.randn(1, kv_heads, 23, 16, generator=gen) for _ in range(2))
     inputs = {name: torch.randn(heads, generator=gen) * 2}
     config = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    out, lse = module.forward(q, k, v, inputs, config=config)
-    *_, grads = module.backward(q, k, v, out, lse, dout, inputs, config_dkdv=config,
+    on = [x.to(DEVICE) for x in (q, k, v, dout)]
+    placed = {name: inputs[name].to(DEVICE)}
+    out, lse = module.forward(*on[:3], placed, config=config)
+    *_, grads = module.backward(*on[:3], out, lse, on[3], placed, config_dkdv=config,
                                 config_dq=config)
     leaves = [x.double().requires_grad_() for x in (q, k, v, inputs[name])]
     want = reference(variant, *leaves[:3], **{name: leaves[3]})
     (want_grad,) = torch.autograd.grad(want, leaves[3], dout.double())
-    torch.testing.assert_close(grads[name].double(), want_grad, rtol=0,
+    torch.testing.assert_close(grads[name].cpu().double(), want_grad, rtol=0,
                                atol=1e-4 * (1 + want_grad.abs().max().item()))
 
 
@@ -118,11 +120,13 @@ def test_the_written_module_refuses_tiles_wider_than_an_index_lists_block(tmp_pa
                              " layout kb in top[b, h, qb]\n block 32 }", tmp_path)
     q = torch.randn(1, 2, 64, 16)
     top = torch.tensor([[[[0, -1], [0, 1]]] * 2], dtype=torch.int32)
+    on, top_on = q.to(DEVICE), top.to(DEVICE)
     with pytest.raises(ValueError, match="tiles of 64x64 do not nest in the layout's blocks of 32"):
-        module.forward(q, q, q, {"top": top}, config=dict(BLOCK_M=64, BLOCK_N=64, num_warps=4,
-                                                          num_stages=1))
-    out, _ = module.forward(q, q, q, {"top": top}, config=dict(BLOCK_M=32, BLOCK_N=16,
-                                                               num_warps=4, num_stages=1))
+        module.forward(on, on, on, {"top": top_on}, config=dict(BLOCK_M=64, BLOCK_N=64,
+                                                                num_warps=4, num_stages=1))
+    out, _ = module.forward(on, on, on, {"top": top_on}, config=dict(BLOCK_M=32, BLOCK_N=16,
+                                                                     num_warps=4, num_stages=1))
+    out = out.cpu()
     want = reference(attncc.load("attention top { input top: i32[b, h, qb, 2]\n"
                                  " layout kb in top[b, h, qb]\n block 32 }"),
                      q.double(), q.double(), q.double(), top=top)
@@ -132,12 +136,12 @@ def test_the_written_module_refuses_tiles_wider_than_an_index_lists_block(tmp_pa
 def test_the_written_module_refuses_a_sink_expressions_gradient(tmp_path):
     module = _written_module("attention scaled_sink { learnable input t: f32[h]\n"
                              " sink 2.0 * t[h] }", tmp_path)
-    q = torch.randn(1, 2, 5, 16)
+    q = torch.randn(1, 2, 5, 16, device=DEVICE)
+    t = {"t": torch.zeros(2, device=DEVICE)}
     config = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    out, lse = module.forward(q, q, q, {"t": torch.zeros(2)}, config=config)
+    out, lse = module.forward(q, q, q, t, config=config)
     with pytest.raises(NotImplementedError, match="reads learnable inputs t through an expression"):
-        module.backward(q, q, q, out, lse, q, {"t": torch.zeros(2)}, config_dkdv=config,
-                        config_dq=config)
+        module.backward(q, q, q, out, lse, q, t, config_dkdv=config, config_dq=config)
 
 
 @pytest.mark.parametrize("schedule,want", [("one-launch", "bwd "), ("sequential", "dq ")])
