@@ -480,9 +480,9 @@ def test_a_warning_raised_as_an_error_and_a_closed_pipe_end_without_a_traceback(
     """python -W error turned a SpecWarning into a traceback; `compile ... | head -1` gave
     a BrokenPipeError traceback; warnings were prefixed `<frozen runpy>:88:`."""
     spec = "attention escaping { input bias: f32[h, 10]\n score s + bias[h, q - k] }"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ)  # as run_cli: attncc from ROOT, the working directory
     raised = subprocess.run([sys.executable, "-W", "error", "-m", "attncc", "show", spec],
-                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert raised.returncode == 2 and "Traceback" not in raised.stderr
     assert "error (a warning, raised under -W error)" in raised.stderr
     shown = run_cli("show", spec)
