@@ -453,6 +453,7 @@ def test_bench_table_formats_skips_and_ratios():
     (["show", "SPEC", "--plot", "mask.txt"], "the drawing is a PNG; name the file FILE.png"),
     (["compile", "attention triton { mask q >= k }"], "would hide the module 'triton'"),
     (["compile", "attention import { mask q >= k }"], "a Python keyword"),
+    (["show", ""], "the spec is empty: pass a .attn file"),  # read as the directory '.'
 ])
 def test_out_of_range_and_ignored_arguments_are_one_line_errors(argv, words, capsys):
     """--seed past 64 bits and --dim 1e11 crashed with tracebacks (exit 1, the code of a

@@ -13,6 +13,10 @@ def load(spec) -> Variant:
     (a variant made with @attncc.variant in that Python file, which is imported)."""
     if isinstance(spec, Variant):
         return spec
+    if isinstance(spec, str) and not spec.strip():
+        from ..errors import SpecError
+        raise SpecError("the spec is empty: pass a .attn file, spec text (`attention NAME "
+                        "{ ... }`) or FILE.py:NAME")
     if isinstance(spec, os.PathLike) or (isinstance(spec, str) and not _is_spec_text(spec)):
         from .variant_files import is_python_spec, load_python_variant
         if is_python_spec(str(os.fspath(spec))):
