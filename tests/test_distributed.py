@@ -507,3 +507,15 @@ def test_errors_name_the_cause(world_of_one, spec, call, message):
         inputs = {"extra": torch.ones(2, 2, dtype=torch.bool)}
     with pytest.raises(CallError, match=message):
         cp.context_parallel_attention(kernel, q, k, k, **call, **inputs)
+
+
+def test_a_process_outside_the_group_it_passes_is_told_so(monkeypatch):
+    """torch answers -1 for the rank and size of a group the process is not in: the
+    message read "rank -1 is not in a group of -1"."""
+    import torch.distributed as dist
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 3 if group is None else -1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4 if group is None else -1)
+    with pytest.raises(CallError, match=r"this process \(global rank 3\) is not in the group it "
+                                        r"passed"):
+        cp.Sharding.of(object())

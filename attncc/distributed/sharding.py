@@ -47,7 +47,12 @@ class Sharding:
             raise CallError("torch.distributed is not initialised: call "
                             "torch.distributed.init_process_group first (backend 'nccl' on "
                             "GPUs, 'gloo' on the CPU)")
-        return cls(scheme, dist.get_world_size(group), dist.get_rank(group))
+        rank = dist.get_rank(group)
+        if rank < 0:  # torch's answer for a process outside `group`
+            raise CallError(f"this process (global rank {dist.get_rank()}) is not in the group "
+                            "it passed; call with a group it belongs to (every rank of the "
+                            "group calls, and only those)")
+        return cls(scheme, dist.get_world_size(group), rank)
 
     @property
     def n_pieces(self) -> int:
