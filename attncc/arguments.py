@@ -221,6 +221,15 @@ def check_seed(seed) -> int:
     return value
 
 
+def refuse_seed_without_dropout(variant: ir.Variant, seed) -> None:
+    """A dropout_seed for a variant with no dropout would be ignored: a caller who passes
+    one expects dropout, so the call is refused rather than run without it."""
+    if seed is not None and not variant.dropout:
+        raise CallError(f"dropout_seed={seed!r} is given, but variant '{variant.name}' declares no "
+                        "dropout, so nothing would be dropped: declare it in the spec "
+                        "(`dropout 0.1`, or dropout= in @attncc.variant), or leave dropout_seed out")
+
+
 def axis_extent(axis, variant: ir.Variant, p: Problem) -> int:
     """The length an input axis must have for this call."""
     if isinstance(axis, int):

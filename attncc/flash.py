@@ -452,6 +452,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return (out, lse) if return_softmax_lse else out
 
 
+def _seed_for(kernel, dropout_seed):
+    """The dropout_seed a flash-attn call passes on: none where dropout_p is 0, which in
+    flash-attn's API is how training code turns dropout off for evaluation (the kernel
+    itself refuses a seed for a variant with no dropout)."""
+    return dropout_seed if kernel.variant.dropout else None
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False, *, dropout_seed: int | None = None,
@@ -476,7 +483,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     inputs.update(_sink_inputs(learnable_sink, q.shape[2]))
     # (batch, seqlen, heads, dim) read as (batch, heads, seqlen, dim) through strides.
     result = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                    return_lse=return_attn_probs, dropout_seed=dropout_seed, layout="bhsd",
+                    return_lse=return_attn_probs, dropout_seed=_seed_for(kernel, dropout_seed),
+                    layout="bhsd",
                     **inputs)
     if return_attn_probs:
         out, lse = result
@@ -581,7 +589,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     inputs = _alibi_inputs(alibi_slopes, batch, q.shape[1])
     inputs.update(_sink_inputs(learnable_sink, q.shape[1]))
     result = kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    return_lse=return_attn_probs, dropout_seed=dropout_seed, packing=packing,
+                    return_lse=return_attn_probs, dropout_seed=_seed_for(kernel, dropout_seed),
+                    packing=packing,
                     **inputs)
     if return_attn_probs:
         out, lse = result

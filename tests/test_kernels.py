@@ -79,7 +79,9 @@ def compare(variant, *, B=2, H=None, Hkv=None, Lq=37, Lk=45, D=32, dtype=torch.f
     learnable = [d.name for d in variant.learnable_inputs]
     # The tensors are (batch, heads, seq, dim) whatever their sizes: said, so that shapes
     # with more heads than positions (one token) are not refused as ambiguous.
-    extra = dict(dropout_seed=seed + 11, q_offset=q_offset, k_offset=k_offset, layout="bhsd")
+    extra = dict(q_offset=q_offset, k_offset=k_offset, layout="bhsd")
+    if variant.dropout:  # a seed for a variant without dropout is refused
+        extra["dropout_seed"] = seed + 11
 
     def run(fn, cast):
         qkv = [t.to(DEVICE, cast).requires_grad_() for t in (q, k, v)]
@@ -346,7 +348,8 @@ def test_one_launch_backward_equals_the_two_kernels(spec, H, Hkv):
     q = torch.randn(2, H, 45, 32, generator=gen).to(DEVICE)
     k, w = (torch.randn(2, Hkv, 51, 32, generator=gen).to(DEVICE) for _ in range(2))
     inputs = make_inputs(v, 2, H, 45, 51, gen)
-    out, lse = kernel(q, k, w, return_lse=True, dropout_seed=3, **inputs)
+    seed = dict(dropout_seed=3) if v.dropout else {}  # refused without dropout
+    out, lse = kernel(q, k, w, return_lse=True, **seed, **inputs)
     do = torch.randn(out.shape, generator=gen).to(DEVICE)
     config = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
     delta = m.backward_delta(out, do)

@@ -166,6 +166,25 @@ def test_a_positional_input_is_refused_naming_its_keyword():
             fn(q, k, v, slopes)
 
 
+def test_a_dropout_seed_for_a_variant_without_dropout_is_refused():
+    """It was ignored: a caller who passed a seed expecting dropout trained without it."""
+    variant = attncc.load("attention c { mask q >= k }")
+    q, k, v = randn(1, 2, 8, 16), randn(1, 2, 8, 16), randn(1, 2, 8, 16)
+    packed = attncc.varlen(variant)
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
+    flat = lambda t: t[0].transpose(0, 1)  # (8, heads, dim)
+    for fn in (attncc.compile(variant), lambda *a, **kw: attncc.reference(variant, *a, **kw),
+               lambda q, k, v, **kw: packed(flat(q), flat(k), flat(v), cu, cu, 8, 8, **kw)):
+        with pytest.raises(CallError, match=r"dropout_seed=3 is given, but variant 'c' "
+                                            r"declares no dropout.*`dropout 0.1`"):
+            fn(q, k, v, dropout_seed=3)
+    # flash-attn's API turns dropout off with dropout_p=0: its seed is then not passed on.
+    from attncc.flash import flash_attn_func
+    t = lambda x: x.transpose(1, 2)
+    out = flash_attn_func(t(q), t(k), t(v), dropout_p=0.0, causal=True, dropout_seed=3)
+    torch.testing.assert_close(t(out), attncc.reference(variant, q, k, v), atol=1e-5, rtol=1e-5)
+
+
 # ================================================================== the decorator, compile()
 def test_torch_functions_in_the_decorator_name_the_attncc_function():
     def score(s, q, k):

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ir
-from ..arguments import check_return_lse, check_seed
+from ..arguments import check_return_lse, check_seed, refuse_seed_without_dropout
 from ..errors import CallError
 from ..runtime.call_options import CallOptions
 from .agreement import Signature, agree
@@ -72,6 +72,7 @@ def _prepare(kernel, q, k, v, group, scheme, dropout_seed, training, inputs) -> 
         raise CallError(f"kernel must come from attncc.compile(...), got {type(kernel).__name__}")
     if not isinstance(training, bool):
         raise CallError(f"training must be True or False, got {training!r}")
+    refuse_seed_without_dropout(kernel.variant, dropout_seed)  # the variant as declared
     if not training and kernel.variant.dropout:
         kernel = kernel.evaluation_kernel()
     if "tables" in inputs:

@@ -24,7 +24,7 @@ from ..frontend.load import load
 from ..semantics.evaluate import check_index_list
 from . import configs, dispatch, ops, precompile, tuning
 from ..arguments import (_shape, as_bhsd, axis_extent, bind, check_return_lse, check_seed,
-                         refuse_positional)
+                         refuse_positional, refuse_seed_without_dropout)
 from .cache import load_generated
 from .call_options import NO_TABLES, CallOptions
 from .settings import (MAX_HEAD_DIM, MAX_HEAD_DIM_V, MIN_HEAD_DIM, SUPPORTED_DTYPES,
@@ -375,6 +375,7 @@ class Kernel:
         if deterministic is not None and not isinstance(deterministic, bool):
             raise CallError(f"deterministic must be True or False (or None, the default: "
                             f"deterministic q, k, v gradients), got {deterministic!r}")
+        refuse_seed_without_dropout(self.variant, dropout_seed)
         if dropout_seed is not None:
             dropout_seed = check_seed(dropout_seed)
         if not training and self.variant.dropout:

@@ -34,6 +34,7 @@ import numpy
 import torch
 
 from .. import ir
+from ..arguments import refuse_seed_without_dropout
 from ..errors import CallError
 from .eager import run_eagerly
 
@@ -586,6 +587,7 @@ class VarlenKernel:
         return_lse, the LSE (heads, total_q), as flash-attn's varlen functions return.
         The cu_seqlens values are read on every call (one host read), unless `packing`
         (attncc.varlen_packing(...)) was built from them."""
+        refuse_seed_without_dropout(self.base, dropout_seed)  # named as the caller's variant
         q4, k4, v4, bound = self._bind(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, inputs, packing)
         result = self.kernel(q4, k4, v4, return_lse=return_lse, dropout_seed=dropout_seed,
@@ -601,6 +603,7 @@ class VarlenKernel:
         """The dense reference of the same packed call (attncc.reference of the derived
         variant: any dtype, float64 for truth, the same dropout bits as the kernel)."""
         from ..semantics.reference import reference
+        refuse_seed_without_dropout(self.base, dropout_seed)
         q4, k4, v4, bound = self._bind(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, inputs, packing)
         result = reference(self.variant, q4, k4, v4, return_lse=return_lse,

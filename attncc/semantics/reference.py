@@ -12,7 +12,8 @@ import torch
 
 from .. import dropout as dropout_bits
 from .. import ir
-from ..arguments import Problem, as_bhsd, bind, check_return_lse, check_seed, refuse_positional
+from ..arguments import (Problem, as_bhsd, bind, check_return_lse, check_seed,
+                         refuse_positional, refuse_seed_without_dropout)
 from ..errors import CallError
 from .evaluate import evaluate
 
@@ -106,6 +107,7 @@ def reference(variant: ir.Variant, q, k, v, /, *positional, return_lse: bool = F
     if variant.dropout and dropout_seed is None:
         raise CallError(f"the variant has dropout {variant.dropout}: pass dropout_seed=int "
                         "so the reference draws the same mask as the kernel")
+    refuse_seed_without_dropout(variant, dropout_seed)
     if dropout_seed is not None:
         dropout_seed = check_seed(dropout_seed)
     dtype, device = q.dtype, q.device
