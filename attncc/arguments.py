@@ -7,6 +7,7 @@ what was expected.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from dataclasses import dataclass
 
@@ -374,3 +375,21 @@ def check_cache_length(length: int, capacity: int, n_new: int) -> None:
                         + (f" plus {n_new} new ones" if n_new else "")
                         + f" do not fit the cache's {capacity} positions: an int cache_seqlens "
                         f"runs from 0 to {capacity - n_new}; use a larger cache")
+
+
+def check_cache_seqlens(cache_seqlens, batch: int):
+    """cache_seqlens as a decode call takes it: an int (numpy's integers too) or a
+    (batch,) tensor, one length per row; the int's range and the tensor's dtype and
+    device are the caller's to check (kernel.decode and decode_reference differ there)."""
+    if cache_seqlens is None:
+        raise CallError("decode needs cache_seqlens=: the number of keys each batch row's cache "
+                        "holds (before k_new), an int or a (batch,) int32 tensor")
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        return int(cache_seqlens)
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise CallError(f"cache_seqlens must be an int or a (batch,) int32 tensor, got "
+                        f"{type(cache_seqlens).__name__}")
+    if tuple(cache_seqlens.shape) != (batch,):
+        raise CallError(f"cache_seqlens has shape {_shape(cache_seqlens)}, expected ({batch},): "
+                        "one length per batch row")
+    return cache_seqlens

@@ -341,6 +341,24 @@ def test_bad_calls_are_refused(overrides, words):
     assert words in str(err.value)
 
 
+def test_decode_reference_takes_and_refuses_the_lengths_decode_does():
+    """decode_reference raised TypeError, AttributeError or IndexError on lengths that
+    kernel.decode takes (a numpy int) or refuses by name."""
+    import numpy as np
+    kernel = attncc.compile(CAUSAL)
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 2, 1, 16, generator=gen).to(DEVICE)
+    k, v = (torch.randn(2, 1, 12, 16, generator=gen).to(DEVICE) for _ in range(2))
+    ref = decode_reference(kernel.variant, q.double(), k.double(), v.double(), cache_seqlens=np.int32(5))
+    assert max_abs_error(kernel.decode(q, k, v, cache_seqlens=np.int32(5)), ref) < 1e-5
+    for bad, words in ((torch.tensor(5, dtype=torch.int32), r"shape \(\), expected \(2,\)"),
+                       ([3, 4], "must be an int or a \\(batch,\\) int32 tensor, got list"),
+                       (torch.tensor([5], dtype=torch.int32), r"shape \(1,\), expected \(2,\)")):
+        for call in (kernel.decode, lambda *t, **kw: decode_reference(kernel.variant, *t, **kw)):
+            with pytest.raises(CallError, match=words):
+                call(q, k, v, cache_seqlens=bad if not torch.is_tensor(bad) else bad.to(DEVICE))
+
+
 def test_an_input_named_like_a_decode_keyword_is_refused():
     with pytest.raises(attncc.SpecError, match="kernel.decode already takes block_table="):
         attncc.parse("attention clash { input block_table: i32[b]  mask q >= k }")
@@ -427,6 +445,30 @@ def test_bench_decode_counts_the_keys_a_step_must_read_and_matches_flex():
                                 "flex": {"ms": 0.003, "bytes_per_s": 1.3e12, "decoding_kernel": False},
                                 "sdpa": {"skipped": "not plain"}})
     assert "60%" in text and "1.50x" in text and "not its decoding kernel" in text
+
+
+def test_bench_decode_compares_a_sink_variant_with_the_sink(monkeypatch):
+    """FlexAttention was timed as the same step without the variant's sink (0.2 off on a
+    sink variant), and SDPA counted as the same step too. flex_decode's call now folds
+    the sink in through Flex's LSE; run eagerly here (on the CPU, compiled Flex returns
+    no LSE)."""
+    import warnings
+    from attncc.tools import decode_bench
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    variant = attncc.parse("attention s { learnable input sinks: f32[h]  mask q >= k  "
+                           "sink sinks[h] }")
+    B, heads, L, n_q, D = 1, (4, 2), 40, 2, 16
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(B, h, n, D, generator=gen) for h, n in ((4, n_q), (2, L), (2, L)))
+    inputs = {"sinks": torch.tensor([3.0, 4.0, -2.5, 5.0])}  # logits far above the scores
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        call, _ = decode_bench.flex_decode(variant, q=q, k=k, v=v, length=L, n_q=n_q, dim=D,
+                                           inputs=inputs)
+        out = call()
+    ref = decode_reference(variant, q.double(), k.double(), v.double(), cache_seqlens=L,
+                           **{n: t.double() for n, t in inputs.items()})
+    assert max_abs_error(out, ref) < 1e-5
 
 
 def test_the_tuned_config_is_stored_and_reused(tmp_path, monkeypatch):

@@ -163,6 +163,59 @@ def test_an_int_length_is_checked_on_every_call():
             kernel.decode(q, k, v, cache_seqlens=bad)
 
 
+def test_a_strided_length_tensor_is_read_by_row_through_a_plan_too():
+    """The checked call made a strided cache_seqlens contiguous, but the plan a repeated
+    call ran handed the strided tensor to the kernels: wrong outputs from the second
+    step on, and the new keys written at the wrong positions."""
+    kernel = attncc.compile(CAUSAL)
+    q, k, v, _, _ = tensors(12, batch=3)
+    table = torch.tensor([[5, 90], [17, 91], [11, 92]], dtype=torch.int32, device=DEVICE)
+    lens = table[:, 0]  # stride 2
+    for step in range(3):
+        k_new, v_new = (torch.randn(3, HKV, 1, D, device=DEVICE) for _ in range(2))
+        before_k, before_v = k.clone(), v.clone()
+        out, lse = kernel.decode(q, k, v, cache_seqlens=lens, k_new=k_new, v_new=v_new,
+                                 return_lse=True)
+        for b, n in enumerate(table[:, 0].tolist()):
+            before_k[b, :, n], before_v[b, :, n] = k_new[b, :, 0], v_new[b, :, 0]
+        assert torch.equal(k, before_k) and torch.equal(v, before_v), step  # nothing else moved
+        assert_matches_reference(kernel.variant, out, lse, q, k, v,
+                                 cache_seqlens=table[:, 0].contiguous() + 1)
+        table[:, 0] += 1
+    assert len(kernel._decode_plans) == 1
+
+
+def test_a_repeated_call_is_refused_as_the_first_was():
+    """The plan's key does not hold return_lse: a `normalize none` variant refused
+    return_lse=True on a first call but answered it, with an LSE of -inf, after a plain
+    call had made the plan."""
+    kernel = attncc.compile("attention n { mask q >= k  weight sigmoid(s)  normalize none }")
+    q, k, v, lens, _ = tensors(13)
+    kernel.decode(q, k, v, cache_seqlens=lens)
+    with pytest.raises(CallError, match="return_lse=True: variant 'n' has `normalize none`"):
+        kernel.decode(q, k, v, cache_seqlens=lens, return_lse=True)
+
+
+def test_an_append_bumps_the_caches_versions_and_an_expanded_cache_is_refused():
+    """The kernels write the new tokens behind autograd's back: a backward through an
+    earlier call that saved the cache ran on the overwritten keys (q.grad off by 6e3).
+    An expanded cache (kv heads sharing memory) took head 1's key over head 0's."""
+    kernel = attncc.compile(CAUSAL)
+    q, k, v, lens, _ = tensors(14)
+    k_new, v_new = (torch.randn(B, HKV, 1, D, device=DEVICE) for _ in range(2))
+    qg = q.clone().requires_grad_()
+    saved = (qg * 2) @ k.transpose(-1, -2)  # autograd saves k
+    versions = k._version, v._version
+    kernel.decode(q, k, v, cache_seqlens=lens, k_new=k_new, v_new=v_new)
+    assert k._version > versions[0] and v._version > versions[1]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.sum().backward()
+    wide = torch.randn(B, 1, CAPACITY, D, device=DEVICE).expand(B, 2, CAPACITY, D)
+    with pytest.raises(CallError, match=r"k_cache .* an expanded tensor.*\.contiguous\(\)"):
+        kernel.decode(q, wide, wide.clone(), cache_seqlens=lens,
+                      k_new=k_new.expand(B, 2, 1, D), v_new=v_new.expand(B, 2, 1, D))
+
+
 def test_options_equal_as_keys_but_not_as_values_are_told_apart():
     # True == 1 and hash(True) == hash(1): a plan keyed on the bare value would run a
     # num_splits=True call that the checks refuse.

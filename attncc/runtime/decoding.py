@@ -16,7 +16,6 @@ beside a 512-wide v), the Gluon MLA decode of backends/gluon/templates/decode_ml
 from __future__ import annotations
 
 import functools
-import numbers
 import os
 from dataclasses import dataclass
 
@@ -25,8 +24,8 @@ import torch
 from .. import backends, ir
 from ..backends.gluon import decode as gluon_decode
 from . import dispatch, precompile, tuning
-from ..arguments import (Problem, check_cache_length, check_input_names, check_inputs,
-                         check_return_lse)
+from ..arguments import (Problem, check_cache_length, check_cache_seqlens, check_input_names,
+                         check_inputs, check_return_lse)
 from .call_options import CallRecord, call_record, option
 from ..errors import CallError
 from ..analysis.ranges import MAX_EXTENT
@@ -209,6 +208,12 @@ def check_decode_call(kernel, q, k_cache, v_cache, cache_seqlens, k_new, v_new, 
             raise CallError(f"k_new {_shape(k_new)} and v_new {_shape(v_new)} must have the same "
                             "shape but for the head dim")
         n_new = k_new.shape[2]
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if any(stride == 0 and size > 1 for size, stride in zip(cache.shape, cache.stride())):
+                raise CallError(f"{name} {_shape(cache)} has strides {tuple(cache.stride())}: an "
+                                "expanded tensor, whose positions share memory, so appending "
+                                "k_new/v_new would write one key over another; pass a cache "
+                                "of its own memory (.contiguous())")
     if capacity + n_new > MAX_EXTENT:
         raise CallError(f"the cache holds {capacity} positions and k_new {n_new} more; "
                         f"positions must stay below 2**31 (capacity + n_new at most "
@@ -234,20 +239,10 @@ def _seqlens(cache_seqlens, batch: int, device, capacity: int, n_new: int) -> to
     fit the cache with the new tokens. A tensor's values are not read (that is a host
     synchronisation per step): the kernels clamp each length to [0, capacity] and drop the
     new tokens past the capacity, and decode_reference does the same."""
-    if cache_seqlens is None:
-        raise CallError("decode needs cache_seqlens=: the number of keys each batch row's cache "
-                        "holds (before k_new), an int or a (batch,) int32 tensor")
-    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-        cache_seqlens = int(cache_seqlens)  # numpy's integers too
-    if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.Tensor)):
-        raise CallError(f"cache_seqlens must be an int or a (batch,) int32 tensor, got "
-                        f"{type(cache_seqlens).__name__}")
+    cache_seqlens = check_cache_seqlens(cache_seqlens, batch)
     if isinstance(cache_seqlens, int):
         check_cache_length(cache_seqlens, capacity, n_new)
         return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
-    if tuple(cache_seqlens.shape) != (batch,):
-        raise CallError(f"cache_seqlens has shape {_shape(cache_seqlens)}, expected ({batch},): "
-                        "one length per batch row")
     if cache_seqlens.dtype != torch.int32:
         raise CallError(f"cache_seqlens has dtype {cache_seqlens.dtype}; it must be int32 "
                         "(convert it with .int())")
@@ -543,7 +538,9 @@ def _decode_call(kernel, q, k_cache, v_cache, /, *, cache_seqlens=None, k_new=No
                        config, rows_before_start, inputs)
         plan = kernel._decode_plans.get(key)
         if plan is not None:
+            check_return_lse(kernel.variant, return_lse)  # the key does not hold return_lse
             out, lse = plan(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, inputs)
+            _appended(k_cache, v_cache, k_new)
             return (out, lse) if return_lse else out
     for name in _NOT_DECODE_ARGUMENTS:  # no input has these names (attncc/calls.py)
         if name in inputs:
@@ -559,12 +556,23 @@ def _decode_call(kernel, q, k_cache, v_cache, /, *, cache_seqlens=None, k_new=No
                          num_splits=num_splits, config=pinned, rows_before_start=rows_before_start)
         keep_plan(kernel, key, plan)
         out, lse = plan(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, inputs)
+        _appended(k_cache, v_cache, k_new)
         return (out, lse) if return_lse else out
     options = DecodeOptions.of(num_splits, pinned, rows_before_start)
     values = [inputs[d.name] for d in kernel.variant.inputs]
     out, lse = kernel._decode_op(kernel._op_id, q, k_cache, v_cache, seqlens, k_new, v_new,
                                  block_table, values, *options.op_arguments())
+    if not torch.compiler.is_compiling():  # traced, functionalization keeps the write
+        _appended(k_cache, v_cache, k_new)
     return (out, lse) if return_lse else out
+
+
+def _appended(k_cache, v_cache, k_new) -> None:
+    """After an append, bump the caches' version counters, as an in-place torch op would:
+    the kernels write them behind autograd's back, and a graph that saved the cache
+    earlier must raise on backward rather than read the new keys."""
+    if k_new is not None:
+        torch.autograd.graph.increment_version((k_cache, v_cache))
 
 
 def run_decode(kernel, q, k_cache, v_cache, seqlens, k_new, v_new, block_table, values: dict, *,
@@ -675,6 +683,9 @@ class DecodePlan:
             check_cache_length(cache_seqlens, self.capacity, self.n_new)
             cache_seqlens = torch.full((self.batch,), cache_seqlens, dtype=torch.int32,
                                        device=self.device)
+        elif not cache_seqlens.is_contiguous():
+            # As the checked call does (_seqlens): the kernels read length b at b.
+            cache_seqlens = cache_seqlens.contiguous()
         return self.run(q, k_cache, v_cache, cache_seqlens, inputs, k_new, v_new, block_table)
 
 

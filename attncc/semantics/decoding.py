@@ -9,7 +9,7 @@ import math
 import torch
 
 from .. import ir
-from ..arguments import check_cache_length, check_return_lse
+from ..arguments import check_cache_length, check_cache_seqlens, check_return_lse
 from .reference import reference as reference_rows
 
 
@@ -55,6 +55,7 @@ def decode_reference(variant: ir.Variant, q, /, k_cache, v_cache, *, cache_seqle
                 else k_cache.shape[2])
     # An int is checked as kernel.decode checks it; a tensor's lengths are clamped to
     # [0, capacity], as the kernels read them.
+    cache_seqlens = check_cache_seqlens(cache_seqlens, B)
     if isinstance(cache_seqlens, int):
         check_cache_length(cache_seqlens, capacity, 0 if k_new is None else k_new.shape[2])
     lengths = [min(max(int(x), 0), capacity) for x in

@@ -92,6 +92,21 @@ def flex_decode(variant: ir.Variant, *, q, k, v, length: int, n_q: int, dim: int
     compiled = torch.compile(flex_attention)
     call = lambda: compiled(q, k, v, score_mod=decode_score, block_mask=block_mask,
                             scale=scale_value(variant, dim), enable_gqa=hq != hkv)
+    if variant.sink is not None:
+        # FlexAttention has no sink in its softmax: its output is renormalised with the
+        # returned LSE, as the training bench and transformers' gpt-oss path do.
+        from ..runtime.sinks import sinks_at
+        if ir.free_vars(variant.sink) & {"len_q", "len_k"}:
+            raise ValueError("the sink reads len_q or len_k, which the Flex comparison does "
+                             "not place at decode time")
+        p = Problem(q.shape[0], hq, hkv, n_q, length, dim, dim, q_offset=offset)
+        sink = sinks_at(variant, p, inputs, q.device)
+
+        def call():
+            out, lse = compiled(q, k, v, score_mod=decode_score, block_mask=block_mask,
+                                scale=scale_value(variant, dim), enable_gqa=hq != hkv,
+                                return_lse=True)
+            return out * torch.sigmoid(lse - sink).unsqueeze(-1).to(out.dtype)
     with torch._inductor.config.patch(fx_graph_cache=False):  # generate, so the code shows
         _, code = run_and_get_code(call)
     return call, any("flex_decoding" in c or "SPLIT_KV" in c for c in code)
@@ -165,7 +180,7 @@ def bench_decode(variant: ir.Variant, kernel, *, batch: int, length: int, heads:
         except Exception as err:
             results["flex"] = {"skipped": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
     plain = (variant.score is None and variant.layout is None and variant.normalize == "softmax"
-             and bool(allowed.all()))
+             and variant.sink is None and bool(allowed.all()))
     if plain:
         from ..semantics.reference import scale_value
         scale = scale_value(variant, dim)
