@@ -108,6 +108,11 @@ class CacheError(AttnccError, OSError):
     """attncc's cache directory cannot be written: names the directory and the fix."""
 
 
+class SettingError(AttnccError, ValueError):
+    """An ATTNCC_* environment variable holds a value attncc does not know: names the
+    variable, the value and the values it takes."""
+
+
 class NoGPUError(AttnccError):
     """Something that needs a CUDA GPU was asked for on a machine without one."""
 

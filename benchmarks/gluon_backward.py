@@ -332,7 +332,7 @@ def speed(args, dog):
         q, k = (t.detach() for t in (q, k))
         v = v.detach()[..., :Dv].contiguous()  # v's own width: DeepSeek's 128 beside 192
         p = Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], D, Dv)
-        pairs = pairs_per_head(variant, p, inputs, "cuda")[0]
+        pairs = pairs_per_head(variant, p, inputs, "cuda")
         # Four products per pair: S and dK of 2*D, dP and dV of 2*Dv.
         flops = 2 * 2 * q.shape[0] * q.shape[1] * (D + Dv) * pairs
         kernel = attncc.compile(variant, backend="gluon")

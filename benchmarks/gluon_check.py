@@ -422,7 +422,7 @@ def speed(args, dog):
         if Dv != D:
             v = torch.randn(*v.shape[:3], Dv, device=v.device, dtype=v.dtype)
         p = Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], D, Dv)
-        pairs = pairs_per_head(variant, p, inputs, "cuda")[0]
+        pairs = pairs_per_head(variant, p, inputs, "cuda")
         flops = 2 * q.shape[0] * q.shape[1] * (D + Dv) * pairs  # Q K^T, then P V
         portable = attncc.compile(variant, backend="triton")
         glu = attncc.compile(variant, backend="gluon")
@@ -476,7 +476,7 @@ def speed_d64(args, dog):
         variant = attncc.parse(VARIANTS[name])
         gen = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(B, H, L, D, generator=gen).to(DEV, torch.bfloat16) for _ in range(3))
-        pairs = pairs_per_head(variant, Problem(B, H, H, L, L, D, D), {}, "cuda")[0]
+        pairs = pairs_per_head(variant, Problem(B, H, H, L, L, D, D), {}, "cuda")
         entry = dict(variant=name, dim=D, batch=B, heads=H, tokens=L,
                      tflop=4 * B * H * D * pairs / 1e12, times={})
         runs = {}

@@ -397,13 +397,20 @@ def test_a_call_with_kept_tables_passes_their_density_to_the_tuner(monkeypatch):
     ("ATTNCC_TUNE", "2", "ATTNCC_TUNE='2' is not a tuning mode; use 0 (no timing"),
     ("ATTNCC_TUNE_CANDIDATES", "many",
      "ATTNCC_TUNE_CANDIDATES='many': expected a whole number of tile configs"),
+    ("ATTNCC_TABLE_CACHE", "yes", "ATTNCC_TABLE_CACHE='yes': expected 1"),
 ])
-def test_an_unknown_setting_is_refused_by_name_at_import(name, value, says):
+def test_an_unknown_setting_is_refused_by_name(name, value, says):
+    """By attncc.compile, and by the command line as a one-line error with exit 2: raised
+    at import, it came before the command line could catch it (a traceback, exit 1,
+    which `attncc check` means for a check out of tolerance)."""
     env = dict(os.environ, **{name: value})
-    done = subprocess.run([sys.executable, "-c", "import attncc"], env=env,
-                          capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", "import attncc; attncc.compile('attention c {}')"],
+                          env=env, capture_output=True, text=True)
     assert done.returncode != 0
-    assert says in done.stderr
+    assert f"attncc.errors.SettingError: {says}" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "attncc", "check", "attention c { mask q >= k }"],
+                          env=env, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith(f"error: {says}"), done.stderr
 
 
 # ------------------------------------------------------------------ (d) what runs is what was hashed

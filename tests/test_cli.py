@@ -422,15 +422,20 @@ def test_sdpa_expressible(name, len_q, len_k, want):
     assert flex.sdpa_expressible(attncc.load(EXAMPLES / f"{name}.attn"), len_q, len_k) == want
 
 
-def test_pairs_per_head_exact_and_sampled(monkeypatch):
+def test_pairs_per_head_are_counted_exactly_in_blocks_of_rows(monkeypatch):
+    """Past 16K tokens the count was sampled on a strided grid: at a stride of 4 every
+    sample of `(q - k) % 4 == 0` passed, and the bench's TFLOP/s read 4x too high."""
     variant = attncc.load(EXAMPLES / "causal.attn")
     p = Problem(4, 2, 2, 1000, 1000, 16, 16)
-    pairs, exact = bench_command.pairs_per_head(variant, p, {}, "cpu")
-    assert exact and pairs == 1000 * 1001 / 2
-    monkeypatch.setattr(bench_command, "MAX_BENCH_EXACT_LEN", 100)
-    monkeypatch.setattr(bench_command, "BENCH_SAMPLE_SIDE", 128)
-    est, exact = bench_command.pairs_per_head(variant, p, {}, "cpu")
-    assert not exact and est == pytest.approx(pairs, rel=0.02)
+    pairs = bench_command.pairs_per_head(variant, p, {}, "cpu")
+    assert pairs == 1000 * 1001 / 2
+    monkeypatch.setattr(bench_command, "PAIRS_PER_BLOCK", 3000)  # blocks of 3 rows
+    assert bench_command.pairs_per_head(variant, p, {}, "cpu") == pairs
+    dilated = attncc.load(EXAMPLES / "dilated_window.attn")
+    from attncc.semantics.reference import allowed_pairs
+    q = Problem(1, 2, 2, 999, 1000, 16, 16)
+    want = allowed_pairs(dilated, q, {}, "cpu").expand(1, 1, 999, 1000).sum().item()
+    assert bench_command.pairs_per_head(dilated, q, {}, "cpu") == want
     flops = bench_command.attention_flops(pairs, batch=4, heads=2, dim=16)
     assert flops["fwd"] == 4 * 4 * 2 * 16 * pairs and flops["bwd"] == 2.5 * flops["fwd"]
 

@@ -250,9 +250,28 @@ def test_compile_creates_a_missing_output_directory_and_says_so(tmp_path, capsys
 
 
 def test_bench_on_a_missing_file_says_so_before_looking_for_a_gpu(tmp_path, capsys):
-    assert main(["bench", str(tmp_path / "missing.attn")]) == 2
+    for decode in ([], ["--decode"]):  # --decode looked for the GPU first
+        assert main(["bench", str(tmp_path / "missing.attn"), *decode]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: no such file") and "GPU" not in err
+
+
+@pytest.mark.parametrize("flags, words", [
+    # Found only after every length was timed (a traceback, the run lost), or ignored.
+    (["--plot", "out.txt"], "the drawing is a PNG"),
+    (["--json", "no/such/folder/t.json"], "does not exist; create it first"),
+    (["--plot", "no/such/folder/t.png"], "does not exist; create it first"),
+    (["--decode", "--plot", "t.png"], "--decode has no drawing"),
+    (["--batch", "8"], "--batch set a decode step, which only --decode times"),
+    (["--new", "2", "--page", "16"], "--new, --page set a decode step"),
+    (["--dim", "0"], "--dim 0: a head dim is at least 1"),
+    (["--heads", "8/3"], "--heads 8/3: the query heads must be a positive multiple"),
+    (["--decode", "--heads", "8/3"], "--heads 8/3"),
+])
+def test_bench_flags_are_checked_before_any_timing(flags, words, capsys):
+    assert main(["bench", str(EXAMPLES / "causal.attn"), *flags]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: no such file") and "GPU" not in err
+    assert err.startswith("error: ") and words in err and "GPU" not in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")

@@ -28,7 +28,8 @@ from ..arguments import (_shape, as_bhsd, axis_extent, bind, check_return_lse, c
 from .cache import load_generated
 from .call_options import NO_TABLES, CallOptions
 from .settings import (MAX_HEAD_DIM, MAX_HEAD_DIM_V, MIN_HEAD_DIM, SUPPORTED_DTYPES,
-                       check_interpretable_dtype, check_kernel_device, interpreting)
+                       check_interpretable_dtype, check_kernel_device, check_settings,
+                       interpreting)
 
 
 class Kernel:
@@ -36,6 +37,7 @@ class Kernel:
 
     def __init__(self, variant: ir.Variant, config: dict | None = None, backend: str = "auto",
                  *, load: bool = True):
+        check_settings()  # a bad ATTNCC_* value, seen at import, refused before any kernel
         self.variant = variant
         self.key = variant.key()  # hashed once: the tuner looks configs up on every call
         if load and not interpreting() and torch.cuda.is_available():

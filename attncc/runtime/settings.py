@@ -61,6 +61,24 @@ def check_kernel_device(q) -> None:
                         "script)")
 
 
+# A bad ATTNCC_* value found while attncc is imported is kept here, and raised by
+# check_settings: by attncc.compile (before any kernel exists) and by the command line
+# inside its error handling, so that `attncc check` says `error: ...` with exit 2 (a
+# raise at import came before the command line could catch it: a traceback, exit 1).
+_REFUSED_SETTINGS: list = []
+
+
+def refuse_setting(message: str) -> None:
+    _REFUSED_SETTINGS.append(message)
+
+
+def check_settings() -> None:
+    """Raise SettingError for the first bad ATTNCC_* value seen at import."""
+    if _REFUSED_SETTINGS:
+        from ..errors import SettingError
+        raise SettingError(_REFUSED_SETTINGS[0])
+
+
 # Tile tables of calls without kept tables: "1" (default) reuses those of the kernel's 32
 # latest calls whose tensors are the same ones, unwritten since (autograd's version
 # counter: a write that bypasses it, through a custom kernel or `.data`, must call
@@ -69,8 +87,9 @@ def check_kernel_device(q) -> None:
 # 3.9x slower with tables built per call (benchmarks/RESULTS.md run 82).
 TABLE_CACHE = os.environ.get("ATTNCC_TABLE_CACHE", "1")
 if TABLE_CACHE not in ("0", "1"):
-    raise ValueError(f"ATTNCC_TABLE_CACHE={TABLE_CACHE!r}: expected 1 (reuse the tables of "
-                     "recent calls, the default) or 0 (build them on every call)")
+    refuse_setting(f"ATTNCC_TABLE_CACHE={TABLE_CACHE!r}: expected 1 (reuse the tables of "
+                   "recent calls, the default) or 0 (build them on every call)")
+    TABLE_CACHE = "1"
 
 # How the backward of a table-driven variant runs: "auto" (the default: dQ, then dK/dV,
 # where a backend other than the portable one takes both of the call's roles, the Gluon
@@ -90,7 +109,8 @@ if TABLE_CACHE not in ("0", "1"):
 BACKWARD_SCHEDULES = ("auto", "one-launch", "sequential")
 TABLES_BACKWARD = os.environ.get("ATTNCC_BACKWARD", "auto")
 if TABLES_BACKWARD not in BACKWARD_SCHEDULES:
-    raise ValueError(f"ATTNCC_BACKWARD={TABLES_BACKWARD!r}: expected one of {BACKWARD_SCHEDULES}")
+    refuse_setting(f"ATTNCC_BACKWARD={TABLES_BACKWARD!r}: expected one of {BACKWARD_SCHEDULES}")
+    TABLES_BACKWARD = "auto"
 
 
 def backward_directions(uses_tables: bool, split_preferred: bool = False) -> tuple:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from .. import backends, ir
 from ..backends.base import KERNEL_NAMES
 from ..backends.tile_config import EXAMPLE, TileConfig
-from ..errors import KernelFaultError, is_kernel_fault
-from . import configs, known_winners, precompile
+from ..errors import KernelFaultError, SettingError, is_kernel_fault
+from . import configs, known_winners, precompile, settings
 from .configs import density_bucket, length_bucket  # noqa: F401 - tuning keys use them
 
 # Candidates timed per key and backend: compiles dominate cold-start time.
@@ -35,8 +35,9 @@ from .configs import density_bucket, length_bucket  # noqa: F401 - tuning keys u
 def _candidates_setting() -> int:
     text = os.environ.get("ATTNCC_TUNE_CANDIDATES", "4")
     if not text.strip().isdigit() or int(text) < 1:
-        raise ValueError(f"ATTNCC_TUNE_CANDIDATES={text!r}: expected a whole number of tile "
-                         "configs to time per tuning key, at least 1 (default 4)")
+        settings.refuse_setting(f"ATTNCC_TUNE_CANDIDATES={text!r}: expected a whole number of "
+                                "tile configs to time per tuning key, at least 1 (default 4)")
+        return 4
     return int(text)
 
 
@@ -60,14 +61,17 @@ def tune_mode() -> str:
     """ATTNCC_TUNE, read at each call (tests and benchmarks change it in-process)."""
     mode = os.environ.get("ATTNCC_TUNE", "1").strip() or "1"
     if mode not in TUNE_MODES:
-        raise ValueError(f"ATTNCC_TUNE={mode!r} is not a tuning mode; use "
-                         + "; ".join(f"{m} ({what})" for m, what in TUNE_MODES.items()))
+        raise SettingError(f"ATTNCC_TUNE={mode!r} is not a tuning mode; use "
+                           + "; ".join(f"{m} ({what})" for m, what in TUNE_MODES.items()))
     return mode
 
 
 # Checked at import too, as the runtime's other settings are (settings.py): under the
 # interpreter no call tunes, so an unknown value would otherwise pass unseen.
-tune_mode()
+try:
+    tune_mode()
+except SettingError as err:
+    settings.refuse_setting(str(err))
 
 
 @dataclass(frozen=True)

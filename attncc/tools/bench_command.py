@@ -12,12 +12,13 @@ import torch
 from .. import ir, load
 from ..errors import AttnccError, NoGPUError
 from ..arguments import Problem
-from .density import dense_allowed
 from ..semantics.samples import default_heads, sample_inputs
 from .flex import flex_mods, sdpa_expressible, variant_uses
 
-MAX_BENCH_EXACT_LEN = 16384       # `bench`: exact pair counts up to this length, sampled beyond
-BENCH_SAMPLE_SIDE = 8192          # `bench`: beyond it, pairs counted on a strided grid this wide
+# Pairs are counted exactly, a block of query rows at a time: at most this many (q, k)
+# cells per block, so a 64K-token count holds a few hundred MB, not 4G cells. (A strided
+# sample had counted `(q - k) % 4 == 0` 4x over at a stride of 4.)
+PAIRS_PER_BLOCK = 2 ** 26
 
 
 def attention_flops(pairs_per_head: float, batch: int, heads: int, dim: int) -> dict:
@@ -26,31 +27,20 @@ def attention_flops(pairs_per_head: float, batch: int, heads: int, dim: int) -> 
     return {"fwd": fwd, "bwd": 2.5 * fwd}
 
 
-def pairs_per_head(variant: ir.Variant, p: Problem, inputs: dict, device) -> tuple:
-    """(allowed (q, k) pairs per batch·head, exact?) — dense up to MAX_BENCH_EXACT_LEN,
-    else estimated on an evenly strided grid of at most BENCH_SAMPLE_SIDE² positions."""
-    from ..semantics.reference import index_env, layout_grid
-    from ..semantics.evaluate import evaluate
-    n = max(p.len_q, p.len_k)
-    p1 = Problem(1, p.heads_q, p.heads_kv, p.len_q, p.len_k, p.dim, p.dim_v, p.q_offset, p.k_offset)
+def pairs_per_head(variant: ir.Variant, p: Problem, inputs: dict, device) -> float:
+    """Allowed (q, k) pairs per batch·head (the first batch row's inputs), exact."""
+    from ..semantics.reference import allowed_pairs
     ins = {name: t[:1] if variant.input(name).axes[:1] == ("b",) else t for name, t in inputs.items()}
-    if n <= MAX_BENCH_EXACT_LEN:
-        a = dense_allowed(variant, p1, ins, device)
-        return a.float().sum().item() / (a.shape[0] * a.shape[1]), True
-    stride = math.ceil(n / BENCH_SAMPLE_SIDE)
-    env = index_env(variant, p1, ins, device, torch.float64)
-    env["q"] = torch.arange(0, p.len_q, stride, device=device).view(1, 1, -1, 1) + p.q_offset
-    env["k"] = torch.arange(0, p.len_k, stride, device=device).view(1, 1, 1, -1) + p.k_offset
-    allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
-    if variant.mask is not None:
-        allowed = allowed & evaluate(variant.mask, env)
-    if variant.layout is not None:
-        grid = layout_grid(variant, p1, ins, device)
-        allowed = allowed & grid[:, :, (env["q"] // variant.block).view(-1)][
-            :, :, :, (env["k"] // variant.block).view(-1)]
-    shape = torch.broadcast_shapes(allowed.shape, (1, 1, env["q"].shape[2], env["k"].shape[3]))
-    density = allowed.expand(shape).float().mean().item()
-    return density * p.len_q * p.len_k, False
+    rows = max(1, PAIRS_PER_BLOCK // max(1, p.len_k))
+    total, heads = 0, 1
+    for start in range(0, p.len_q, rows):
+        block = Problem(1, p.heads_q, p.heads_kv, min(rows, p.len_q - start), p.len_k, p.dim,
+                        p.dim_v, p.q_offset + start, p.k_offset)
+        a = allowed_pairs(variant, block, ins, device, len_q=p.len_q)
+        a = a.expand(*a.shape[:2], block.len_q, block.len_k)
+        heads = a.shape[0] * a.shape[1]
+        total += a.sum().item()
+    return total / heads
 
 
 def _time(fn) -> float:
@@ -87,9 +77,9 @@ def bench_backends(variant, kernel, *, n: int, batch: int, heads: tuple, dim: in
     learn = [inputs[name] for name in sorted(learnable)]
     results = {}
 
-    def record(name, fn):
+    def record(name, fn, wrt=learn):
         try:
-            fwd, both = _bench_backend(fn, q, k, v, learn, dout)
+            fwd, both = _bench_backend(fn, q, k, v, wrt, dout)
             results[name] = {"fwd_ms": fwd, "fwdbwd_ms": both, "bwd_ms": both - fwd}
         except Exception as err:  # a backend that cannot run this shape is reported, not fatal
             results[name] = {"skipped": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
@@ -134,30 +124,38 @@ def bench_backends(variant, kernel, *, n: int, batch: int, heads: tuple, dim: in
             else:
                 # FlexAttention has no sink in its softmax: transformers' FlexAttention path
                 # for gpt-oss renormalises its output with the returned LSE, as here.
+                # σ is evaluated once, outside the timed region: evaluating the sink's
+                # expression on every call (attncc's evaluator, a score of tensor ops) had
+                # slowed Flex's row 6x at 1K tokens. So Flex takes no gradient for an input
+                # only the sink reads; every other gradient is timed as attncc's is.
                 from ..runtime.sinks import sinks_at
+                sink = sinks_at(variant, p, inputs, dev).detach()
+                elsewhere = set().union(*(ir.loaded_tensors(e) for e in
+                                          (variant.mask, variant.score, variant.weight)
+                                          if e is not None))
+                flex_learn = [inputs[n] for n in sorted(learnable) if n in elsewhere]
 
                 def flex_with_sink():
                     out, lse = flex(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                     scale=scale, enable_gqa=hq != hkv, return_lse=True)
-                    sink = sinks_at(variant, p, inputs, dev)
                     return out * torch.sigmoid(lse - sink).unsqueeze(-1).to(out.dtype)
-                record("flex", flex_with_sink)
+                record("flex", flex_with_sink, flex_learn)
         except Exception as err:
             results["flex"] = {"skipped": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
-    pairs, exact = pairs_per_head(variant, p, inputs, dev)
+    pairs = pairs_per_head(variant, p, inputs, dev)
     flops = attention_flops(pairs, batch, hq, dim)
     for r in results.values():
         if "fwd_ms" in r:
             r["fwd_tflops"] = flops["fwd"] / (r["fwd_ms"] * 1e-3) / 1e12
             r["bwd_tflops"] = flops["bwd"] / (r["bwd_ms"] * 1e-3) / 1e12 if r["bwd_ms"] > 0 else math.nan
     meta = {"len": n, "batch": batch, "heads_q": hq, "heads_kv": hkv, "dim": dim,
-            "pairs_per_head": pairs, "pairs_exact": exact, "flops_fwd": flops["fwd"],
+            "pairs_per_head": pairs, "flops_fwd": flops["fwd"],
             "flops_bwd": flops["bwd"]}
     return meta, results
 
 
 def format_bench(meta: dict, results: dict) -> str:
-    pairs = f"{meta['pairs_per_head']:.4g} pairs/head" + ("" if meta["pairs_exact"] else " (estimated)")
+    pairs = f"{meta['pairs_per_head']:.4g} pairs/head"
     lines = [f"len {meta['len']}, batch {meta['batch']}, heads {meta['heads_q']}/{meta['heads_kv']}, "
              f"dim {meta['dim']}, bfloat16, {pairs}",
              f"  {'backend':<11} {'fwd ms':>8} {'fwd TF/s':>9} {'bwd ms':>8} {'bwd TF/s':>9} "

@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import logging
 import sys
+from pathlib import Path
 
 from ..errors import AttnccError, SpecError, SpecWarning
 
@@ -118,6 +119,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     with _progress_on_stderr(), _warnings_as_lines():
         try:
+            from ..runtime.settings import check_settings
+            check_settings()  # a bad ATTNCC_* value: `error: ...`, exit 2
             return COMMANDS[args.command](args)
         except SpecError as err:
             print(str(err), file=sys.stderr)
@@ -205,7 +208,38 @@ def cmd_check(args) -> int:
     return check_command(args)
 
 
+def check_bench_arguments(args) -> None:
+    """The bench's flags, checked before a spec is compiled or a GPU looked for: a bad one
+    found after minutes of timing (a --plot that is no PNG, a folder that is missing) loses
+    the run, and a flag that does not apply would be ignored."""
+    if args.decode:
+        if args.plot:
+            raise AttnccError("--plot draws the training bench's TFLOP/s; --decode has no "
+                              "drawing: write its timings with --json FILE")
+    else:
+        given = [flag for flag, value, default in (("--batch", args.batch, 1),
+                                                   ("--new", args.new, 1),
+                                                   ("--page", args.page, None))
+                 if value != default]
+        if given:
+            raise AttnccError(f"{', '.join(given)} set a decode step, which only --decode times; "
+                              "add --decode, or leave them out (the training bench runs batch "
+                              "16384 // len)")
+    if args.dim < 1:
+        raise AttnccError(f"--dim {args.dim}: a head dim is at least 1")
+    if args.heads is not None and (min(args.heads) < 1 or args.heads[0] % args.heads[1]):
+        raise AttnccError(f"--heads {args.heads[0]}/{args.heads[1]}: the query heads must be a "
+                          "positive multiple of the key/value heads")
+    if args.plot and not str(args.plot).lower().endswith(".png"):
+        raise AttnccError(f"--plot {args.plot}: the drawing is a PNG; name the file FILE.png")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise AttnccError(f"{flag} {path}: the folder {Path(path).resolve().parent} does not "
+                              "exist; create it first")
+
+
 def cmd_bench(args) -> int:
+    check_bench_arguments(args)
     if args.decode:
         from .decode_bench import bench_decode_command
         return bench_decode_command(args)
