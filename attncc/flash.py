@@ -581,12 +581,21 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                         "flash_attn_varlen_func; pass k and v packed as (total_k, nheads_k, "
                         "headdim)")
     _check_qkv(q, k, v, packed=True)
+    # Read before the call checks them: the window compares against max_seqlen_k, and the
+    # ALiBi slopes' batch is cu_seqlens_q's length.
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if (not isinstance(value, numbers.Integral) or isinstance(value, bool)) or value < 0:
+            raise CallError(f"{name} must be a non-negative int, got {value!r}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1:
+            raise CallError(f"{name} must be a 1-D int32 tensor (batch + 1,), got "
+                            + (f"shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor)
+                               else type(cu).__name__))
     options = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                        deterministic, return_attn_probs, seqlen_k=max_seqlen_k,
                        learnable_sink=learnable_sink)
     kernel = kernel_for(packed=True, **options)
-    batch = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else None
-    inputs = _alibi_inputs(alibi_slopes, batch, q.shape[1])
+    inputs = _alibi_inputs(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1])
     inputs.update(_sink_inputs(learnable_sink, q.shape[1]))
     result = kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     return_lse=return_attn_probs, dropout_seed=_seed_for(kernel, dropout_seed),

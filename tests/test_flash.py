@@ -391,6 +391,18 @@ def test_a_window_side_reaching_seqlen_k_is_unbounded():
     torch.testing.assert_close(got.double(), unbounded[0], rtol=1e-5, atol=1e-5)
 
 
+def test_varlen_lengths_are_checked_before_the_window_reads_them():
+    """With a window, max_seqlen_k=None gave a bare TypeError (the window compared with it
+    first); a 0-d cu_seqlens_q an IndexError."""
+    q = torch.randn(10, 2, 16, device=DEVICE)
+    cu = packed([4, 6])
+    for max_k, words in ((None, "got None"), ("6", "got '6'"), (-1, "got -1")):
+        with pytest.raises(CallError, match=f"max_seqlen_k must be a non-negative int, {words}"):
+            flash_attn_varlen_func(q, q, q, cu, cu, 6, max_k, window_size=(4, 4))
+    with pytest.raises(CallError, match=r"cu_seqlens_q must be a 1-D int32 tensor .* shape \(\)"):
+        flash_attn_varlen_func(q, q, q, cu[1], cu, 6, 6, alibi_slopes=torch.rand(2, device=DEVICE))
+
+
 def test_alibi_slopes_that_require_grad_are_read_detached_as_in_flash_attn():
     gen = torch.Generator().manual_seed(8)
     q, k = (torch.randn(2, 9, 2, 16, generator=gen).to(DEVICE).requires_grad_() for _ in range(2))

@@ -109,8 +109,12 @@ def sorted_ids(gen, n, high=3):
      None, (2, 2),
      lambda gen, cq, ck: {"w": torch.randn(int(ck[-1]), generator=gen).to(DEVICE)}),
     ("attention softcap_full { score 5.0 * tanh(s / 5.0) }", [3, 2, 6, 11, 1], (2, 2), None),
+    # A sink read at a computed index into a key-axis input: the rewrite read the
+    # sequence's start at k, which a sink has not (a NameError inside the kernel).
+    ("attention key_sink { input w: f32[k] mask q >= k sink w[min(q, len_k - 1)] }", None,
+     (2, 2), lambda gen, cq, ck: {"w": 3.0 * torch.randn(int(ck[-1]), generator=gen).to(DEVICE)}),
 ], ids=["causal", "bottom_right_gqa", "window_alibi_mqa", "documents_and_batch_input",
-        "computed_index", "softcap_len_q_ne_len_k"])
+        "computed_index", "softcap_len_q_ne_len_k", "sink_at_a_computed_key_index"])
 def test_each_sequence_gets_what_the_variant_gives_it_alone(spec, lens_k, heads, make_inputs):
     H, Hkv = heads
     check_packed(spec, RAGGED, lens_k, H=H, Hkv=Hkv, make_inputs=make_inputs)
@@ -266,6 +270,9 @@ int32 = lambda values: torch.tensor(values, dtype=torch.int32, device=DEVICE)
     (dict(cu_seqlens_q=[0, 4, 10]), r"cu_seqlens_q must be a torch.Tensor"),
     (dict(q=torch.randn(1, 10, 2, 16)), r"q must have 3 dimensions \(total_q, heads, dim\)"),
     (dict(varlen_seq_q=int32([0] * 10)), r"'varlen_seq_q' is computed from cu_seqlens"),
+    # A dense call's keywords: a bare TypeError, or a message about varlen's own inputs.
+    (dict(layout="bshd"), r"a varlen call takes no layout=: q, k and v are \(total, heads, dim\)"),
+    (dict(q_offset=4), r"a varlen call takes no q_offset=: positions count from each"),
 ])
 def test_bad_packings_raise_call_errors_naming_the_argument(changes, match):
     with pytest.raises(CallError, match=match):
@@ -285,7 +292,40 @@ def test_batch_inputs_need_one_entry_per_sequence():
     ("attention c { input varlen_x: f32[h] score s + varlen_x[h] }", r"declares 'varlen_x'"),
     ("attention r { input t: f32[b, h] score s + t[0, h] }", r"read at batch index `0`"),
     ("attention p { input t: f32[b, q] score s + t[b, q] }", r"input 't' has axes \[b, q\]"),
+    ("attention hb { input t: f32[h, b] score s + t[h, b] }",
+     r"input 't' has axes \[h, b\].*declare the batch axis first"),
 ])
 def test_variants_that_cannot_run_packed_are_refused(spec, match):
+    """(An input [h, b] was read as [h, q], its shape errors naming axes never declared.)"""
     with pytest.raises(CallError, match=match):
         attncc.varlen(spec)
+
+
+def test_an_offset_past_int32_is_refused_not_wrapped():
+    """A linear mask's per-sequence offset (coefficient x packed start) was cast to int32
+    unchecked: it wrapped, outputs were off by 1 and every LSE -inf."""
+    vk = attncc.varlen("attention big { mask 50000000 * k <= 49999999 * q + "
+                       "50000000 * (len_k - len_q) }")
+    q = torch.randn(30, 1, 16, device=DEVICE)
+    k = torch.randn(170, 1, 16, device=DEVICE)
+    with pytest.raises(CallError, match=r"per-sequence offset .* reaches \d+ at this packing, "
+                                        r"past the int32"):
+        vk(q, k, k, cu_of([10, 10, 10]), cu_of([60, 60, 50]), 10, 60)
+
+
+def test_varlen_of_a_kernel_keeps_its_config_and_backend():
+    """A pinned config crashed (a TileConfig passed where a dict is taken) and the
+    backend fell back to auto, so backend="triton" could not be asked for packed calls."""
+    config = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    kernel = attncc.compile("attention c { mask q >= k }", config=config, backend="triton")
+    vk = attncc.varlen(kernel)
+    assert vk.kernel.requested_backend == "triton"
+    assert vk.kernel.pinned_config.as_dict() == config
+    vk2 = attncc.varlen("attention c { mask q >= k }", config=config, backend="triton")
+    assert vk2.kernel.requested_backend == "triton"
+    with pytest.raises(CallError, match=r"varlen\(kernel\) takes the kernel's own config"):
+        attncc.varlen(kernel, backend="triton")
+    q = torch.randn(10, 2, 16, device=DEVICE)
+    out = vk(q, q, q, cu_of([4, 6]), cu_of([4, 6]), 6, 6)
+    ref = vk.reference(q.double(), q.double(), q.double(), cu_of([4, 6]), cu_of([4, 6]), 6, 6)
+    assert max_abs_error(out, ref) < 1e-5

@@ -238,7 +238,10 @@ class _Rewrite(ir.Visitor):
                 if form is not None:
                     indices.append(self.linear(form, extra={f"start_{axis}": 1}))
                 else:
-                    indices.append(ir.BinOp("+", self(index), self.read(f"start_{axis}")))
+                    # The start read at the query (the mask keeps q and k in one sequence):
+                    # a sink has no k to read varlen_start_k at.
+                    start = self.linear({}, extra={f"start_{axis}": 1})
+                    indices.append(ir.BinOp("+", self(index), start))
             elif axis == "b":
                 if index != ir.Var("b"):
                     raise CallError(
@@ -270,6 +273,11 @@ def _rewrite_variant(variant: ir.Variant):
         raise CallError(f"variant '{variant.name}' declares {clash[0]!r}; names starting with "
                         f"'{PREFIX}' are the inputs varlen adds: rename it")
     for decl in variant.inputs:
+        if "b" in decl.axes[1:]:
+            raise CallError(
+                f"input '{decl.name}' has axes [{', '.join(map(str, decl.axes))}]: varlen "
+                "gathers a batch-axis input per packed position along its first axis; "
+                f"declare the batch axis first ({decl.name}: [b, ...])")
         if "b" in decl.axes and any(a in ("q", "k", "qb", "kb") for a in decl.axes):
             raise CallError(
                 f"input '{decl.name}' has axes [{', '.join(map(str, decl.axes))}]: varlen "
@@ -400,6 +408,15 @@ class Packing:
         if term.name not in self.tensors:
             with torch.inference_mode(False):
                 total = sum(c * self._per_sequence[value] for value, c in term.coefs)
+                low, high = (int(x) for x in torch.aminmax(total)) if total.numel() else (0, 0)
+                if low < -2 ** 31 or high >= 2 ** 31:
+                    spelt = " + ".join(f"{c}·{value}" for value, c in term.coefs)
+                    raise CallError(
+                        f"a per-sequence offset of the packed variant ({spelt}, from a linear "
+                        f"form of its positions) reaches {high if high >= 2 ** 31 else low} "
+                        "at this packing, past the int32 the kernels index with; use smaller "
+                        "coefficients in the spec (divide out a common factor) or pack fewer "
+                        "tokens per call")
                 self.tensors[term.name] = (total[self._seq[term.side]].to(torch.int32)
                                            .contiguous())
         return self.tensors[term.name]
@@ -540,7 +557,9 @@ class VarlenKernel:
         from .kernel import Kernel
         self.base = kernel.variant
         self.variant, self.terms = _rewrite_variant(kernel.variant)
-        self.kernel = Kernel(self.variant, kernel.pinned_config)
+        config = kernel.pinned_config
+        self.kernel = Kernel(self.variant, config.as_dict() if hasattr(config, "as_dict") else config,
+                             kernel.requested_backend)
 
     def __repr__(self):
         return f"<attncc varlen kernel '{self.base.name}': {self.kernel.strategy}>"
@@ -568,6 +587,8 @@ class VarlenKernel:
             if t is not None:
                 bound[decl.name] = t
         for name in sorted(set(inputs) - set(bound)):
+            if name in _DENSE_ONLY:
+                raise CallError(f"a varlen call takes no {name}=: {_DENSE_ONLY[name]}")
             if name.startswith(PREFIX):
                 raise CallError(f"'{name}' is computed from cu_seqlens_q and cu_seqlens_k; "
                                 "do not pass it")
@@ -623,15 +644,29 @@ class VarlenKernel:
         return self.kernel.density(q4, k4, v4, block=block, **bound)
 
 
-def varlen(spec, *, config: dict | None = None) -> VarlenKernel:
+# Keywords of a dense call that a packed one has no use for, and why (they were passed
+# on to the kernel as inputs: a bare TypeError, or a message about varlen's own inputs).
+_DENSE_ONLY = {
+    "layout": "q, k and v are (total, heads, dim), as flash-attn's varlen functions take them",
+    "q_offset": "positions count from each sequence's start, as cu_seqlens place them",
+    "k_offset": "positions count from each sequence's start, as cu_seqlens place them",
+    "tables": "the packed call builds its tile tables from cu_seqlens (keep them with "
+              "packing=attncc.varlen_packing(...))",
+}
+
+
+def varlen(spec, *, config: dict | None = None, backend: str = "auto") -> VarlenKernel:
     """A kernel over packed variable-length sequences, from a compiled kernel (its pinned
-    config carries over), a Variant, a path or spec text. Only the rewritten variant is
-    compiled."""
+    config and backend carry over), a Variant, a path or spec text. Only the rewritten
+    variant is compiled. `config` and `backend` as attncc.compile takes them."""
     from ..frontend.load import load
     from .kernel import Kernel
     if isinstance(spec, Kernel):
+        if config is not None or backend != "auto":
+            raise CallError("varlen(kernel) takes the kernel's own config and backend; pass "
+                            "config= and backend= to attncc.compile, or give varlen the spec")
         return VarlenKernel(spec)
-    return VarlenKernel(_Uncompiled(load(spec), config))
+    return VarlenKernel(_Uncompiled(load(spec), config, backend))
 
 
 @dataclasses.dataclass
@@ -639,3 +674,4 @@ class _Uncompiled:
     """What VarlenKernel reads of a kernel, for a variant that need not be compiled itself."""
     variant: ir.Variant
     pinned_config: dict | None
+    requested_backend: str = "auto"
