@@ -319,6 +319,9 @@ def check_inputs(variant: ir.Variant, p: Problem, inputs: dict, *, device,
         t = inputs[name]
         if not isinstance(t, torch.Tensor):
             raise CallError(f"input '{name}' must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:  # the kernels read memory at strides
+            raise CallError(f"input '{name}' is a {t.layout} tensor; the kernels read dense "
+                            f"tensors: pass {name}.to_dense()")
         want = tuple(axis_extent(a, variant, p) for a in decl.axes)
         if tuple(t.shape) != want:
             names = ", ".join(f"{a}={n}" for a, n in zip(decl.axes, want))

@@ -185,6 +185,19 @@ def random_draw(node, types, scope):
                         "number param, known when the kernel is compiled, as in chance(0.1, ...)")
     if not 0 <= p <= 1:
         raise SpecError(f"chance() takes a probability between 0 and 1, got {p!r}")
+    from .random_blocks import BITS, threshold
+    drawn = threshold(p) / 2 ** BITS
+    if abs(drawn - p) > 0.01 * p:
+        raise SpecError(f"chance({p!r}, ...): blocks are drawn on a grid of 2**-{BITS}, where "
+                        f"{p!r} reads as {drawn:.3g}; use a probability of at least 3e-6, or 0")
+    params = {n: d.value for n, d in scope.params.items()}
+    for key in node.args[1:]:
+        value = key.value if isinstance(key, ir.Const) else (
+            params.get(key.name) if isinstance(key, ir.Param) else None)
+        if isinstance(value, int) and not 0 <= value < 2 ** 32:
+            raise SpecError(f"chance() key {value} is outside [0, 2**32): keys are hashed as 32 "
+                            f"bits, so it would draw the blocks of {value % 2 ** 32}; reduce it, "
+                            f"as in {value % 2 ** 32}")
     for t in types[1:]:
         if t != INT:
             raise SpecError(f"chance() draws from integer keys (a seed param, b, h, qb, kb), "

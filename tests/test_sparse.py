@@ -208,6 +208,25 @@ def test_index_list_checked_once_then_again_after_an_in_place_write():
         kernel(q, k, v, top=top)
 
 
+def test_kept_tables_read_no_index_list_under_inference_mode(monkeypatch):
+    """Their lists were checked when they were built; each call re-read them (a host
+    sync) where an inference tensor has no version counter to trust."""
+    from attncc.runtime import kernel as kernel_module
+    spec = example("nsa_topk", **{"block  64": "block 16", "8]": "2]"})
+    kernel = attncc.compile(spec)
+    with torch.inference_mode():
+        q, k, v = _qkv(H=2, L=40)
+        top = torch.tensor([[0, -1], [0, 1], [1, 2]], dtype=torch.int32,
+                           device=DEVICE).expand(2, 2, 3, 2).clone()
+        tables = kernel.tile_tables(q, k, v, top=top)
+        reads = []
+        real = kernel_module.check_index_list
+        monkeypatch.setattr(kernel_module, "check_index_list", lambda *a: reads.append(a) or real(*a))
+        outs = [kernel(q, k, v, top=top, tables=tables) for _ in range(3)]
+        assert reads == []
+        assert torch.equal(outs[0], kernel(q, k, v, top=top)) and len(reads) == 1
+
+
 def test_inference_tensors_are_read_afresh_each_call():
     """Under torch.inference_mode the mask's tensors have no version counter: the calls
     crashed reading it. Tables and index-list checks are then not reused, so a write
@@ -264,10 +283,27 @@ def test_kept_tables_refuse_a_call_they_do_not_describe():
     with pytest.raises(ValueError, match=r"built from another 'blocks' \(or it was written in place"):
         kernel(q, k, v, blocks=blocks, tables=tables)
     other = attncc.compile(PER_BATCH)
-    with pytest.raises(ValueError, match=r"belong to the kernel for 'l'"):
+    with pytest.raises(ValueError, match=r"belong to a kernel of variant 'l', whose tiles differ"):
         other(q, k, v, sel=torch.ones(2, 3, 3, 3, dtype=torch.bool, device=DEVICE), tables=tables)
     with pytest.raises(ValueError, match=r"tables must come from kernel.tile_tables"):
         kernel(q, k, v, blocks=blocks, tables={})
+
+
+def test_kept_tables_serve_every_kernel_of_their_variant():
+    """They were tied to one Kernel object: a second compile of the same spec (one per
+    layer) refused them, and an evaluation kernel refused even its own."""
+    spec = PER_HEAD.replace("block 16 }", "block 16 dropout 0.2 }")
+    layer1, layer2 = attncc.compile(spec), attncc.compile(spec)
+    blocks = random_layout((3, 3, 3), 0.5, torch.Generator().manual_seed(9)).to(DEVICE)
+    q, k, v = _qkv()
+    tables = layer1.tile_tables(q, k, v, blocks=blocks)
+    want = layer1(q, k, v, blocks=blocks, dropout_seed=4)
+    assert torch.equal(layer2(q, k, v, blocks=blocks, dropout_seed=4, tables=tables), want)
+    evaluation = layer1.evaluation_kernel()
+    own = evaluation.tile_tables(q, k, v, blocks=blocks)
+    plain = evaluation(q, k, v, blocks=blocks)
+    assert torch.equal(evaluation(q, k, v, blocks=blocks, tables=own), plain)
+    assert torch.equal(layer1(q, k, v, blocks=blocks, training=False, tables=own), plain)
 
 
 def test_analytic_variants_have_no_tables_to_keep():
@@ -627,6 +663,28 @@ def test_chance_density_is_what_the_kernel_reports():
     k = v = torch.randn(1, 2, 32 * 40, 16, device=DEVICE)
     # 40 x 40 blocks per head: the diagonal plus 30% of the rest.
     assert abs(kernel.density(q, k, v) - (1 / 40 + 0.3 * 39 / 40)) < 0.03
+
+
+@pytest.mark.parametrize("spec, words", [
+    # Keys are hashed as 32 bits: 2**32 + 5 drew seed 5's blocks.
+    ("attention s { param seed: int = 4294967301  layout chance(0.3, seed, qb, kb)  block 16 }",
+     r"key 4294967301 is outside \[0, 2\*\*32\).*draw the blocks of 5"),
+    ("attention s { layout chance(0.3, -1, qb, kb)  block 16 }", r"key -1 is outside"),
+    # On a grid of 2**-24: 1e-8 was never on, 3e-8 read as 6e-8.
+    ("attention s { layout chance(3e-8, qb, kb)  block 16 }", r"3e-08 reads as 5.96e-08"),
+])
+def test_chance_refuses_keys_and_probabilities_it_would_change(spec, words):
+    with pytest.raises(attncc.SpecError, match=words):
+        attncc.parse(spec)
+
+
+def test_a_dropout_too_close_to_one_to_draw_unbiased_is_refused():
+    """p = 1 - 1e-10 kept 4.7e-10 of the elements, scaled by 1e10: the output's
+    expectation 4.7x the attention's."""
+    with pytest.raises(attncc.SpecError, match=r"dropout 0.9999999999 keeps fewer than one "
+                                               r"element in 65536.*at most 0.99998"):
+        attncc.parse("attention d { dropout 0.9999999999 }")
+    attncc.parse("attention d { dropout 0.99998 }")
 
 
 def test_python_chance_builds_the_same_ir_as_the_text():

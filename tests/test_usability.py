@@ -157,6 +157,21 @@ def test_sdpa_keywords_say_how_to_declare_the_same_in_the_spec(keyword, value, f
             fn(q, k, v, **{keyword: value})
 
 
+def test_sparse_inputs_and_odd_density_blocks_are_refused_by_name():
+    """A sparse layout tensor passed every check and failed inside PyTorch; density's
+    block=0 and True were read as the layout's block and 1, 2.5 an IndexError."""
+    kernel = attncc.compile("attention l { input on: bool[qb, kb] layout on[qb, kb] block 16 }")
+    q = randn(1, 2, 32, 16)
+    on = torch.ones(2, 2, dtype=torch.bool, device=DEVICE)
+    for call in (kernel, kernel.tile_tables,
+                 lambda *t, **kw: attncc.reference(kernel.variant, *t, **kw)):
+        with pytest.raises(CallError, match=r"input 'on' is a torch.sparse_coo tensor.*on.to_dense\(\)"):
+            call(q, q, q, on=on.to_sparse())
+    for block in (0, True, 2.5):
+        with pytest.raises(CallError, match=rf"block must be a positive int .*got {block!r}"):
+            kernel.density(q, q, q, on=on, block=block)
+
+
 def test_a_positional_input_is_refused_naming_its_keyword():
     variant = attncc.load(SLOPES)
     q, k, v = randn(1, 2, 8, 16), randn(1, 2, 8, 16), randn(1, 2, 8, 16)

@@ -316,6 +316,13 @@ def check_heads(hq: int, hkv: int):
 def check_dropout(p):
     if not (0 <= p < 1):
         raise SpecError(f"dropout {p} is out of range: the probability must be in [0, 1)")
+    if p > 1 - 2 ** -16:
+        # Elements are dropped under round(p * 2**31) of a 31-bit hash and kept ones scaled
+        # by 1 / (1 - p): past this the kept fraction differs from 1 - p enough to bias
+        # the output's expectation (4.7x at p = 1 - 1e-10).
+        raise SpecError(f"dropout {p} keeps fewer than one element in 65536, where the drawn "
+                        "fraction no longer matches 1 - p and the 1 / (1 - p) scale biases the "
+                        "output; use dropout at most 0.99998")
 
 
 def check_normalize(name: str):

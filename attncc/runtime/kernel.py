@@ -512,7 +512,9 @@ class Kernel:
             raise CallError(f"variant '{self.variant.name}' has no tile tables to keep: its "
                             f"kernels skip tiles by analytic bounds ({self.strategy}); call "
                             "the kernel without tables=")
-        return TileTables(self, p, inputs, q.device)
+        # Owned by the kernel whose calls take them: an evaluation kernel's tables are its
+        # training kernel's (training=False calls pass them on), and were refused by both.
+        return TileTables(self._tables_owner, p, inputs, q.device)
 
     def density(self, q, k, v, /, *, block: int | None = None, q_offset: int = 0,
                 k_offset: int = 0, layout: str | None = None, **inputs) -> float:
@@ -520,6 +522,10 @@ class Kernel:
         the kernels visit for calls shaped like this one, averaged over batch and heads.
         Tiles are classified as the tables do, so this may count a tile the kernels'
         analytic bounds would skip, never the reverse. Reads the result: one sync."""
+        if block is not None and (isinstance(block, bool) or not isinstance(block, int)
+                                  or block < 1):
+            raise CallError(f"block must be a positive int (a tile side in positions), got "
+                            f"{block!r}; leave it out for the layout's block, else 64")
         p = self.check_call(q, k, v, inputs, q_offset, k_offset, layout)
         return tile_density(self.module, p, inputs, q.device, block or self.variant.block or 64)
 
@@ -567,10 +573,12 @@ class TileTables:
     def check(self, kernel: Kernel, problem):
         """Whether a call of `kernel` shaped as `problem` may use these tables. Shapes only:
         at trace time under torch.compile (where it fixes the shapes, as tables do)."""
-        if kernel is not self.kernel:
-            raise CallError(f"these tables belong to the kernel for '{self.kernel.variant.name}', "
-                            f"not to this one ('{kernel.variant.name}'); build them with "
-                            "this kernel's tile_tables(...)")
+        if kernel.module is not self.kernel.module:
+            # Another compile of the same variant shares its module, and so its tables.
+            raise CallError(f"these tables belong to a kernel of variant "
+                            f"'{self.kernel.variant.name}', whose tiles differ from this "
+                            f"kernel's ('{kernel.variant.name}'); build them with this "
+                            "kernel's tile_tables(...)")
         if _sizes(problem) != _sizes(self.problem):  # field by field: Dynamo compares ints
             raise CallError(f"these tables were built for {_shape_text(self.problem)}, but this "
                             f"call is {_shape_text(problem)}; build tables for it with "

@@ -22,7 +22,11 @@ def forward(kernel, problem, q, k, v, values: dict, kept_tables, **common):
     TileTables passed as tables= (None without); `common`: the launches' keyword arguments
     (q_offset, k_offset, seed, and tables: where a launch finds its tile tables)."""
     # The checks that read tensor data (runtime/ops.py's docstring says why they are here).
-    kernel.check_index_lists(problem, values)
+    # Kept tables' lists were checked when they were built, and check_reads holds them to
+    # those tensors: re-checking read them on every call where no version counter tells
+    # a write (inference tensors), a host sync kept tables promise not to make.
+    if kept_tables is None:
+        kernel.check_index_lists(problem, values)
     if kernel.variant.dropout and q.is_cuda and torch.cuda.is_current_stream_capturing():
         warnings.warn(f"attncc: a call of '{kernel.variant.name}' (dropout) is being captured in "
                       "a CUDA graph: the kernels take the dropout seed as a launch argument, so "
